@@ -1,0 +1,38 @@
+"""`quant quantize SRC OUT`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def command(
+    src: str = typer.Argument(..., help="Source checkpoint: a local directory or a Hugging Face hub id."),
+    out: Path = typer.Argument(..., help="Output directory (new, empty, or an interrupted earlier run to resume)."),
+    scheme: str = typer.Option("w_mxfp4_a_mxfp4", help="w_mxfp4_a_mxfp4 | w_mxfp4 | fp8 | fp8-block"),
+    recipe: Optional[str] = typer.Option(None, help="experts-only (default) | all-linear | "
+                                         "experts-mxfp4-attn-fp8 | a YAML file {base, roles, keep}"),
+    scale_mode: str = typer.Option("even", help="MXFP4 scale rule: even | floor | rceil | search"),
+    devices: Optional[str] = typer.Option(None, help="Comma-separated torch devices, one worker each, "
+                                          "e.g. cuda:0,cuda:1 (default: cpu)"),
+    workers: int = typer.Option(1, help="CPU workers when --devices is not given"),
+    check_engines: str = typer.Option("sglang,vllm", help="Engines the self-check must pass for ('' to skip)"),
+    progress: bool = typer.Option(True, help="Show a progress bar"),
+) -> None:
+    """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
+    from quant.pipeline import quantize_checkpoint
+
+    engines = [e for e in check_engines.split(",") if e.strip()]
+    manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
+                                   workers=workers, check_engines=engines, progress=progress,
+                                   log=lambda m: typer.echo(m, err=True))
+    s = manifest["summary"]
+    treat = ", ".join(f"{k}: {v}" for k, v in sorted(s["modules_by_treatment"].items()))
+    worst = s["worst_rel_mse"]
+    t = manifest["timing"]
+    typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in t.items()), err=True)
+    typer.echo(f"wrote {out} ({s['output_bytes'] / 1e6:.1f} MB; {treat}; "
+               f"{len(manifest['exclude'] or [])} exclude entries"
+               + (f"; worst relative MSE {worst['rel_mse']:.3%} in {worst['module']}" if worst else "") + ")")

@@ -1,0 +1,246 @@
+"""`quantize_checkpoint`: read → plan → quantize → write → verify, streaming one shard at a time.
+
+Output layout: quantized shards, model.safetensors.index.json, config.json with the quantization_config,
+tokenizer/generation files, quant_manifest.json (per-tensor audit), and `.quant-complete`, written last.
+config.json and the marker appear only after every shard is written, so an interrupted output never looks
+like a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from quant import __version__
+from quant.checkpoint import INDEX_FILE, open_checkpoint
+from quant.errors import QuantError
+from quant.pipeline.execute import PROGRESS_DIR, ShardResult, completed, run_shard, write_atomic
+from quant.pipeline.plan import Plan, make_plan
+from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
+from quant.pipeline.recipes import family_for_config, load_recipe
+from quant.pipeline.schemes import SCALE_MODES, get_scheme, raise_unknown
+from quant.pipeline.source import resolve_source
+
+COMPLETE_MARKER = ".quant-complete"
+MANIFEST_FILE = "quant_manifest.json"
+OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER}
+LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
+
+
+def check_paths(src: Path, out: Path) -> None:
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents:
+        raise QuantError(f"{out}: the output must not be the source checkpoint or inside it ({src})")
+    if o in s.parents:
+        raise QuantError(f"{out}: the output must not contain the source checkpoint ({src})")
+    if o.exists() and not o.is_dir():
+        raise QuantError(f"{out}: exists and is not a directory")
+    if o.is_dir() and any(o.iterdir()):
+        ours = (o / PROGRESS_DIR).is_dir() or (o / COMPLETE_MARKER).exists()
+        if not ours:
+            raise QuantError(f"{out}: directory is not empty and is not an earlier quant output; "
+                             f"choose an empty or new directory")
+
+
+def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
+    import torch
+
+    if devices is None:
+        return ["cpu"] * max(1, workers)
+    items = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
+    for d in items:
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            raise QuantError(f"--devices {d}: CUDA is not available on this machine")
+        try:
+            torch.device(d)
+        except RuntimeError:
+            raise QuantError(f"--devices: {d!r} is not a torch device") from None
+    return items
+
+
+def secondary_patterns(plan: Plan) -> dict[str, str]:
+    """Glob patterns for modules whose scheme differs from the primary one (layer_quant_config keys).
+    A pattern drops the layer prefix ("*self_attn.o_proj") so it also matches SGLang's MTP runtime names."""
+    patterns = {}
+    for module, scheme in plan.quantized.items():
+        if scheme != plan.scheme.name:
+            patterns["*" + LAYER_PREFIX.sub("", module)] = scheme
+    for module, scheme in plan.quantized.items():
+        if scheme == plan.scheme.name:
+            hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p)), None)
+            if hit:
+                raise QuantError(f"recipe {plan.recipe['name']!r}: {module} is {scheme} but pattern {hit} "
+                                 f"puts modules of the same name in other layers in {patterns[hit]}")
+    return patterns
+
+
+def render_exclude(plan: Plan, config: dict) -> list[str]:
+    from quant.engines import exclude_aliases
+
+    entries: list[str] = []
+    seen = set()
+    for module in plan.kept_modules:
+        for name in exclude_aliases(module, config):
+            if name not in seen:
+                seen.add(name)
+                entries.append(name)
+    return entries
+
+
+def quantization_config(plan: Plan, config: dict) -> dict:
+    if plan.scheme.output_format == "fp8-official":
+        return official_fp8_config(sorted(plan.kept_modules))
+    return quark_quantization_config(plan.scheme.name, plan.scale_mode, render_exclude(plan, config),
+                                     secondary_patterns(plan))
+
+
+def copy_side_files(src: Path, out: Path) -> list[str]:
+    """Tokenizer, generation config, chat template...: every top-level file that is not weights or ours."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in OWN_FILES and not f.name.startswith("."):
+            shutil.copy2(f, out / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: list[ShardResult],
+                  source_ref: str) -> dict:
+    weight_map = {name: r.file for r in results for name in r.tensors}
+    total = sum(r.bytes for r in results)
+    write_atomic(out / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+                                               "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    side = copy_side_files(src, out)
+    config = {k: v for k, v in src_config.items() if k != "quantization_config"}
+    config["quantization_config"] = quantization_config(plan, src_config)
+    manifest = {
+        "tool": "moe-quant", "version": __version__, "settings": plan.settings, "recipe": plan.recipe,
+        "source": {"checkpoint": source_ref, "format": plan.source_format,
+                   "shards": {r.source_file: {"sha256": r.source_sha256} for r in results}},
+        "output": {"shards": {r.file: {"sha256": r.sha256, "bytes": r.bytes} for r in results},
+                   "copied_files": side},
+        "mtp_layers": plan.mtp_layers,
+        "kept_bf16": plan.kept_modules,
+        "exclude": config["quantization_config"].get("exclude",
+                                                     config["quantization_config"].get("modules_to_not_convert")),
+        "summary": summarize(results),
+        "tensors": {name: rec for r in results for name, rec in r.records.items()},
+    }
+    write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+    write_atomic(out / "config.json", json.dumps(config, indent=2))
+    return manifest
+
+
+def summarize(results: list[ShardResult]) -> dict:
+    counts: dict[str, int] = {}
+    worst = None
+    for r in results:
+        for name, rec in r.records.items():
+            key = rec.get("scheme") or rec["action"]
+            counts[key] = counts.get(key, 0) + 1
+            if "rel_mse" in rec and (worst is None or rec["rel_mse"] > worst[1]):
+                worst = (name, rec["rel_mse"])
+    return {"modules_by_treatment": counts, "worst_rel_mse": {"module": worst[0], "rel_mse": worst[1]} if worst
+            else None, "output_bytes": sum(r.bytes for r in results)}
+
+
+def self_check(out: Path, engines: list[str]) -> None:
+    from quant.verify import verify_checkpoint
+
+    report = verify_checkpoint(out, engines=engines)
+    if report.errors:
+        first = report.errors[0]
+        raise QuantError(f"{out}: self-check failed, {len(report.errors)} engine load error(s); first: "
+                         f"[{first.engine}] {first.message} (run `quant verify-manifest {out}` for all)")
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
+                        recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
+                        workers: int = 1, check_engines: list[str] | None = ("sglang", "vllm"),
+                        progress: bool = False, log=print) -> dict:
+    scheme_obj = get_scheme(scheme)
+    if scale_mode not in SCALE_MODES:
+        raise_unknown("scale mode", scale_mode, SCALE_MODES)
+    src_path, source_ref = resolve_source(src)
+    out = Path(out)
+    check_paths(src_path, out)
+    device_list = parse_devices(devices, workers)
+
+    ckpt = open_checkpoint(src_path)
+    family = family_for_config(ckpt.config, src_path / "config.json")
+    plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
+    digest = plan.digest()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / COMPLETE_MARKER).unlink(missing_ok=True)
+    (out / PROGRESS_DIR).mkdir(exist_ok=True)
+
+    results: dict[str, ShardResult] = {}
+    todo = []
+    for shard in plan.shards:
+        done = completed(out, shard, digest)
+        if done:
+            results[shard.file] = done
+        else:
+            todo.append(shard)
+    if results:
+        log(f"resuming: {len(results)} of {len(plan.shards)} shards already complete and verified")
+
+    started = time.perf_counter()
+    timing = Counter()
+    with _progress(progress, plan, todo) as advance:
+        def work(i_shard):
+            i, shard = i_shard
+            result = run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)], timing)
+            advance(shard.source_bytes)
+            return result
+
+        with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
+            for result in pool.map(work, enumerate(todo)):
+                results[result.file] = result
+    elapsed = time.perf_counter() - started
+
+    ordered = [results[s.file] for s in plan.shards]
+    manifest = write_outputs(plan, ckpt.config, src_path, out, ordered, source_ref)
+    if check_engines:
+        self_check(out, list(check_engines))
+    write_atomic(out / COMPLETE_MARKER, json.dumps({"plan_digest": digest, "version": __version__}))
+    manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
+                          **{k: round(v, 3) for k, v in timing.items()}}
+    return manifest
+
+
+class _progress:
+    """A rich progress bar over source bytes (GB/s and ETA), or nothing."""
+
+    def __init__(self, enabled: bool, plan: Plan, todo):
+        self.enabled, self.plan, self.todo = enabled, plan, todo
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.bar = Progress(TextColumn("[bold]quantize"), BarColumn(), TextColumn("{task.fields[shards]} shards"),
+                            TransferSpeedColumn(), TimeRemainingColumn())
+        self.bar.__enter__()
+        self.done = 0
+        self.task = self.bar.add_task("quantize", total=sum(s.source_bytes for s in self.todo) or 1,
+                                      shards=f"0/{len(self.todo)}")
+
+        def advance(nbytes: int):
+            self.done += 1
+            self.bar.update(self.task, advance=nbytes, shards=f"{self.done}/{len(self.todo)}")
+
+        return advance
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False

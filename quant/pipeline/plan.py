@@ -1,0 +1,218 @@
+"""Planning: decide, from headers and config alone, what happens to every source tensor.
+
+The plan is complete before any tensor data is read, so every bad input that headers can reveal (missing
+scales, odd shapes, unknown dtypes, a config without the fields the recipe needs) fails before anything is
+written. One output shard per source shard keeps peak memory near one shard and makes resuming per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from quant import __version__
+from quant.checkpoint import FLOAT_DTYPES, Checkpoint
+from quant.errors import QuantError
+from quant.pipeline.recipes import BF16, FP8, SCHEME, Family, Recipe, text_config
+from quant.pipeline.schemes import Scheme, secondary_scheme
+
+SCALE_INV = "_scale_inv"
+FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<param>[a-z_]+)$")
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an output tensor's data comes from."""
+
+    name: str
+    file: str
+    scale_inv: str | None = None  # block-FP8 source: the weight_scale_inv tensor, dequantized first
+    scale_inv_file: str | None = None
+    expert: int | None = None  # a slice [expert, rows] of a fused 3-D expert tensor
+    rows: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        if self.expert is None:
+            return self.name
+        return f"{self.name}[{self.expert}, {self.rows[0]}:{self.rows[1]}]"
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    """One output module or tensor. `action`: copy (as stored), dequantize (block-FP8 source kept in BF16),
+    quantize (to `scheme`)."""
+
+    output: str  # output tensor name (copy/dequantize) or module name (quantize: module.weight, ...)
+    action: str
+    source: Source
+    role: str | None = None
+    scheme: str | None = None
+
+
+@dataclass
+class ShardJob:
+    file: str  # output shard file name
+    source_file: str
+    source_bytes: int
+    jobs: list[TensorJob] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    family: str
+    recipe: dict
+    scheme: Scheme
+    scale_mode: str
+    source_format: str  # "bf16" or "fp8-block"
+    shards: list[ShardJob]
+    kept_modules: list[str]  # 2-D weights left unquantized: the exclusion manifest
+    quantized: dict[str, str]  # module -> scheme name
+    mtp_layers: list[int]
+    settings: dict
+
+    def digest(self) -> str:
+        """Identifies the output: equal digests mean byte-identical output shards."""
+        payload = {"settings": self.settings, "recipe": self.recipe,
+                   "shards": [[s.file, s.source_file, s.source_bytes,
+                               [asdict(j) for j in s.jobs]] for s in self.shards]}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def source_format(ckpt: Checkpoint) -> str:
+    qc = ckpt.quantization_config
+    if not qc:
+        return "bf16"
+    method = qc.get("quant_method")
+    if method == "fp8" and qc.get("weight_block_size"):
+        if list(qc["weight_block_size"]) != [128, 128]:
+            raise QuantError(f"{ckpt.root / 'config.json'}: quantization_config.weight_block_size "
+                             f"{qc['weight_block_size']} is not supported (only [128, 128])")
+        return "fp8-block"
+    raise QuantError(f"{ckpt.root / 'config.json'}: source is already quantized "
+                     f"(quantization_config.quant_method={method!r}); start from a BF16 or block-FP8 checkpoint")
+
+
+def _layer_of(name: str) -> int | None:
+    m = LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+class Planner:
+    def __init__(self, ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, scale_mode: str):
+        self.ckpt, self.family, self.recipe, self.scheme = ckpt, family, recipe, scheme
+        self.scale_mode = scale_mode
+        self.config = text_config(ckpt.config)
+        self.mtp_layers = family.mtp_layers(self.config)
+        self.mtp_keep = family.mtp_keep_patterns()
+        self.format = source_format(ckpt)
+        self.kept: list[str] = []
+        self.quantized: dict[str, str] = {}
+
+    def treatment(self, module: str) -> tuple[str | None, Scheme | None]:
+        """(role, scheme) for a module; scheme None = stays BF16."""
+        if _layer_of(module) in self.mtp_layers and any(p.search(module) for p in self.mtp_keep):
+            return "mtp_keep", None
+        role = self.family.role_of(module)
+        treatment = self.recipe.treatment(role, module)
+        if treatment == SCHEME:
+            return role, self.scheme
+        if treatment == FP8:
+            return role, secondary_scheme(self.scheme)
+        assert treatment == BF16
+        return role, None
+
+    def check_weight(self, name: str, dtype: str, shape: tuple[int, ...], scheme: Scheme | None) -> None:
+        where = f"{self.ckpt.root / self.ckpt.tensors[name].file}: tensor {name}"
+        if dtype not in FLOAT_DTYPES and dtype != "F8_E4M3":
+            raise QuantError(f"{where} has dtype {dtype}, expected BF16, F16, F32 or F8_E4M3")
+        if scheme is not None and shape[-1] % scheme.k_multiple:
+            raise QuantError(f"{where} has input dim {shape[-1]}, not a multiple of {scheme.k_multiple} "
+                             f"({scheme.name} blocks run along the input dim); keep it BF16 with a recipe")
+
+    def scale_inv_of(self, name: str) -> tuple[str | None, str | None]:
+        info = self.ckpt.tensors[name]
+        if info.dtype != "F8_E4M3":
+            return None, None
+        scale = name + SCALE_INV
+        if scale not in self.ckpt.tensors:
+            raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is F8_E4M3 but {scale} is missing")
+        s = self.ckpt.tensors[scale]
+        want = tuple(-(-d // 128) for d in info.shape[-2:])
+        if s.dtype != "F32" or tuple(s.shape) != want:
+            raise QuantError(f"{self.ckpt.root / s.file}: tensor {scale} is {s.dtype} {list(s.shape)}, "
+                             f"expected F32 {list(want)} for a 128x128 block-FP8 weight of shape {list(info.shape)}")
+        return scale, s.file
+
+    def add_weight(self, jobs: list[TensorJob], module: str, source: Source, dtype: str,
+                   shape: tuple[int, ...]) -> None:
+        role, scheme = self.treatment(module)
+        self.check_weight(source.name, dtype, shape, scheme)
+        if scheme is None:
+            self.kept.append(module)
+            action = "dequantize" if source.scale_inv else "copy"
+            jobs.append(TensorJob(module + ".weight", action, source, role))
+        else:
+            self.quantized[module] = scheme.name
+            jobs.append(TensorJob(module, "quantize", source, role, scheme.name))
+
+    def split_fused(self, jobs: list[TensorJob], name: str, info) -> bool:
+        m = FUSED_EXPERTS.match(name)
+        fused = (self.family.fused_experts or {}).get(m.group("param")) if m else None
+        if fused is None or len(info.shape) != 3:
+            return False
+        experts, rows, _ = info.shape
+        parts = fused["split"]
+        if rows % len(parts):
+            raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has {rows} rows, "
+                             f"not divisible into {', '.join(parts)}")
+        if info.dtype == "F8_E4M3":
+            raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is a fused F8_E4M3 expert tensor; "
+                             f"only BF16/F16/F32 fused experts can be split")
+        step = rows // len(parts)
+        for e in range(experts):
+            for i, part in enumerate(parts):
+                src = Source(name, info.file, expert=e, rows=(i * step, (i + 1) * step))
+                self.add_weight(jobs, f"{m.group('prefix')}.{e}.{part}", src, info.dtype, (step, info.shape[2]))
+        return True
+
+    def shard_jobs(self, file: str) -> list[TensorJob]:
+        jobs: list[TensorJob] = []
+        for info in sorted(self.ckpt.shard_tensors(file), key=lambda t: t.name):
+            name = info.name
+            if name.endswith(SCALE_INV) and self.format == "fp8-block":
+                if name[: -len(SCALE_INV)] not in self.ckpt.tensors:
+                    raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has no matching weight")
+                continue  # consumed with its weight
+            if self.split_fused(jobs, name, info):
+                continue
+            if name.endswith(".weight") and len(info.shape) == 2:
+                scale_inv, scale_file = self.scale_inv_of(name)
+                self.add_weight(jobs, name[: -len(".weight")], Source(name, info.file, scale_inv, scale_file),
+                                info.dtype, info.shape)
+                continue
+            if info.dtype == "F8_E4M3":
+                raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is F8_E4M3 but is not a 2-D weight")
+            jobs.append(TensorJob(name, "copy", Source(name, info.file)))
+        return jobs
+
+
+def make_plan(ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, scale_mode: str) -> Plan:
+    ckpt.require_intact()
+    planner = Planner(ckpt, family, recipe, scheme, scale_mode)
+    for layer in planner.mtp_layers:
+        if not any(_layer_of(n) == layer for n in ckpt.tensors):
+            raise QuantError(f"{ckpt.root / 'config.json'}: declares MTP layer model.layers.{layer} "
+                             f"({family.mtp['count_key']}) but no tensor of that layer is stored")
+    n = len(ckpt.files)
+    shards = []
+    for i, file in enumerate(ckpt.files):
+        out = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        shards.append(ShardJob(out, file, (ckpt.root / file).stat().st_size, planner.shard_jobs(file)))
+    settings = {"tool": "moe-quant", "version": __version__, "scheme": scheme.name, "scale_mode": scale_mode,
+                "family": family.name, "source_format": planner.format}
+    return Plan(family=family.name, recipe=recipe.to_dict(), scheme=scheme, scale_mode=scale_mode,
+                source_format=planner.format, shards=shards, kept_modules=planner.kept,
+                quantized=planner.quantized, mtp_layers=planner.mtp_layers, settings=settings)

@@ -1,0 +1,85 @@
+"""The output schemes: how a weight is quantized, which tensors it becomes, and how it reads back.
+
+One table (`SCHEMES`); the Quark tensor specs that describe each scheme in config.json live in quark_config.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quant.numerics import fp8, mxfp4
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    description: str
+    k_multiple: int  # the input dim must be a multiple of this (MXFP4 blocks)
+    output_format: str  # "quark" or "fp8-official"
+    quantize: Callable[[torch.Tensor, str], dict[str, torch.Tensor]]  # (weight, scale_mode) -> {suffix: tensor}
+    dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # {suffix: tensor} -> fp32 weight
+
+
+def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    packed, scales = mxfp4.quantize_mxfp4(w, mode=scale_mode)
+    return {"weight": packed, "weight_scale": scales}
+
+
+def _mxfp4_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return mxfp4.dequantize_mxfp4(t["weight"], t["weight_scale"], dtype=torch.float32)
+
+
+def _fp8_channel(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    q, s = fp8.quantize_fp8_per_channel(w)
+    return {"weight": q, "weight_scale": s}
+
+
+def _fp8_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return fp8.dequantize_fp8(t["weight"], t["weight_scale"], dtype=torch.float32)
+
+
+def _fp8_block(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    q, s = fp8.quantize_fp8_block(w)
+    return {"weight": q, "weight_scale_inv": s}
+
+
+def _fp8_block_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return fp8.dequantize_fp8_block(t["weight"], t["weight_scale_inv"], dtype=torch.float32)
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in [
+        Scheme("w_mxfp4_a_mxfp4", "MXFP4 weights, dynamic MXFP4 activations (what AMD publishes)", 32, "quark",
+               _mxfp4, _mxfp4_back),
+        Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back),
+        Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
+               "quark", _fp8_channel, _fp8_back),
+        Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
+               "fp8-official", _fp8_block, _fp8_block_back),
+    ]
+}
+
+SCALE_MODES = mxfp4.SCALE_MODES
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise_unknown("scheme", name, SCHEMES)
+
+
+def raise_unknown(what: str, name: str, known) -> None:
+    from quant.errors import QuantError
+
+    raise QuantError(f"unknown {what} {name!r}; choose one of: {', '.join(known)}")
+
+
+def secondary_scheme(primary: Scheme) -> Scheme:
+    """What a recipe's "fp8" role means next to the primary scheme: per-channel FP8 in Quark checkpoints,
+    block FP8 when the whole checkpoint is in the official block-FP8 format."""
+    return SCHEMES["fp8-block"] if primary.output_format == "fp8-official" else SCHEMES["fp8"]

@@ -1,0 +1,144 @@
+"""Benchmark: `quant quantize` vs AMD Quark's file-to-file MXFP4 path on a synthetic GLM-5-shaped checkpoint.
+
+Both run as whole processes on the same input, one after the other. Reported: wall time and its ratio, peak RSS
+of each, the share of our time spent quantizing (the rest is reading, hashing and writing files), and whether
+the dequantized weights are identical (both use the `even` scale rule).
+
+    .venv/bin/python scripts/bench_quantize.py [--gb 3] [--shards 4] [--keep DIR]
+
+Quark is measured only when `amd-quark` is installed (`pip install amd-quark==0.13`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+EXPERT_BYTES = 3 * 2048 * 6144 * 2  # gate + up [2048, 6144] and down [6144, 2048], bf16
+HIDDEN, MOE_INTER = 6144, 2048
+
+
+def build_synthetic(root: Path, gb: float, shards: int) -> Path:
+    """MoE layers of GLM-5 expert shapes (routed + one shared expert + router + norms)."""
+    root.mkdir(parents=True)
+    n_experts = max(shards, int(gb * 1e9 // EXPERT_BYTES))
+    per_shard = -(-n_experts // shards)
+    gen = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for s in range(shards):
+        tensors = {}
+        layer = s
+        p = f"model.layers.{layer}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        tensors[p + "mlp.gate.weight"] = (torch.randn(per_shard, HIDDEN, generator=gen) * 0.02).bfloat16()
+        for e in range(per_shard):
+            for proj, shape in (("gate_proj", (MOE_INTER, HIDDEN)), ("up_proj", (MOE_INTER, HIDDEN)),
+                                ("down_proj", (HIDDEN, MOE_INTER))):
+                name = f"{p}mlp.experts.{e}.{proj}.weight" if e else f"{p}mlp.shared_experts.{proj}.weight"
+                tensors[name] = (torch.randn(*shape, generator=gen) * 0.02).bfloat16()
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(root / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in tensors})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": HIDDEN,
+              "moe_intermediate_size": MOE_INTER, "num_hidden_layers": shards, "n_routed_experts": per_shard - 1,
+              "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16"}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def timed(cmd: list[str], env=None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes of the process tree as the kernel counts it, stderr)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"command failed: {' '.join(cmd)}\n{err[-3000:]}")
+    return wall, usage.ru_maxrss * 1024, err
+
+
+QUARK_SCRIPT = """
+import sys
+from quark.torch import ModelQuantizer
+from quark.torch.quantization.config.config import QConfig, QLayerConfig, OCP_MXFP4Spec
+spec = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+cfg = QConfig(global_quant_config=QLayerConfig(weight=spec), exclude=["*mlp.gate", "*norm*", "lm_head"])
+ModelQuantizer(cfg).direct_quantize_checkpoint(sys.argv[1], sys.argv[2], device="cpu")
+"""
+
+
+def expert_names(ckpt: Path) -> dict[str, str]:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    return {n[: -len(".weight")]: f for n, f in index.items() if "_proj.weight" in n}
+
+
+def compare(ours: Path, quark: Path) -> tuple[int, int]:
+    """(modules compared, modules whose dequantized weights differ)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from quant.numerics.mxfp4 import dequantize_mxfp4
+
+    a, b = expert_names(ours), expert_names(quark)
+    differ = 0
+    for module in sorted(a):
+        w = []
+        for root, files in ((ours, a), (quark, b)):
+            with safe_open(str(root / files[module]), "pt") as f:
+                w.append(dequantize_mxfp4(f.get_tensor(module + ".weight"),
+                                          f.get_tensor(module + ".weight_scale").view(torch.uint8), torch.float32))
+        differ += not torch.equal(w[0], w[1])
+    return len(a), differ
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=3.0, help="source size in GB (bf16)")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--keep", type=Path, help="work directory to keep (default: a temporary one)")
+    args = ap.parse_args()
+    work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
+    src = build_synthetic(work / "src", args.gb, args.shards) if not (work / "src").exists() else work / "src"
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    print(f"source: {size / 1e9:.2f} GB in {args.shards} shards, expert shapes [2048, 6144] / [6144, 2048]")
+
+    ours = work / "ours"
+    shutil.rmtree(ours, ignore_errors=True)
+    quant = [sys.executable, "-m", "quant.cli", "quantize", str(src), str(ours), "--no-progress",
+             "--check-engines", ""]
+    t_ours, rss_ours, err = timed(quant)
+    timing = next((l for l in err.splitlines() if l.startswith("time:")), "")
+    parts = dict((k, float(v.rstrip("s"))) for k, v in (p.strip().split(" ") for p in timing[5:].split(",")))
+    share = parts.get("quantize", 0) / t_ours
+    print(f"quant quantize : {t_ours:7.2f} s  {size / t_ours / 1e9:6.2f} GB/s  peak RSS {rss_ours / 1e9:.2f} GB  "
+          f"(quantize {parts.get('quantize', 0):.2f} s = {share:.0%} of wall; {timing[6:]})")
+
+    try:
+        import quark  # noqa: F401
+    except ImportError:
+        print("amd-quark not installed: no peer measured (pip install amd-quark==0.13)")
+        return
+    qdir = work / "quark"
+    shutil.rmtree(qdir, ignore_errors=True)
+    t_q, rss_q, _ = timed([sys.executable, "-c", QUARK_SCRIPT, str(src), str(qdir)])
+    print(f"amd-quark 0.13 : {t_q:7.2f} s  {size / t_q / 1e9:6.2f} GB/s  peak RSS {rss_q / 1e9:.2f} GB")
+    n, differ = compare(ours, qdir)
+    print(f"speed-up {t_q / t_ours:.1f}x; peak RSS ours/quark {rss_ours / rss_q:.2f}; "
+          f"dequantized weights identical in {n - differ}/{n} modules")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

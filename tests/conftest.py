@@ -1,0 +1,26 @@
+"""Shared fixtures: toy checkpoints are built once per test session (per xdist worker) from tiny configs."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def toy_factory(tmp_path_factory):
+    """toy_factory(name, fp8_block=False, shard_size=None) -> path of a cached toy checkpoint (read-only use)."""
+    from quant.toy import build_toy
+
+    cache = {}
+
+    def make(name, fp8_block=False, shard_size=None):
+        key = (name, fp8_block, shard_size)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"toy-{name}-{'fp8' if fp8_block else 'bf16'}") / "ckpt"
+            cache[key] = build_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=0)
+        return cache[key]
+
+    return make

@@ -1,0 +1,253 @@
+"""`quant quantize` under crashes and bad input: resume to identical bytes, one-line errors, nothing that looks
+complete, never a write into the source."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quant.errors import QuantError
+from quant.pipeline import COMPLETE_MARKER, quantize_checkpoint
+from quant.pipeline import execute
+
+from test_quantize import tree_hashes
+
+QUANT = [sys.executable, "-m", "quant.cli"]
+
+
+@pytest.fixture
+def sharded(toy_factory):
+    return toy_factory("glm5", shard_size=300_000)
+
+
+def test_resume_after_a_crash_gives_identical_bytes(sharded, tmp_path, monkeypatch):
+    clean = tmp_path / "clean"
+    quantize_checkpoint(sharded, clean)
+    assert len(list(clean.glob("model-*.safetensors"))) >= 3
+
+    real = execute.run_shard
+    calls = []
+
+    def crash_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated crash")
+        return real(*args, **kwargs)
+
+    resumed = tmp_path / "resumed"
+    monkeypatch.setattr("quant.pipeline.run_shard", crash_on_third)
+    with pytest.raises(RuntimeError):
+        quantize_checkpoint(sharded, resumed)
+    assert not (resumed / COMPLETE_MARKER).exists() and not (resumed / "config.json").exists()
+    monkeypatch.setattr("quant.pipeline.run_shard", real)
+
+    done_before = {p.name: p.stat().st_mtime_ns for p in resumed.glob("*.safetensors")}
+    assert len(done_before) == 2
+    stray = resumed / (sorted(clean.glob("model-*.safetensors"))[2].name + ".tmp")
+    stray.write_bytes(b"half-written garbage")  # what a kill during save leaves behind
+    redo = []
+    monkeypatch.setattr("quant.pipeline.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
+    quantize_checkpoint(sharded, resumed)
+    assert not set(redo) & set(done_before), "finished shards must be skipped"
+    assert not stray.exists()
+    assert tree_hashes(resumed) == tree_hashes(clean)
+
+
+def test_resume_redoes_a_shard_whose_bytes_changed(sharded, tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    quantize_checkpoint(sharded, out)
+    reference = tree_hashes(out)
+    victim = sorted(out.glob("model-*.safetensors"))[1]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    redo = []
+    real = execute.run_shard
+    monkeypatch.setattr("quant.pipeline.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
+    quantize_checkpoint(sharded, out)
+    assert redo == [victim.name]
+    assert tree_hashes(out) == reference
+
+
+def test_killed_process_resumes_to_identical_bytes(sharded, tmp_path):
+    """A real SIGKILL mid-run (not an exception): the re-run finishes to the same bytes."""
+    clean = tmp_path / "clean"
+    subprocess.run(QUANT + ["quantize", str(sharded), str(clean), "--no-progress"], check=True,
+                   capture_output=True)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(QUANT + ["quantize", str(sharded), str(out), "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if list((out / ".quant-progress").glob("*.json")) if (out / ".quant-progress").is_dir() else []:
+            break
+        time.sleep(0.01)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run(QUANT + ["quantize", str(sharded), str(out), "--no-progress"], check=True, capture_output=True)
+    assert tree_hashes(out) == tree_hashes(clean)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _mutate_tensor(ckpt: Path, name: str, fn):
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = ckpt / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _first(ckpt: Path, contains: str) -> str:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    return next(n for n in sorted(index["weight_map"]) if contains in n)
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(QUANT + list(map(str, args)) + ["--no-progress"], capture_output=True, text=True)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def assert_not_complete(out: Path):
+    assert not (out / COMPLETE_MARKER).exists()
+    assert not (out / "config.json").exists()
+
+
+def test_truncated_shard(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    shard = sorted(src.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = run_cli("quantize", src, tmp_path / "out")
+    assert_one_line_error(proc, shard.name)
+    assert_not_complete(tmp_path / "out")
+
+
+def test_corrupt_header(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    shard = sorted(src.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8:20] = b"{not json!!!"
+    shard.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "out"), shard.name)
+
+
+@pytest.mark.parametrize("defect", ["missing-file", "missing-tensor", "escaping-path"])
+def test_bad_index(sharded, tmp_path, defect):
+    src = _copy(sharded, tmp_path / "src")
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = sorted(index["weight_map"])[5]
+    if defect == "missing-file":
+        index["weight_map"][name] = "model-99999-of-99999.safetensors"
+        needle = "model-99999-of-99999.safetensors"
+    elif defect == "missing-tensor":
+        index["weight_map"]["model.layers.0.mlp.ghost_proj.weight"] = index["weight_map"][name]
+        needle = "model.layers.0.mlp.ghost_proj.weight"
+    else:
+        (tmp_path / "outside.safetensors").write_bytes((src / index["weight_map"][name]).read_bytes())
+        index["weight_map"][name] = "../outside.safetensors"
+        needle = "../outside.safetensors"
+    index_path.write_text(json.dumps(index))
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "out"), needle)
+    assert_not_complete(tmp_path / "out")
+
+
+def test_non_finite_weight_names_the_tensor(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    name = _first(src, "mlp.experts.2.up_proj.weight")
+
+    def poison(t):
+        t = t.clone()
+        t[0, 3] = float("nan")
+        t[1, 0] = float("inf")
+        return t
+
+    _mutate_tensor(src, name, poison)
+    before = tree_hashes(src)
+    proc = run_cli("quantize", src, tmp_path / "out")
+    assert_one_line_error(proc, name, "2")
+    assert_not_complete(tmp_path / "out")
+    assert tree_hashes(src) == before
+
+
+def test_input_dim_not_multiple_of_32(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    name = _first(src, "mlp.experts.0.down_proj.weight")
+    _mutate_tensor(src, name, lambda t: t[:, : t.shape[1] - 8].contiguous())
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "out"), name, "32")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_unknown_dtype(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    name = _first(src, "mlp.experts.0.gate_proj.weight")
+    _mutate_tensor(src, name, lambda t: t.to(torch.int64))
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "out"), name, "I64")
+
+
+@pytest.mark.parametrize("key", ["model_type", "num_hidden_layers"])
+def test_config_without_required_fields(sharded, tmp_path, key):
+    src = _copy(sharded, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg[key]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "out"), "config.json", key)
+
+
+def test_declared_mtp_layer_missing(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "out"), f"model.layers.{cfg['num_hidden_layers'] + 1}")
+
+
+def test_output_inside_or_equal_to_source_is_refused(sharded, tmp_path):
+    src = _copy(sharded, tmp_path / "src")
+    before = tree_hashes(src)
+    assert_one_line_error(run_cli("quantize", src, src), str(src))
+    assert_one_line_error(run_cli("quantize", src, src / "q"), "inside")
+    assert tree_hashes(src) == before
+
+
+def test_unknown_scheme_recipe_and_offline_hub_id(sharded, tmp_path):
+    assert_one_line_error(run_cli("quantize", sharded, tmp_path / "a", "--scheme", "nf4"), "nf4")
+    assert_one_line_error(run_cli("quantize", sharded, tmp_path / "b", "--recipe", "everything"), "everything")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(QUANT + ["quantize", "zai-org/GLM-5", str(tmp_path / "c"), "--no-progress"],
+                          capture_output=True, text=True, env=env)
+    assert_one_line_error(proc, "zai-org/GLM-5", "offline")
+
+
+def test_already_quantized_source_is_refused(sharded, tmp_path):
+    quantize_checkpoint(sharded, tmp_path / "q")
+    assert_one_line_error(run_cli("quantize", tmp_path / "q", tmp_path / "qq"), "already quantized")
+
+
+def test_nonempty_foreign_output_dir_is_refused(sharded, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert_one_line_error(run_cli("quantize", sharded, out), str(out))
+    assert (out / "precious.txt").read_text() == "keep me"
