@@ -1,0 +1,32 @@
+"""`quant toy NAME OUT`: write a tiny seeded checkpoint of a supported MoE family (tests, demos, CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+NAMES_HELP = "glm5, deepseek-v3, qwen3-moe or qwen3.5-fused"
+
+
+def command(
+    name: str = typer.Argument(..., help=f"Toy family: {NAMES_HELP}."),
+    out: Path = typer.Argument(..., help="Output directory (must be absent or empty unless --force)."),
+    fp8_block: bool = typer.Option(False, "--fp8-block", help="Write an official-style block-FP8 source "
+                                   "(float8_e4m3fn weights + weight_scale_inv, 128x128 blocks)."),
+    shard_size: str = typer.Option(None, "--shard-size", help="Split weights into shards of at most this size "
+                                   "(bytes, or e.g. 500KB, 2MB) and write model.safetensors.index.json."),
+    seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives byte-identical files."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Write a tiny seeded checkpoint with the family's real tensor names, config and a byte-level tokenizer."""
+    from quant.toy import build_toy
+
+    path = build_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=seed, force=force)
+    from quant.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    size = sum(info.nbytes for info in checkpoint.tensors.values())
+    variant = "block-FP8" if fp8_block else "BF16"
+    typer.echo(f"{name} ({variant}, seed {seed}) -> {path}: {len(checkpoint.tensors)} tensors, "
+               f"{len(checkpoint.files)} shard(s), {size / 1e6:.2f} MB")

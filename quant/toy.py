@@ -1,0 +1,375 @@
+"""Tiny, seeded MoE checkpoints with the real tensor names, built on CPU in seconds (`quant toy`).
+
+The weights come from the family's transformers class (`from_config` + `save_pretrained`), so names, shapes and
+expert layout are exactly what transformers writes. On top of that this module adds what transformers never
+writes (the MTP layer's extras, F32 routing bias, non-constant norms), optionally turns the model into an
+official-style block-FP8 source, and writes shards, index, config, generation config and the byte-level
+tokenizer. Family knowledge (dimensions, MTP extras, what the FP8 release quantizes) lives in
+`manifests/toys.yaml`.
+
+Same name, seed and options give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+from quant.errors import QuantError
+from quant.paths import MANIFESTS_DIR
+from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
+
+__all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard_size", "write_safetensors"]
+
+TOY_NAMES = ("glm5", "deepseek-v3", "qwen3-moe", "qwen3.5-fused")
+TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
+
+# config.json lists with one entry per decoder layer; the MTP layer is built as an extra decoder layer and then
+# dropped from these lists, as in the real configs.
+PER_LAYER_CONFIG_KEYS = ("layer_types", "mlp_layer_types", "indexer_types")
+# Initialisers for MTP extras, by the kind named in toys.yaml (H = hidden size).
+MTP_INIT_KINDS = ("ones", "projection", "copy:")
+
+
+@dataclass(frozen=True)
+class Fp8Release:
+    """What an official block-FP8 release of the family quantizes and lists in `modules_to_not_convert`."""
+
+    quantize: tuple[re.Pattern, ...]
+    modules_to_not_convert: tuple[str, ...]
+    keep_unmatched_modules: bool
+    fused_experts: bool | None
+
+    def quantizes(self, tensor: str) -> bool:
+        return any(p.search(tensor) for p in self.quantize)
+
+
+@dataclass(frozen=True)
+class ToyFamily:
+    name: str
+    config_class: str
+    config: dict
+    fused_experts: bool
+    mtp_layers: int
+    mtp_extras: dict[str, str]
+    f32_tensors: tuple[re.Pattern, ...]
+    perturb: dict[str, float]
+    config_json_renames: dict[str, str]
+    fp8: Fp8Release
+
+
+@cache
+def _manifest(path: Path = TOYS_MANIFEST) -> dict:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise QuantError(f"{path}: cannot read the toy manifest ({e})") from e
+
+
+def toy_family(name: str) -> ToyFamily:
+    """The family `name` from manifests/toys.yaml; QuantError listing the valid names otherwise."""
+    families = _manifest()["families"]
+    if name not in TOY_NAMES or name not in families:
+        raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(TOY_NAMES)}")
+    spec = families[name]
+    fp8 = spec.get("fp8_block", {})
+    for kind in spec.get("mtp_extras", {}).values():
+        if not kind.startswith(MTP_INIT_KINDS):
+            raise QuantError(f"{TOYS_MANIFEST}: {name}: unknown MTP init {kind!r} (use one of {MTP_INIT_KINDS})")
+    return ToyFamily(
+        name=name,
+        config_class=spec["config_class"],
+        config=dict(spec["config"]),
+        fused_experts=bool(spec.get("fused_experts", False)),
+        mtp_layers=int(spec.get("mtp_layers", 0)),
+        mtp_extras=dict(spec.get("mtp_extras", {})),
+        f32_tensors=tuple(re.compile(p) for p in spec.get("f32_tensors", [])),
+        perturb=dict(spec.get("perturb", {})),
+        config_json_renames=dict(spec.get("config_json_renames", {})),
+        fp8=Fp8Release(
+            quantize=tuple(re.compile(p) for p in fp8.get("quantize", [])),
+            modules_to_not_convert=tuple(fp8.get("modules_to_not_convert", [])),
+            keep_unmatched_modules=bool(fp8.get("keep_unmatched_modules", False)),
+            fused_experts=fp8.get("fused_experts"),
+        ),
+    )
+
+
+def parse_shard_size(value: int | str | None) -> int | None:
+    """Bytes from `1048576`, `"1048576"`, `"500KB"`, `"2MB"`, `"1GB"` (decimal units, as in Hugging Face)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, str):
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        try:
+            value = parse_size_to_int(value)
+        except ValueError as e:
+            raise QuantError(f"shard size {value!r}: {e}") from e
+    if value <= 0:
+        raise QuantError(f"shard size {value!r}: must be a positive number of bytes")
+    return int(value)
+
+
+def build_toy(
+    name: str,
+    out: str | Path,
+    *,
+    fp8_block: bool = False,
+    shard_size: int | str | None = None,
+    seed: int = 0,
+    overrides: dict | None = None,
+    force: bool = False,
+) -> Path:
+    """Write the toy checkpoint `name` to `out` and return `out`.
+
+    `overrides` replaces keys of the family's config (e.g. `{"num_hidden_layers": 3}`); the key
+    `num_nextn_predict_layers` sets the number of MTP layers. `out` must be absent or empty unless `force`.
+    The checkpoint is built in a temporary sibling directory and renamed into place, so a crash never leaves a
+    complete-looking `out`.
+    """
+    family = toy_family(name)
+    out = Path(out)
+    max_shard_size = parse_shard_size(shard_size)
+    _check_destination(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkdtemp: its directory is owner-only, and a checkpoint is shared data (mkdir honours the umask).
+    staging = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    staging.mkdir()
+    try:
+        _write_toy(family, staging, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
+                   overrides=overrides or {})
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_destination(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise QuantError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise QuantError(f"{out}: directory is not empty (use --force to replace it)")
+
+
+def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
+               overrides: dict) -> None:
+    import torch
+
+    config, n_main, n_mtp = _model_config(family, overrides)
+    fused = family.fused_experts
+    if fp8_block and family.fp8.fused_experts is not None:
+        fused = family.fp8.fused_experts
+    tensors, config_json = _transformers_checkpoint(config, seed=seed, fused_experts=fused)
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors.update(_mtp_extras(family, tensors, config_json, n_main, n_mtp, generator))
+    tensors = _natural_order(tensors)
+    _cast_f32(tensors, family.f32_tensors)
+    _perturb(tensors, family.perturb, generator)
+    config_json = _release_config_json(family, config_json, n_main, n_mtp)
+    if fp8_block:
+        tensors = _quantize_fp8_block(tensors, family.fp8)
+        config_json["quantization_config"] = _quantization_config(family.fp8, tensors, n_main + n_mtp)
+
+    write_safetensors(tensors, directory, max_shard_size)
+    (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    _write_generation_config(directory, config_json)
+    save_toy_tokenizer(directory)
+
+
+def _model_config(family: ToyFamily, overrides: dict):
+    """The transformers config to build (main layers + MTP layers as extra decoder layers)."""
+    import transformers
+
+    tokenizer_ids = _tokenizer_ids()
+    kwargs = {"vocab_size": VOCAB_SIZE, "tie_word_embeddings": False, **tokenizer_ids, **family.config, **overrides}
+    n_mtp = int(kwargs.pop("num_nextn_predict_layers", family.mtp_layers))
+    if n_mtp and not family.mtp_extras:
+        raise QuantError(f"toy {family.name}: no MTP layout for this family (num_nextn_predict_layers must be 0)")
+    if kwargs["vocab_size"] < VOCAB_SIZE:
+        raise QuantError(f"toy {family.name}: vocab_size {kwargs['vocab_size']} is smaller than the toy tokenizer "
+                         f"({VOCAB_SIZE} tokens)")
+    n_main = int(kwargs["num_hidden_layers"])
+    kwargs["num_hidden_layers"] = n_main + n_mtp
+    if "num_mtp_layers" in _config_parameters(family.config_class):
+        # DeepseekV3Config aliases num_mtp_layers to num_nextn_predict_layers and defaults it to 1.
+        kwargs["num_mtp_layers"] = n_mtp
+    try:
+        return getattr(transformers, family.config_class)(**kwargs), n_main, n_mtp
+    except (TypeError, ValueError) as e:
+        raise QuantError(f"toy {family.name}: invalid config overrides ({e})") from e
+
+
+def _config_parameters(config_class: str) -> set[str]:
+    import inspect
+
+    import transformers
+
+    return set(inspect.signature(getattr(transformers, config_class).__init__).parameters)
+
+
+@cache
+def _tokenizer_ids() -> dict[str, int]:
+    tokenizer = toy_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN)}
+
+
+def _transformers_checkpoint(config, *, seed: int, fused_experts: bool):
+    """Tensors and config.json exactly as transformers writes them for a seeded random model."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    progress_bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            # save_original_format=True reverts the in-memory fused experts to per-expert 2-D tensors.
+            model.save_pretrained(tmp, save_original_format=not fused_experts)
+            tensors = {}
+            for shard in sorted(Path(tmp).glob("*.safetensors")):
+                tensors.update(load_file(shard))
+            config_json = json.loads((Path(tmp) / "config.json").read_text())
+    finally:
+        if progress_bars:
+            hf_logging.enable_progress_bar()
+    return tensors, config_json
+
+
+def _mtp_extras(family: ToyFamily, tensors: dict, config_json: dict, n_main: int, n_mtp: int, generator) -> dict:
+    """The tensors an MTP layer has besides its decoder block (enorm, hnorm, eh_proj, shared_head, ...)."""
+    import torch
+
+    hidden = config_json["hidden_size"]
+    std = config_json.get("initializer_range", 0.02)
+    extras = {}
+    for layer in range(n_main, n_main + n_mtp):
+        for leaf, kind in family.mtp_extras.items():
+            if kind == "ones":
+                value = torch.ones(hidden, dtype=torch.bfloat16)
+            elif kind == "projection":  # eh_proj: [H, 2H] over concat(enorm(embedding), hnorm(hidden state))
+                value = (torch.randn(hidden, 2 * hidden, generator=generator) * std).to(torch.bfloat16)
+            else:
+                value = tensors[kind.removeprefix("copy:")].clone()
+            extras[f"model.layers.{layer}.{leaf}"] = value
+    return extras
+
+
+def _natural_key(name: str) -> list:
+    # "layers.10" after "layers.9"; re.split keeps text at even and digits at odd positions, so types line up.
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
+
+
+def _natural_order(tensors: dict) -> dict:
+    return {name: tensors[name] for name in sorted(tensors, key=_natural_key)}
+
+
+def _cast_f32(tensors: dict, patterns: tuple[re.Pattern, ...]) -> None:
+    import torch
+
+    for name, value in tensors.items():
+        if any(p.search(name) for p in patterns):
+            tensors[name] = value.to(torch.float32)
+
+
+def _perturb(tensors: dict, perturb: dict[str, float], generator) -> None:
+    import torch
+
+    patterns = [(re.compile(p), std) for p, std in perturb.items()]
+    for name, value in tensors.items():
+        std = next((s for p, s in patterns if p.search(name)), None)
+        if std is not None:
+            noise = torch.randn(value.shape, generator=generator) * std
+            tensors[name] = (value.float() + noise).to(value.dtype)
+
+
+def _release_config_json(family: ToyFamily, config_json: dict, n_main: int, n_mtp: int) -> dict:
+    """config.json as the real release writes it: MTP layers counted apart, release key spellings."""
+    config_json = dict(config_json)
+    config_json["num_hidden_layers"] = n_main
+    for key in PER_LAYER_CONFIG_KEYS:
+        if isinstance(config_json.get(key), list):
+            config_json[key] = config_json[key][:n_main]
+    if family.mtp_extras:
+        config_json.pop("num_mtp_layers", None)
+        config_json["num_nextn_predict_layers"] = n_mtp
+    for old, new in family.config_json_renames.items():
+        if old in config_json:
+            config_json[new] = config_json.pop(old)
+    return config_json
+
+
+def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
+    from quant.numerics.fp8 import quantize_fp8_block
+
+    out = {}
+    for name, value in tensors.items():
+        if release.quantizes(name):
+            weight, scale_inv = quantize_fp8_block(value)
+            out[name] = weight
+            out[name + "_scale_inv"] = scale_inv
+        else:
+            out[name] = value
+    return out
+
+
+def _quantization_config(release: Fp8Release, tensors: dict, n_layers: int) -> dict:
+    config = dict(_manifest()["quantization_config"])
+    modules = []
+    for entry in release.modules_to_not_convert:
+        modules += [entry.format(i=i) for i in range(n_layers)] if "{i}" in entry else [entry]
+    if not release.keep_unmatched_modules:
+        modules = [m for m in modules if any(name.startswith(m + ".") for name in tensors)]
+    if modules:
+        config["modules_to_not_convert"] = modules
+    return config
+
+
+def write_safetensors(tensors: dict, directory: Path, max_shard_size: int | None) -> list[str]:
+    """Write `tensors` (in their order) as `model.safetensors` or `model-0000k-of-0000n.safetensors` shards
+    of at most `max_shard_size` bytes (a larger tensor gets a shard of its own) plus the index. Returns the
+    shard file names."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save
+
+    # Own, exactly-sized storage per tensor: the splitter sizes and groups tensors by storage.
+    tensors = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
+    total_size = sum(v.numel() * v.element_size() for v in tensors.values())
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size or total_size + 1)
+    for filename, names in split.filename_to_tensors.items():
+        # save() + write_bytes rather than save_file, which creates owner-only files.
+        (directory / filename).write_bytes(save({n: tensors[n] for n in names}, metadata={"format": "pt"}))
+    if split.is_sharded:
+        index = {"metadata": {"total_size": total_size}, "weight_map": split.tensor_to_filename}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return list(split.filename_to_tensors)
+
+
+def _write_generation_config(directory: Path, config_json: dict) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        bos_token_id=config_json["bos_token_id"],
+        eos_token_id=config_json["eos_token_id"],
+        pad_token_id=config_json["pad_token_id"],
+    ).save_pretrained(directory)

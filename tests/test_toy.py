@@ -1,0 +1,361 @@
+"""Toy checkpoints: names, dtypes and shapes per family, block-FP8 source, shards, determinism, tokenizer,
+reload with transformers, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quant.checkpoint import open_checkpoint
+from quant.errors import QuantError
+from quant.toy import TOY_NAMES, build_toy, toy_family
+from quant.toy_tokenizer import VOCAB_SIZE
+
+pytestmark = pytest.mark.xdist_group("toy")
+
+GSM8K_STYLE = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+               "in May. How many clips did Natalia sell altogether?\nAnswer: In May she sold 48/2 = 24 clips.\n"
+               "48+24 = 72 #### 72")
+
+
+@pytest.fixture(scope="module")
+def bf16_toys(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bf16")
+    return {name: build_toy(name, root / name) for name in TOY_NAMES}
+
+
+@pytest.fixture(scope="module")
+def fp8_toys(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    return {name: build_toy(name, root / name, fp8_block=True) for name in TOY_NAMES}
+
+
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    checkpoint = open_checkpoint(path)
+    out = {}
+    for file in checkpoint.files:
+        with safe_open(str(path / file), framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
+def config_of(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    # The official contract, written independently of quant.numerics: w[i, j] = q[i, j] * scale_inv[i//128, j//128].
+    o, i = q.shape
+    scale = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:o, :i]
+    return q.float() * scale
+
+
+# ---------------------------------------------------------------------------------------------- names per family
+
+
+def test_glm5_layout_has_indexer_and_mtp_without_embed_or_head_copies(bf16_toys):
+    checkpoint = open_checkpoint(bf16_toys["glm5"])
+    config, tensors = checkpoint.config, checkpoint.tensors
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    assert config["model_type"] == "glm_moe_dsa" and config["num_nextn_predict_layers"] == 1
+    assert all(len(config[k]) == n for k in ("layer_types", "mlp_layer_types", "indexer_types"))
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors  # dense first layer
+    for layer in range(n + 1):
+        for leaf in ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias"):
+            assert f"model.layers.{layer}.self_attn.indexer.{leaf}" in tensors
+    mtp = f"model.layers.{n}."
+    for leaf in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "self_attn.kv_b_proj.weight",
+                 "mlp.gate.weight", "mlp.shared_experts.down_proj.weight", "mlp.experts.7.up_proj.weight"):
+        assert mtp + leaf in tensors
+    assert tensors[mtp + "eh_proj.weight"].shape == (hidden, 2 * hidden)
+    assert mtp + "embed_tokens.weight" not in tensors and mtp + "shared_head.head.weight" not in tensors
+    assert not any(name.startswith(f"model.layers.{n + 1}.") for name in tensors)
+
+
+def test_deepseek_v3_mtp_layer_copies_embedding_and_head(bf16_toys):
+    path = bf16_toys["deepseek-v3"]
+    config, tensors = config_of(path), read_all(path)
+    n = config["num_hidden_layers"]
+    assert config["num_nextn_predict_layers"] == 1
+    mtp = f"model.layers.{n}."
+    assert torch.equal(tensors[mtp + "embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(tensors[mtp + "shared_head.head.weight"], tensors["lm_head.weight"])
+    for leaf in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "mlp.experts.0.gate_proj.weight", "self_attn.q_b_proj.weight"):
+        assert mtp + leaf in tensors
+    assert not any(".indexer." in name for name in tensors)
+
+
+@pytest.mark.parametrize("name", ["glm5", "deepseek-v3"])
+def test_routing_bias_is_f32_and_learned_looking(bf16_toys, name):
+    tensors = read_all(bf16_toys[name])
+    biases = {k: v for k, v in tensors.items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == 2  # MoE layer 1 and the MTP layer
+    for value in biases.values():
+        assert value.dtype == torch.float32 and value.abs().sum() > 0
+
+
+def test_qwen3_moe_stores_per_expert_tensors(bf16_toys):
+    checkpoint = open_checkpoint(bf16_toys["qwen3-moe"])
+    config, tensors = checkpoint.config, checkpoint.tensors
+    experts, hidden, inter = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    for layer in range(config["num_hidden_layers"]):
+        for e in range(experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}."
+            assert tensors[prefix + "gate_proj.weight"].shape == (inter, hidden)
+            assert tensors[prefix + "down_proj.weight"].shape == (hidden, inter)
+        assert f"model.layers.{layer}.self_attn.q_norm.weight" in tensors
+    assert not any("gate_up_proj" in name or "shared_expert" in name for name in tensors)
+
+
+def test_qwen35_stores_fused_3d_experts_and_both_attention_kinds(bf16_toys):
+    checkpoint = open_checkpoint(bf16_toys["qwen3.5-fused"])
+    config, tensors = checkpoint.config, checkpoint.tensors
+    e, h, i = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    assert config["model_type"] == "qwen3_5_moe_text"
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp."
+        assert tensors[prefix + "experts.gate_up_proj"].shape == (e, 2 * i, h)
+        assert tensors[prefix + "experts.down_proj"].shape == (e, h, i)
+        assert tensors[prefix + "shared_expert_gate.weight"].shape == (1, h)
+        assert prefix + "shared_expert.down_proj.weight" in tensors
+    assert not any(re.search(r"experts\.\d+\.", name) for name in tensors)
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in tensors
+    assert "model.layers.1.self_attn.q_proj.weight" in tensors
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("name", TOY_NAMES)
+def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name):
+    tensors = open_checkpoint(bf16_toys[name]).tensors
+    linear = {k: t.shape for k, t in tensors.items()
+              if len(t.shape) >= 2 and "conv1d" not in k and "embed_tokens" not in k}
+    bad = {k: s for k, s in linear.items() if s[-1] % 32}
+    assert not bad, f"Linear input dims not a multiple of 32: {bad}"
+    inputs = {s[-1] for s in linear.values()}
+    outputs = {s[-2] for s in linear.values() if s[-2] != VOCAB_SIZE}  # not the head: vocab is never a tile count
+    assert any(d % 128 for d in inputs) and any(d >= 128 for d in inputs)
+    assert any(d % 128 for d in outputs)
+    assert config_of(bf16_toys[name])["vocab_size"] == VOCAB_SIZE
+
+
+# ---------------------------------------------------------------------------------------------------- FP8 source
+
+
+@pytest.mark.parametrize("name", TOY_NAMES)
+def test_fp8_block_source_matches_the_official_contract(fp8_toys, bf16_toys, name):
+    release = toy_family(name).fp8
+    path = fp8_toys[name]
+    fp8, config = read_all(path), config_of(path)
+    qc = config["quantization_config"]
+    assert (qc["quant_method"], qc["fmt"], qc["activation_scheme"], qc["weight_block_size"]) == \
+        ("fp8", "e4m3", "dynamic", [128, 128])
+
+    quantized = [k for k in fp8 if release.quantizes(k)]
+    assert quantized
+    partial_tiles = 0
+    for key in quantized:
+        weight, scale_inv = fp8[key], fp8[key + "_scale_inv"]
+        o, i = weight.shape
+        assert weight.dtype == torch.float8_e4m3fn
+        assert scale_inv.dtype == torch.float32 and scale_inv.shape == (math.ceil(o / 128), math.ceil(i / 128))
+        partial_tiles += bool(o % 128 or i % 128)
+    assert partial_tiles
+    for key, value in fp8.items():
+        if key.endswith("_scale_inv"):
+            assert key.removesuffix("_scale_inv") in quantized
+        elif key not in quantized:
+            assert value.dtype in (torch.bfloat16, torch.float32), key
+
+    # Router, norms, bias, indexer weights_proj/k_norm, eh_proj, embedding and head stay unquantized.
+    never = re.compile(r"(norm\.(weight|bias)|mlp\.gate\.|shared_expert_gate|weights_proj|eh_proj|embed_tokens|"
+                       r"lm_head|e_score_correction_bias|in_proj_[ab]\.)")
+    assert not [k for k in quantized if never.search(k)]
+    if toy_family(name).mtp_layers:
+        n = config["num_hidden_layers"]
+        for leaf in ("self_attn.kv_b_proj.weight", "mlp.experts.3.down_proj.weight",
+                     "mlp.shared_experts.up_proj.weight"):
+            assert f"model.layers.{n}.{leaf}" in quantized
+
+    # Same seed: dequantized FP8 weights are the BF16 toy's weights up to e4m3 rounding.
+    bf16 = read_all(bf16_toys[name])
+    if name == "qwen3.5-fused":
+        bf16 = unfuse_experts(bf16)
+    assert set(bf16) == {k for k in fp8 if not k.endswith("_scale_inv")}
+    for key in quantized:
+        reference = bf16[key].float()
+        error = (dequantize_block(fp8[key], fp8[key + "_scale_inv"]) - reference).norm() / reference.norm()
+        assert error < 0.05, (key, float(error))
+    for key in set(bf16) - set(quantized):
+        assert torch.equal(bf16[key], fp8[key]), key
+
+
+def unfuse_experts(tensors: dict) -> dict:
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            prefix = key.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(v.chunk(2, dim=0) for v in value):
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif key.endswith("mlp.experts.down_proj"):
+            prefix = key.removesuffix("down_proj")
+            for e, down in enumerate(value):
+                out[f"{prefix}{e}.down_proj.weight"] = down
+        else:
+            out[key] = value
+    return out
+
+
+def test_fp8_modules_to_not_convert_follow_each_release(fp8_toys):
+    glm = config_of(fp8_toys["glm5"])["quantization_config"]["modules_to_not_convert"]
+    assert glm[:2] == ["lm_head", "model.embed_tokens"]
+    assert [f"model.layers.{i}.self_attn.indexers_proj" for i in range(3)] == glm[2:]  # misspelled, as shipped
+    assert "modules_to_not_convert" not in config_of(fp8_toys["deepseek-v3"])["quantization_config"]
+    qwen35 = config_of(fp8_toys["qwen3.5-fused"])["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.linear_attn.in_proj_a" in qwen35
+    assert "model.layers.1.linear_attn.in_proj_a" not in qwen35  # layer 1 is a full-attention layer
+
+
+@pytest.mark.parametrize("name", TOY_NAMES)
+def test_transformers_loads_every_fp8_toy_weight_from_the_checkpoint(fp8_toys, bf16_toys, name):
+    # transformers 5.23 dequantizes on CPU but infers the block size from the scale grid (rows // scale_rows),
+    # which misplaces scales on partial 128-tiles, so its weights are only loosely close to the BF16 toy; the
+    # bound still catches a weight left at random init (error ~1.4) or a module converted without its scale.
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(bf16_toys[name]).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(fp8_toys[name])
+    fp8 = model.state_dict()
+    assert fp8.keys() == bf16.keys()
+    for key, reference in bf16.items():
+        error = (fp8[key].float() - reference.float()).norm() / reference.float().norm()
+        assert error < 0.2, (key, float(error))
+    with torch.no_grad():
+        assert model(torch.tensor([[72, 105, 32, 52, 50]])).logits.isfinite().all()
+
+
+# ------------------------------------------------------------------------------------- shards, determinism, I/O
+
+
+def test_shards_with_a_valid_index(tmp_path):
+    path = build_toy("glm5", tmp_path / "toy", shard_size="500KB", fp8_block=True)
+    checkpoint = open_checkpoint(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(checkpoint.files) > 1 and not checkpoint.problems
+    assert set(index["weight_map"]) == set(checkpoint.tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in checkpoint.tensors.values())
+    for file in checkpoint.files:
+        shard = checkpoint.shard_tensors(file)
+        assert len(shard) == 1 or sum(t.nbytes for t in shard) <= 500_000
+        with safe_open(str(path / file), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+
+
+def test_same_seed_gives_identical_bytes_and_another_seed_differs(tmp_path):
+    def files(path):
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+    a = files(build_toy("glm5", tmp_path / "a", fp8_block=True, shard_size=800_000, seed=3))
+    b = files(build_toy("glm5", tmp_path / "b", fp8_block=True, shard_size=800_000, seed=3))
+    c = files(build_toy("glm5", tmp_path / "c", fp8_block=True, shard_size=800_000, seed=4))
+    assert a == b
+    shards = [name for name in a if name.endswith(".safetensors")]
+    assert len(shards) > 1 and a.keys() == c.keys()
+    assert all(a[shard] != c[shard] for shard in shards)
+
+
+def test_overrides_reshape_the_model_and_the_mtp_layer(tmp_path):
+    deeper = open_checkpoint(build_toy("glm5", tmp_path / "deeper", overrides={"num_hidden_layers": 3}))
+    assert deeper.config["num_hidden_layers"] == 3 and "model.layers.3.eh_proj.weight" in deeper.tensors
+    no_mtp = open_checkpoint(build_toy("deepseek-v3", tmp_path / "no-mtp", overrides={"num_nextn_predict_layers": 0}))
+    assert no_mtp.config["num_nextn_predict_layers"] == 0
+    assert not any(k.startswith("model.layers.2.") for k in no_mtp.tensors)
+    with pytest.raises(QuantError, match="vocab_size"):
+        build_toy("glm5", tmp_path / "small-vocab", overrides={"vocab_size": 100})
+    with pytest.raises(QuantError, match="MTP"):
+        build_toy("qwen3-moe", tmp_path / "qwen-mtp", overrides={"num_nextn_predict_layers": 1})
+
+
+def test_a_failed_build_leaves_no_output(tmp_path, monkeypatch):
+    import quant.toy
+
+    def crash(directory):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(quant.toy, "save_toy_tokenizer", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_toy("qwen3-moe", tmp_path / "toy")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------- tokenizer and reload
+
+
+def test_tokenizer_loads_offline_and_round_trips(bf16_toys, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = bf16_toys["glm5"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(GSM8K_STYLE)["input_ids"]
+    assert tokenizer.decode(ids) == GSM8K_STYLE
+    assert len(tokenizer("#### 1234")["input_ids"]) == 9  # one token per character, digits included
+    assert len(tokenizer) == VOCAB_SIZE == config_of(path)["vocab_size"]
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.eos_token_id == config_of(path)["eos_token_id"]
+    assert generation["pad_token_id"] == tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("name", TOY_NAMES)
+def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = bf16_toys[name]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = AutoTokenizer.from_pretrained(path)(GSM8K_STYLE[:64], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert model.dtype == torch.bfloat16
+    assert logits.shape == (1, 64, VOCAB_SIZE) and logits.isfinite().all()
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args):
+    import typer
+    from typer.testing import CliRunner
+
+    from quant.commands.toy import command
+
+    app = typer.Typer()
+    app.command()(command)
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_rejects_an_unknown_name(tmp_path):
+    result = run_cli("glm6", tmp_path / "toy")
+    assert isinstance(result.exception, QuantError)
+    assert "glm5, deepseek-v3, qwen3-moe, qwen3.5-fused" in str(result.exception)
+    assert not (tmp_path / "toy").exists()
+
+
+def test_cli_writes_a_summary_and_refuses_to_overwrite_without_force(tmp_path):
+    out = tmp_path / "toy"
+    result = run_cli("qwen3-moe", out, "--shard-size", "1MB", "--seed", "1")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"69 tensors, 2 shard\(s\), \d+\.\d\d MB", result.output)
+
+    result = run_cli("qwen3-moe", out)
+    assert isinstance(result.exception, QuantError) and "--force" in str(result.exception)
+    assert run_cli("qwen3-moe", out, "--force").exit_code == 0
+    assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
+
+    result = run_cli("qwen3-moe", tmp_path / "other", "--shard-size", "lots")
+    assert isinstance(result.exception, QuantError) and "lots" in str(result.exception)
