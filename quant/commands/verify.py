@@ -1,0 +1,42 @@
+"""`quant verify-manifest CKPT`: predict SGLang / vLLM / transformers load failures from headers alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def command(
+    ckpt: Path = typer.Argument(..., help="Quark checkpoint directory (config.json + safetensors shards)."),
+    engine: List[str] = typer.Option(["all"], "--engine", "-e",
+                                     help="sglang | vllm | transformers | all, or one release: sglang==0.5.12 "
+                                          "(repeatable; default: every engine, strictest rules)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
+    fix: Optional[Path] = typer.Option(None, "--fix", help="Write a corrected config.json to this path "
+                                                           "(never over the checkpoint's own)."),
+    tp: Optional[int] = typer.Option(None, "--tp", min=1, help="Tensor-parallel degree to check MX splits for."),
+) -> None:
+    """Header-only preflight of a Quark checkpoint: exit 0 when no engine is predicted to fail, 1 on errors,
+    2 when the checkpoint cannot be read."""
+    from rich.console import Console
+
+    from quant.verify import fix_config, verify_checkpoint
+
+    report = verify_checkpoint(ckpt, engines=engine, tp=tp)
+    fixed = fix_config(ckpt, fix) if fix is not None else None
+    if json_out:
+        data = report.to_json()
+        if fixed is not None:
+            data["fixed_config"] = str(fixed)
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        console = Console(width=max(Console().width, 160))
+        from quant.verify.report import render
+
+        render(report, console)
+        if fixed is not None:
+            console.print(f"wrote corrected config to {fixed} (re-run verify-manifest on a copy using it)")
+    raise typer.Exit(report.exit_code)

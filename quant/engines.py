@@ -1,0 +1,201 @@
+"""Engine profiles (SGLang, vLLM, transformers) read from manifests/engines.yaml, and the names each engine
+gives a checkpoint module when it looks up its quantization scheme.
+
+A `Profile` is one engine release with its rules merged (engine-wide rules overridden by the release's).
+`exclude_aliases` renders the exclude entries every engine needs for one checkpoint module; the quantizer
+uses it to write `exclude`, verify-manifest uses the same naming rules to predict load failures.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import yaml
+
+from quant.errors import QuantError
+from quant.paths import MANIFESTS_DIR
+
+ENGINES_FILE = MANIFESTS_DIR / "engines.yaml"
+ENGINE_NAMES = ("sglang", "vllm", "transformers")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_LEAF = re.compile(r"^mlp\.experts\.\d+\.")
+
+
+@lru_cache(maxsize=1)
+def engine_data() -> dict:
+    try:
+        with open(ENGINES_FILE) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise QuantError(f"{ENGINES_FILE}: cannot read engine profiles ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("engines"), dict):
+        raise QuantError(f"{ENGINES_FILE}: no 'engines' mapping")
+    return data
+
+
+def _merged(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One engine release: `rules` are the engine-wide rules with the release's overrides applied."""
+
+    engine: str
+    release: str
+    title: str
+    rules: dict
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine}=={self.release}"
+
+    @property
+    def sources(self) -> list[str]:
+        return list(self.rules.get("sources", []))
+
+
+def releases(engine: str) -> list[str]:
+    return list(_engine(engine)["releases"])
+
+
+def _engine(engine: str) -> dict:
+    engines = engine_data()["engines"]
+    if engine not in engines:
+        raise QuantError(f"unknown engine '{engine}' (known: {', '.join(engines)})")
+    return engines[engine]
+
+
+@lru_cache(maxsize=None)
+def profile(engine: str, release: str) -> Profile:
+    data = _engine(engine)
+    if release not in data["releases"]:
+        raise QuantError(f"unknown {engine} release '{release}' (profiles exist for: "
+                         f"{', '.join(data['releases'])}; see {ENGINES_FILE})")
+    base = {k: v for k, v in data.items() if k not in ("releases", "default_releases", "title")}
+    return Profile(engine, release, data.get("title", engine), _merged(base, data["releases"][release] or {}))
+
+
+def select_profiles(specs: list[str] | None) -> list[Profile]:
+    """Profiles for engine specs: "all", "sglang" (its default releases) or "sglang==0.5.12"."""
+    out: list[Profile] = []
+    for spec in specs or ["all"]:
+        for item in str(spec).split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if item == "all":
+                names = [(e, None) for e in engine_data()["engines"]]
+            elif "==" in item:
+                engine, release = item.split("==", 1)
+                names = [(engine.strip(), release.strip())]
+            else:
+                names = [(item, None)]
+            for engine, release in names:
+                chosen = [release] if release else _engine(engine).get("default_releases") or releases(engine)
+                for r in chosen:
+                    p = profile(engine, r)
+                    if p not in out:
+                        out.append(p)
+    if not out:
+        raise QuantError("no engine selected (use sglang, vllm, transformers or all)")
+    return out
+
+
+# ---- MTP / NextN naming ------------------------------------------------------------------------------
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def mtp_layers(config: dict) -> range:
+    """Checkpoint layer indices of the MTP/NextN layers: num_hidden_layers .. + num_nextn_predict_layers."""
+    cfg = text_config(config)
+    n = int(cfg.get("num_hidden_layers") or 0)
+    k = int(cfg.get("num_nextn_predict_layers") or 0)
+    return range(n, n + k)
+
+
+def layer_index(module: str) -> int | None:
+    m = _LAYER.match(module)
+    return int(m.group(1)) if m else None
+
+
+def split_mtp(module: str, config: dict) -> tuple[int, str] | None:
+    """(layer index, sub-module name) when `module` lies in a declared MTP layer, else None."""
+    m = _LAYER.match(module)
+    if m and int(m.group(1)) in mtp_layers(config):
+        return int(m.group(1)), m.group(2)
+    return None
+
+
+def sglang_mtp_rule() -> dict:
+    return engine_data()["engines"]["sglang"]["mtp"]
+
+
+def sglang_mtp_name(sub: str) -> str | None:
+    """SGLang's runtime name for MTP sub-module `sub` (e.g. "eh_proj" -> "model.eh_proj",
+    "mlp.shared_experts.gate_proj" -> "model.decoder.mlp.shared_experts.gate_proj"); None when SGLang does
+    not load it (embed_tokens, shared_head.head come from the target model)."""
+    rule = sglang_mtp_rule()
+    if any(s in sub for s in rule["skip"]):
+        return None
+    if any(s in sub for s in rule["spec_names"]):
+        return f"{rule['spec_prefix']}.{sub}"
+    return f"{rule['decoder_prefix']}.{sub}"
+
+
+def sglang_moe_coarse() -> str:
+    rule = sglang_mtp_rule()
+    return f"{rule['decoder_prefix']}.{rule['moe_coarse']}"
+
+
+def exclude_aliases(module: str, config: dict) -> list[str]:
+    """Every exclude entry the engines need for checkpoint module `module`: the name itself first (vLLM,
+    transformers and newer SGLang match checkpoint names), then SGLang's runtime names for the MTP layer
+    SGLang builds (older SGLang does not remap the draft's exclude list), including the coarse FusedMoE
+    prefix for a routed-expert leaf. A coarse `model.layers.{N}.mlp.experts` is deliberately NOT added:
+    vLLM before the per-expert MoE fix asserts when an exclude entry matches a FusedMoE prefix."""
+    names = [module]
+    mtp = split_mtp(module, config)
+    if mtp is None:
+        return names
+    index, sub = mtp
+    if index != mtp_layers(config).start:  # SGLang builds only the first NextN layer
+        return names
+    runtime = sglang_mtp_name(sub)
+    if runtime is None:
+        return names
+    names.append(runtime)
+    if _EXPERT_LEAF.match(sub):
+        names.append(sglang_moe_coarse())
+    return names
+
+
+def map_sglang_mtp_checkpoint_name(name: str, layer_prefix: str) -> str:
+    """GlmMoeDsaForCausalLMNextN._map_mtp_ckpt_name: spec names -> model.*, the rest -> model.decoder.*."""
+    rule = sglang_mtp_rule()
+    if any(s in name for s in rule["spec_names"]):
+        return name.replace(layer_prefix, rule["spec_prefix"], 1)
+    return name.replace(layer_prefix, rule["decoder_prefix"], 1)
+
+
+def apply_substr_mapper(names: list[str], mapper: dict[str, str]) -> list[str]:
+    """SGLang/vLLM WeightsMapper.orig_to_new_substr applied to a name list (QuarkConfig.apply_weight_name_mapper):
+    every key found anywhere in a name is replaced once; names are replaced, not duplicated."""
+    out = []
+    for name in names:
+        for old, new in mapper.items():
+            if old in name:
+                name = name.replace(old, new, 1)
+        out.append(name)
+    return list(dict.fromkeys(out))

@@ -1,0 +1,55 @@
+"""verify-manifest: a header-only preflight predicting how SGLang, vLLM and transformers load a Quark checkpoint.
+
+`verify_checkpoint(path, engines=["sglang", "vllm"])` reads config.json, the index and the safetensors headers
+(never tensor data), resolves every module the way each engine release does (manifests/engines.yaml) and
+returns a `Report` of `Finding`s; `fix_config` writes a corrected config.json elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quant.checkpoint import open_checkpoint
+from quant.engines import select_profiles
+from quant.verify import hygiene
+from quant.verify.block_fp8 import block_fp8_findings, is_block_fp8
+from quant.verify.fix import fix_config
+from quant.verify.modules import inventory
+from quant.verify.report import Finding, Report, merge_versions
+from quant.verify.resolve import ProfileChecker, build_contexts
+from quant.verify.schema import config_problems, profile_config_problems
+
+__all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
+
+
+def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: int | None = None) -> Report:
+    """Predict engine load failures of the Quark (or official block-FP8) checkpoint at `path`. `engines`: names ("sglang"), pinned
+    releases ("sglang==0.5.12") or "all" (default). Raises UnreadableCheckpoint when it cannot be read."""
+    ckpt = open_checkpoint(path)
+    profiles = select_profiles(engines)
+    findings = hygiene.integrity_findings(ckpt)
+    if is_block_fp8(ckpt.config):
+        findings += block_fp8_findings(ckpt, profiles)
+        is_quark = False
+    else:
+        config_findings, is_quark = config_problems(ckpt.config)
+        findings += config_findings
+    if is_quark:
+        modules = inventory(ckpt)
+        exclude = ckpt.config["quantization_config"].get("exclude")
+        exclude = [str(e) for e in exclude] if isinstance(exclude, list) else []
+        unit_cache: dict = {}
+        contract_cache: dict = {}
+        for profile in profiles:
+            findings += profile_config_problems(ckpt.config, profile)
+            contexts = build_contexts(profile, ckpt.config, modules, unit_cache)
+            findings += ProfileChecker(profile, ckpt.config, modules, tp, contract_cache).run(contexts)
+            for ctx in contexts:
+                findings += hygiene.fused_regex_findings(exclude, profile, [u for u in ctx.units if u.fused])
+        findings += hygiene.exclude_findings(exclude, hygiene.lookup_names(modules, ckpt.config), profiles)
+        findings += hygiene.mtp_findings(ckpt, profiles)
+        findings += hygiene.shared_expert_fusion_findings(ckpt.config, profiles)
+    order: dict[str, list[str]] = {}
+    for p in profiles:
+        order.setdefault(p.engine, []).append(p.release)
+    return Report(str(path), [p.label for p in profiles], merge_versions(findings, order))

@@ -1,0 +1,74 @@
+"""Preflight for official block-FP8 checkpoints (`quant_method: "fp8"`, `weight_block_size: [128, 128]`, the
+DeepSeek-V3/GLM format; what `--scheme fp8-block` writes for the FP8 baseline).
+
+Contract (moe-layouts.md §4, mx-numerics.md §10): every quantized linear stores `weight` F8_E4M3 [out, in] and
+`weight_scale_inv` F32 [ceil(out/128), ceil(in/128)]; a linear stored in BF16 must be named in
+`modules_to_not_convert`, unless the engine builds that module without asking the quant config at all
+(routers, indexer weights_proj, embeddings, heads, the MTP eh_proj, which is a plain nn.Linear outside Quark).
+"""
+
+from __future__ import annotations
+
+import re
+
+from quant.checkpoint import FLOAT_DTYPES, Checkpoint
+from quant.engines import Profile
+from quant.verify.report import Finding
+
+RULE = "block-FP8 contract"
+QCFG = "config.json:quantization_config"
+PLAIN_LINEAR_IN_FP8_MODELS = re.compile(r"\.eh_proj$")
+
+
+def is_block_fp8(config: dict) -> bool:
+    q = config.get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") == "fp8" and q.get("weight_block_size") is not None
+
+
+def _all(tensor: str, message: str, fix: str) -> Finding:
+    return Finding("error", "all", (), tensor, message, fix, RULE)
+
+
+def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
+    q = ckpt.config["quantization_config"]
+    out: list[Finding] = []
+    if list(q.get("weight_block_size") or []) != [128, 128]:
+        out.append(_all(f"{QCFG}.weight_block_size", f"weight_block_size {q.get('weight_block_size')} is not "
+                        "[128, 128], the only block size the DeepSeek/GLM FP8 kernels take", "requantize 128x128"))
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        out.append(_all(f"{QCFG}.activation_scheme", f"activation_scheme {q.get('activation_scheme')!r} needs "
+                        "static input scales that block-FP8 checkpoints do not carry", "use 'dynamic'"))
+    skip = q.get("modules_to_not_convert") or []
+    if not isinstance(skip, list):
+        out.append(_all(f"{QCFG}.modules_to_not_convert", "modules_to_not_convert must be a list", "write a list"))
+        skip = []
+    tensors = ckpt.tensors
+    for name, info in sorted(tensors.items()):
+        if name.endswith(".weight_scale_inv"):
+            weight = tensors.get(name[: -len("_scale_inv")])
+            if weight is None or weight.dtype != "F8_E4M3":
+                out.append(_all(name, f"{name} has no F8_E4M3 weight next to it; the loader finds no parameter "
+                                "for it", "drop the scale or store the weight in FP8"))
+            continue
+        if not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if info.dtype == "F8_E4M3":
+            scale = tensors.get(module + ".weight_scale_inv")
+            want = (-(-info.shape[0] // 128), -(-info.shape[1] // 128))
+            if scale is None or scale.dtype != "F32" or tuple(scale.shape) != want:
+                got = f"{scale.dtype} {list(scale.shape)}" if scale else "missing"
+                out.append(_all(module + ".weight_scale_inv", f"{module} is F8_E4M3 {list(info.shape)} and needs "
+                                f"weight_scale_inv F32 {list(want)}, found {got}", "write the 128x128 block scales"))
+            continue
+        if info.dtype not in FLOAT_DTYPES or module in skip or PLAIN_LINEAR_IN_FP8_MODELS.search(module):
+            continue
+        for profile in profiles:
+            never = [re.compile(p) for p in profile.rules.get("never_quantized", [])]
+            if any(p.search(module) for p in never):
+                continue
+            out.append(Finding("error", profile.engine, (profile.release,), name,
+                               f"{profile.engine} builds {module} as block FP8 and expects F8_E4M3 "
+                               f"{list(info.shape)} with weight_scale_inv, but {name} is {info.dtype}",
+                               f"add {module} to modules_to_not_convert", RULE))
+    return out

@@ -1,0 +1,127 @@
+"""The tensors a module must have on disk for the scheme an engine builds it with (loader-contract §3).
+
+MXFP4: `weight` U8 [out, in/2] + `weight_scale` U8 [out, in/32], in % 32 == 0, no `input_scale` (dynamic MX
+activations; static ones need a scalar F32 `input_scale`). FP8: `weight` F8_E4M3 [out, in] + `weight_scale` F32
+[] (per_tensor) or [out] (per_channel), `input_scale` F32 scalar iff the input is static. Unquantized: `weight`
+in BF16/F16/F32 and no scale tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quant.checkpoint import FLOAT_DTYPES, TensorInfo
+from quant.verify.modules import Module
+
+MX_KINDS = ("mxfp4", "mxfp4_weight_only", "mxfp4_static_input", "w4a8_mxfp4_fp8")
+FP8_KINDS = ("fp8", "fp8_weight_only")
+SCALE_SUFFIXES = ("weight_scale", "input_scale", "weight_scale_inv", "weight_scale_2", "input_scale_2")
+KIND_LABEL = {"mxfp4": "MXFP4", "mxfp4_weight_only": "MXFP4 weight-only", "mxfp4_static_input":
+              "MXFP4 (static activations)", "w4a8_mxfp4_fp8": "MXFP4 W4A8-FP8", "fp8": "FP8",
+              "fp8_weight_only": "FP8 weight-only", None: "unquantized"}
+
+
+def family(kind: str | None) -> str:
+    return "mxfp4" if kind in MX_KINDS else "fp8" if kind in FP8_KINDS else "float"
+
+
+def stored_family(mod: Module) -> str:
+    w = mod.weight
+    if w is None:
+        return "missing"
+    if w.dtype == "U8":
+        return "mxfp4"
+    if w.dtype == "F8_E4M3":
+        return "fp8"
+    return "float" if w.dtype in FLOAT_DTYPES else w.dtype
+
+
+def logical_shape(mod: Module) -> tuple[int, int] | None:
+    """[out, in] of the original linear, read back from whatever dtype the weight is stored in."""
+    w = mod.weight
+    if w is None or len(w.shape) != 2:
+        return None
+    out_f, cols = w.shape
+    return (out_f, cols * 2) if w.dtype == "U8" else (out_f, cols)
+
+
+def describe(info: TensorInfo | None) -> str:
+    return "absent" if info is None else f"{info.dtype} {list(info.shape)}"
+
+
+def expected_weight(kind: str | None, shape: tuple[int, int]) -> str:
+    o, i = shape
+    fam = family(kind)
+    if fam == "mxfp4":
+        return f"U8 [{o}, {i // 2}] + weight_scale U8 [{o}, {i // 32}]"
+    if fam == "fp8":
+        return f"F8_E4M3 [{o}, {i}] + weight_scale F32"
+    return f"BF16 [{o}, {i}] and no scale tensors"
+
+
+@dataclass(frozen=True)
+class TensorIssue:
+    tensor: str
+    problem: str  # what is on disk
+    expected: str
+    family_mismatch: bool
+
+
+def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_parallel_tp: int | None = None
+                 ) -> list[TensorIssue]:
+    """Issues of one module against `kind` (None: built unquantized). `row_parallel_tp`: the TP degree when
+    the module is row-parallel (its input dimension is split)."""
+    name = mod.name
+    shape = logical_shape(mod)
+    if shape is None:
+        return [TensorIssue(f"{name}.weight", describe(mod.weight), "a 2-D weight", False)]
+    want, have = family(kind), stored_family(mod)
+    w = mod.weight
+    if want != have:
+        scales = [s for s in SCALE_SUFFIXES if s in mod.params]
+        extra = f" (+ {', '.join(scales)})" if scales else ""
+        return [TensorIssue(f"{name}.weight", f"{describe(w)}{extra}", expected_weight(kind, shape), True)]
+    o, i = shape
+    issues: list[TensorIssue] = []
+
+    def need(suffix: str, dtype: str, shapes: list[tuple[int, ...]], label: str) -> None:
+        info = mod.params.get(suffix)
+        if info is None or info.dtype != dtype or tuple(info.shape) not in shapes:
+            issues.append(TensorIssue(f"{name}.{suffix}", describe(info), label, False))
+
+    def forbid(*suffixes: str) -> None:
+        for suffix in suffixes:
+            if suffix in mod.params:
+                issues.append(TensorIssue(f"{name}.{suffix}", describe(mod.params[suffix]),
+                                          "absent (the engine has no parameter for it)", False))
+
+    act = (layer_cfg or {}).get("input_tensors") if isinstance(layer_cfg, dict) else None
+    static_input = isinstance(act, dict) and act.get("is_dynamic") is False
+    if want == "mxfp4":
+        if i % 32:
+            issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
+                                      "an input dimension divisible by 32 (MX blocks)", False))
+        else:
+            need("weight_scale", "U8", [(o, i // 32)], f"U8 [{o}, {i // 32}] (E8M0, one byte per 32 inputs)")
+        if row_parallel_tp and (i % row_parallel_tp or (i // row_parallel_tp) % 32):
+            issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
+                                      f"in/TP = {i}/{row_parallel_tp} divisible by 32 (row-parallel split)", False))
+        if static_input:
+            need("input_scale", "F32", [(), (1,)], "F32 scalar (static activations)")
+        else:
+            forbid("input_scale")
+        forbid("weight_scale_inv")
+    elif want == "fp8":
+        wq = (layer_cfg or {}).get("weight") or {}
+        if wq.get("qscheme") == "per_tensor":
+            need("weight_scale", "F32", [(), (1,)], "F32 scalar (per_tensor)")
+        else:
+            need("weight_scale", "F32", [(o,)], f"F32 [{o}] (per_channel)")
+        if static_input:
+            need("input_scale", "F32", [(), (1,)], "F32 scalar (static per-tensor input)")
+        else:
+            forbid("input_scale")
+        forbid("weight_scale_inv")
+    else:
+        forbid(*SCALE_SUFFIXES)
+    return issues

@@ -1,0 +1,113 @@
+"""Checkpoint modules and the units an engine builds from them.
+
+A checkpoint *module* is a tensor-name prefix with its parameters (`X.weight`, `X.weight_scale`, ...). A *unit*
+is what one engine instantiates and looks up in the quant config: a plain linear, a fused linear
+(`gate_up_proj` built from the `gate_proj` and `up_proj` shards) or a FusedMoE (`...mlp.experts`, built from
+every per-expert leaf). Units carry the engine's runtime names (MTP layers renamed per engine).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from quant.checkpoint import Checkpoint, TensorInfo
+
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass
+class Module:
+    name: str
+    params: dict[str, TensorInfo] = field(default_factory=dict)  # suffix ("weight", "weight_scale") -> info
+    layer: int | None = None  # index of model.layers.{i}.*, None outside the decoder stack
+
+    @property
+    def weight(self) -> TensorInfo | None:
+        return self.params.get("weight")
+
+    @property
+    def is_linear(self) -> bool:
+        w = self.weight
+        return w is not None and len(w.shape) == 2
+
+
+def inventory(ckpt: Checkpoint) -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    for name, info in ckpt.tensors.items():
+        prefix, _, suffix = name.rpartition(".")
+        if not prefix:
+            continue
+        mod = modules.get(prefix)
+        if mod is None:
+            m = _LAYER.match(prefix)
+            mod = modules[prefix] = Module(prefix, layer=int(m.group(1)) if m else None)
+        mod.params[suffix] = info
+    return modules
+
+
+def expert_coarse(name: str) -> str | None:
+    """`a.mlp.experts` for a per-expert leaf `a.mlp.experts.7.down_proj` (the FusedMoE prefix), else None."""
+    if ".experts." not in name:
+        return None
+    head, index, _proj = name.rsplit(".", 2) if name.count(".") >= 2 else (name, "", "")
+    return head if index.isdigit() and head.endswith(".experts") else None
+
+
+@dataclass
+class Unit:
+    """One module an engine builds. `members` are checkpoint module names (fused shards in mapping order, or
+    expert leaves); `shard_runtime` are the runtime names the engine checks the exclude list with."""
+
+    runtime: str
+    kind: str  # "linear" | "moe"
+    members: list[str]
+    shard_runtime: list[str]
+    fused: str | None = None
+    mtp: bool = False
+    missing_shards: list[str] = field(default_factory=list)
+
+
+def build_units(modules: dict[str, Module], runtime_name: Callable[[str], str | None],
+                packed: dict[str, list[str]], group_experts: bool,
+                is_mtp: Callable[[str], bool]) -> list[Unit]:
+    """Units for every linear module; `runtime_name` maps a checkpoint module to the engine's name (None:
+    the engine does not build it)."""
+    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
+    units: list[Unit] = []
+    moe: dict[str, Unit] = {}
+    fused_groups: dict[tuple[str, str], dict[str, tuple[str, str]]] = {}
+    for name, mod in modules.items():
+        if not mod.is_linear:
+            continue
+        runtime = runtime_name(name)
+        if runtime is None:
+            continue
+        coarse = expert_coarse(runtime) if group_experts else None
+        if coarse:
+            unit = moe.get(coarse)
+            if unit is None:
+                unit = moe[coarse] = Unit(coarse, "moe", [], [], mtp=is_mtp(name))
+            unit.members.append(name)
+            unit.shard_runtime.append(runtime)
+            continue
+        parent, _, proj = runtime.rpartition(".")
+        if proj in shard_to_fused:
+            fused_groups.setdefault((parent, shard_to_fused[proj]), {})[proj] = (name, runtime)
+            continue
+        units.append(Unit(runtime, "linear", [name], [runtime], mtp=is_mtp(name)))
+    for (parent, fused), present in fused_groups.items():
+        shards = packed[fused]
+        if len(present) == 1:  # a lone q_proj (MLA without q_lora) is not a fused module
+            (name, runtime), = present.values()
+            units.append(Unit(runtime, "linear", [name], [runtime], mtp=is_mtp(name)))
+            continue
+        order = [s for s in shards if s in present]
+        units.append(Unit(f"{parent}.{fused}", "linear", [present[s][0] for s in order],
+                          [present[s][1] for s in order], fused=fused, mtp=is_mtp(present[order[0]][0]),
+                          missing_shards=[f"{parent}.{s}" for s in shards if s not in present]))
+    units.extend(moe.values())
+    return units

@@ -1,0 +1,169 @@
+"""`quantization_config` schema checks (loader-contract §2.4, §9.1) and scheme classification (§2.3)."""
+
+from __future__ import annotations
+
+import fnmatch
+
+from quant.engines import Profile
+from quant.verify.report import Finding
+
+QCFG = "config.json:quantization_config"
+
+
+def _finding(profile: Profile | None, tensor: str, message: str, fix: str, severity: str = "error",
+             rule: str = "#18 config schema") -> Finding:
+    engine, versions = (profile.engine, (profile.release,)) if profile else ("all", ())
+    return Finding(severity, engine, versions, tensor, message, fix, rule)
+
+
+def classify(layer_cfg: dict | None) -> str:
+    """Scheme of a QLayerConfig as the engines' predicates see it (quark.py _is_mx_fp4, _is_w_ocp_mx_a_x,
+    _is_fp8_w8a8, _is_w4a8_mxfp4_fp8); "unmodelled" for dtypes this preflight has no contract for."""
+    if not isinstance(layer_cfg, dict):
+        return "other"
+    if layer_cfg.get("output_tensors") or layer_cfg.get("bias"):
+        return "quantized_output_or_bias"
+    w, a = layer_cfg.get("weight"), layer_cfg.get("input_tensors")
+    if w is None:
+        return "other"
+    if isinstance(w, list) or isinstance(a, list):
+        return "unmodelled"
+    dtype = w.get("dtype")
+    if dtype == "fp4":
+        if not (w.get("qscheme") == "per_group" and w.get("group_size") == 32 and w.get("scale_format") == "e8m0"
+                and w.get("is_dynamic") is not True):
+            return "other"
+        if a is None:
+            return "mxfp4_weight_only"
+        if a.get("dtype") == "fp4" and a.get("qscheme") == "per_group" and a.get("group_size") == 32 \
+                and a.get("scale_format") == "e8m0":
+            return "mxfp4_static_input" if a.get("is_dynamic") is False else "mxfp4"
+        if a.get("dtype") in ("fp8_e4m3", "fp8_e4m3fn") and a.get("qscheme") == "per_tensor" \
+                and not a.get("is_dynamic"):
+            return "w4a8_mxfp4_fp8"
+        return "other"
+    if dtype == "fp8_e4m3":
+        if w.get("is_dynamic") or w.get("qscheme") not in ("per_tensor", "per_channel"):
+            return "other"
+        if a is None:
+            return "fp8_weight_only"
+        if a.get("dtype") == "fp8_e4m3" and (a.get("is_dynamic") or a.get("qscheme") == "per_tensor"):
+            return "fp8"
+        return "other"
+    return "unmodelled"
+
+
+def config_problems(config: dict) -> tuple[list[Finding], bool]:
+    """Engine-independent checks; the bool says whether per-engine checks can go on (a Quark config exists)."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return [_finding(None, QCFG, "config.json has no quantization_config: engines load the checkpoint "
+                         "as unquantized and every U8/F8 weight fails", "write the Quark quantization_config")], False
+    if q.get("quant_method") != "quark":
+        return [_finding(None, f"{QCFG}.quant_method",
+                         f"quant_method is {q.get('quant_method')!r}, not 'quark': this preflight checks Quark "
+                         "checkpoints only", "verify with the loader of that format")], False
+    out: list[Finding] = []
+    if not isinstance(q.get("global_quant_config"), dict):
+        out.append(_finding(None, f"{QCFG}.global_quant_config", "global_quant_config is missing or not an "
+                            "object: every engine reads it for modules no other entry covers",
+                            "add the global QLayerConfig"))
+    export = q.get("export")
+    if isinstance(export, dict) and export.get("weight_format", "real_quantized") != "real_quantized":
+        out.append(_finding(None, f"{QCFG}.export.weight_format",
+                            f"weight_format is {export.get('weight_format')!r}: engines expect packed "
+                            "real_quantized weights", "export with weight_format 'real_quantized'"))
+    return out, True
+
+
+def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:
+    q = config["quantization_config"]
+    rules = profile.rules.get("config_schema", {})
+    out: list[Finding] = []
+    who = profile.title
+
+    def err(key: str, message: str, fix: str, severity: str = "error") -> None:
+        out.append(_finding(profile, f"{QCFG}.{key}", message, fix, severity))
+
+    export = q.get("export")
+    if rules.get("export_required"):
+        if not isinstance(export, dict):
+            err("export", f"{who} raises {rules['export_required']}", "add export: {kv_cache_group: [], "
+                "pack_method: reorder, weight_format: real_quantized, min_kv_scale: 0.0}")
+        elif not isinstance(export.get("kv_cache_group"), list):
+            err("export.kv_cache_group", f"{who} raises {rules['kv_cache_group_list']}",
+                "set export.kv_cache_group to a list ([] without an FP8 KV cache)")
+    if "exclude" not in q and rules.get("exclude_required"):
+        err("exclude", f"{who} iterates the exclude list: a missing 'exclude' raises TypeError/KeyError",
+            "add exclude: [] (or the list of unquantized modules)")
+    elif "exclude" in q and not isinstance(q.get("exclude"), list):
+        err("exclude", f"exclude is {type(q.get('exclude')).__name__}, {who} needs a list",
+            "make exclude a list of names or re: patterns")
+    for key in rules.get("dict_keys", []):
+        if not isinstance(q.get(key), dict):
+            err(key, f"{key} is missing or not an object: {who} iterates it (AttributeError/TypeError)",
+                f"add {key}: {{}}")
+    for key in rules.get("required_keys", []):
+        if key not in q:
+            err(key, f"Quark QConfig.from_dict indexes config_dict[{key!r}] (KeyError)", f"add {key}")
+    if rules.get("layer_config_keys"):
+        for where, layer_cfg in _layer_configs(q):
+            if not isinstance(layer_cfg, dict):
+                continue
+            missing = [k for k in rules["layer_config_keys"] if k not in layer_cfg]
+            if missing:
+                err(where, f"Quark QLayerConfig.from_dict indexes {missing} (KeyError); all four tensor keys "
+                    "must be present, null when unused", f"add {', '.join(f'{k}: null' for k in missing)}")
+            for tkey in ("weight", "input_tensors", "output_tensors", "bias"):
+                specs = layer_cfg.get(tkey)
+                for spec in specs if isinstance(specs, list) else [specs]:
+                    if isinstance(spec, dict) and "dtype" not in spec:
+                        err(f"{where}.{tkey}", "Quark QTensorConfig.from_dict requires 'dtype' (KeyError)",
+                            "add the tensor dtype")
+    if profile.engine == "sglang" and "packed_modules_mapping" in q:
+        err("packed_modules_mapping", "SGLang's loader injects packed_modules_mapping and overwrites this one",
+            "remove packed_modules_mapping from the checkpoint config", severity="warning")
+    out.extend(_kv_cache_problems(q, profile))
+    return out
+
+
+def _layer_configs(q: dict):
+    yield "global_quant_config", q.get("global_quant_config")
+    for section in ("layer_quant_config", "layer_type_quant_config"):
+        if isinstance(q.get(section), dict):
+            for key, value in q[section].items():
+                yield f"{section}[{key!r}]", value
+
+
+def _kv_cache_problems(q: dict, profile: Profile) -> list[Finding]:
+    rules = profile.rules.get("config_schema", {})
+    export = q.get("export") if isinstance(q.get("export"), dict) else {}
+    group = export.get("kv_cache_group")
+    mode = rules.get("kv_cache_keys")
+    if not mode or not isinstance(group, list) or not group:
+        return []
+    lqc = q.get("layer_quant_config") if isinstance(q.get("layer_quant_config"), dict) else {}
+    if mode == "exact":
+        matched = [lqc[k] for k in group if k in lqc]
+        ok = set(group) <= set(lqc)
+    else:
+        matched = [v for k, v in lqc.items() if any(fnmatch.fnmatchcase(k, p) for p in group)]
+        ok = set(group) <= set(lqc) or bool(matched)
+    key = f"{QCFG}.export.kv_cache_group"
+    if not ok:
+        return [_finding(profile, key, f"{profile.title} raises ValueError(\"The Quark quantized model has the "
+                         "kv_cache_group parameter setting, but no kv_cache quantization settings were found in "
+                         "the quantization configuration.\")",
+                         "add layer_quant_config entries keyed exactly like kv_cache_group, or empty the group",
+                         rule="#18 kv cache")]
+    outs = [m.get("output_tensors") if isinstance(m, dict) else None for m in matched]
+    if any(o != outs[0] for o in outs) or not isinstance(outs[0], dict):
+        return [_finding(profile, key, "kv_cache_group layer configs disagree or have no output_tensors: "
+                         f"{profile.title} raises ValueError", "give every KV entry the same fp8 output_tensors",
+                         rule="#18 kv cache")]
+    spec = outs[0]
+    if spec.get("dtype") != "fp8_e4m3" or spec.get("qscheme") != "per_tensor":
+        return [_finding(profile, key, f"KV-cache spec {spec.get('dtype')}/{spec.get('qscheme')}: "
+                         f"{profile.title} raises NotImplementedError (fp8_e4m3 per_tensor only)",
+                         "use an fp8_e4m3 per_tensor KV-cache spec", rule="#18 kv cache")]
+    return []
