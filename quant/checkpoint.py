@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-import torch
 from safetensors import safe_open
 
 from quant.errors import QuantError, UnreadableCheckpoint
@@ -20,28 +19,19 @@ from quant.errors import QuantError, UnreadableCheckpoint
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+# torch is imported lazily: the preflight reads only headers and must not pay torch's import time.
+TORCH_DTYPE_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+                     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+                     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "F32": 4,
                "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    for name, value in TORCH_DTYPES.items():
-        if value == dtype:
+def safetensors_dtype(dtype) -> str:
+    """The safetensors dtype string of a torch dtype ("BF16" for torch.bfloat16)."""
+    for name, torch_name in TORCH_DTYPE_NAMES.items():
+        if str(dtype) == f"torch.{torch_name}":
             return name
     raise QuantError(f"no safetensors name for torch dtype {dtype}")
 
@@ -125,7 +115,8 @@ def read_json(path: Path) -> dict:
 def read_shard_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor in one shard, from its header only."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    with safe_open(str(path), framework="pt") as f:
+    # framework="numpy" reads the same header without importing torch; no tensor is materialized.
+    with safe_open(str(path), framework="numpy") as f:
         for name in f.keys():
             sl = f.get_slice(name)
             out[name] = (sl.get_dtype(), tuple(sl.get_shape()))
@@ -195,7 +186,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(root=root, config=config, tensors=tensors, files=files, index=index, problems=problems)
 
 
-def load_tensors(path: Path, names: list[str] | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, names: list[str] | None = None, device: str = "cpu") -> dict:
     """Tensor data of one shard (all tensors, or `names`)."""
     out = {}
     try:

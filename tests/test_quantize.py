@@ -145,9 +145,12 @@ def _logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["glm5", "qwen3.5-fused"])
 @pytest.mark.parametrize("scheme,recipe,tolerance", [("w_mxfp4_a_mxfp4", "experts-only", 0.15),
                                                      ("w_mxfp4_a_mxfp4", "all-linear", 0.35),
-                                                     ("fp8-block", "all-linear", 0.06)])
+                                                     ("fp8-block", "all-linear", 0.2)])
 def test_dequantized_reload_stays_close_to_the_original(toy_factory, tmp_path, family, scheme, recipe, tolerance):
-    """Random-weight toys: MXFP4 adds ~11% RMS noise to each weight (relative MSE ~1.25%), FP8 ~2.6%."""
+    """Random-weight toys: MXFP4 adds ~11% RMS noise to each weight (relative MSE ~1.25%), FP8 ~2.6%. The
+    random glm5 toy amplifies attention-weight noise (FP8 on attention alone: 14% logit error with every
+    weight's relative MSE at 0.07%), so bounds are set ~1.5x above measured values (0.07/0.11, 0.25/0.19,
+    0.14/0.06 for glm5/qwen3.5)."""
     from quant.dequant import dequantize_checkpoint
 
     src = toy_factory(family)
@@ -176,7 +179,7 @@ def test_dequantized_weights_match_manifest_error(toy_factory, tmp_path):
     orig = _read(src, name + ".weight").float()
     deq = _read(plain, name + ".weight")
     rel = float((orig - deq).double().square().sum() / orig.double().square().sum())
-    assert rel == pytest.approx(rec["rel_mse"], rel=1e-9)
+    assert rel == pytest.approx(rec["rel_mse"], rel=1e-5)  # manifest sums fp32 chunk dot products
     # Engines' decode (vLLM/SGLang mxfp4_to_f32): low nibble = even element, E2M1 table, 2^(byte-127).
     packed, scale = _read(out, name + ".weight"), _read(out, name + ".weight_scale")
     table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])

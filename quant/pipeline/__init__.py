@@ -200,9 +200,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
             advance(shard.source_bytes)
             return result
 
-        with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
+        pool = ThreadPoolExecutor(max_workers=len(device_list))
+        try:
             for result in pool.map(work, enumerate(todo)):
                 results[result.file] = result
+        finally:
+            # On an error, shards not started yet are dropped: the run stops at the first failure.
+            pool.shutdown(wait=True, cancel_futures=True)
     elapsed = time.perf_counter() - started
 
     ordered = [results[s.file] for s in plan.shards]

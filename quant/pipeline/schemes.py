@@ -21,6 +21,7 @@ class Scheme:
     output_format: str  # "quark" or "fp8-official"
     quantize: Callable[[torch.Tensor, str], dict[str, torch.Tensor]]  # (weight, scale_mode) -> {suffix: tensor}
     dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # {suffix: tensor} -> fp32 weight
+    rows: Callable[[dict[str, torch.Tensor], int, int], dict[str, torch.Tensor]]  # rows r0:r1 of the parts
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
@@ -41,6 +42,16 @@ def _fp8_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
     return fp8.dequantize_fp8(t["weight"], t["weight_scale"], dtype=torch.float32)
 
 
+def _row_slice(parts: dict[str, torch.Tensor], r0: int, r1: int) -> dict[str, torch.Tensor]:
+    """Rows r0:r1 of a row-wise scheme (MXFP4 blocks and per-channel scales run along rows)."""
+    return {k: (v[r0:r1] if v.dim() else v) for k, v in parts.items()}
+
+
+def _block_rows(parts: dict[str, torch.Tensor], r0: int, r1: int) -> dict[str, torch.Tensor]:
+    assert r0 % 128 == 0, "block-FP8 row chunks start on a tile boundary"
+    return {"weight": parts["weight"][r0:r1], "weight_scale_inv": parts["weight_scale_inv"][r0 // 128: -(-r1 // 128)]}
+
+
 def _fp8_block(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
     q, s = fp8.quantize_fp8_block(w)
     return {"weight": q, "weight_scale_inv": s}
@@ -54,12 +65,13 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in [
         Scheme("w_mxfp4_a_mxfp4", "MXFP4 weights, dynamic MXFP4 activations (what AMD publishes)", 32, "quark",
-               _mxfp4, _mxfp4_back),
-        Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back),
+               _mxfp4, _mxfp4_back, _row_slice),
+        Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back,
+               _row_slice),
         Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
-               "quark", _fp8_channel, _fp8_back),
+               "quark", _fp8_channel, _fp8_back, _row_slice),
         Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
-               "fp8-official", _fp8_block, _fp8_block_back),
+               "fp8-official", _fp8_block, _fp8_block_back, _block_rows),
     ]
 }
 

@@ -21,7 +21,7 @@ def resolve_source(src: str | Path) -> tuple[Path, str]:
     if not HUB_ID.match(text) or path.exists():
         raise QuantError(f"{src}: not a checkpoint directory")
     if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True"):
-        raise QuantError(f"{src}: not a local directory, and the hub is off (HF_HUB_OFFLINE is set)")
+        raise QuantError(f"{src}: not a local directory, and the Hugging Face hub is offline (HF_HUB_OFFLINE=1)")
     from huggingface_hub import snapshot_download
 
     try:

@@ -1,0 +1,56 @@
+"""`quant demo OUT`: the whole pipeline on built-in toys.
+
+build → quantize (FP8 baseline and MXFP4) → verify-manifest → eval → report. It uses the trained toy
+(tests/fixtures/toy_arith, a glm5-layout MoE with its MTP layer that does small arithmetic in GSM8K format)
+for the accuracy comparison, and a freshly built glm5 toy to show the preflight on a full-size layout.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import typer
+
+from quant.paths import REPO_ROOT
+
+TRAINED_TOY = REPO_ROOT / "tests" / "fixtures" / "toy_arith"
+
+
+def _step(title: str) -> None:
+    typer.secho(f"\n== {title}", bold=True)
+
+
+def command(
+    out: Path = typer.Argument(Path("demo-out"), help="Directory for everything the demo writes (replaced)."),
+    limit: int = typer.Option(200, help="Questions per arm in the eval step."),
+) -> None:
+    """Run build → quantize → verify-manifest → eval → report on toy models."""
+    from evals.api import compare_checkpoints
+    from quant.pipeline import quantize_checkpoint
+    from quant.toy import build_toy
+    from quant.verify import verify_checkpoint
+    from quant.verify.report import render_report
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+    _step("1. build a toy GLM-5 (glm_moe_dsa, routed + shared experts, DSA indexer, MTP layer)")
+    toy = build_toy("glm5", out / "toy-glm5", shard_size=2_000_000)
+    typer.echo(f"   {toy}")
+
+    _step("2. quantize the toy to MXFP4 (experts) and check it with the preflight for every engine")
+    quantize_checkpoint(toy, out / "toy-glm5-mxfp4", progress=True)
+    render_report(verify_checkpoint(out / "toy-glm5-mxfp4", engines=["all"]))
+
+    _step("3. quantize the trained toy: block-FP8 baseline and MXFP4 candidate")
+    quantize_checkpoint(TRAINED_TOY, out / "arith-fp8", scheme="fp8-block", recipe="all-linear", progress=True)
+    quantize_checkpoint(TRAINED_TOY, out / "arith-mxfp4", progress=True)
+    render_report(verify_checkpoint(out / "arith-mxfp4", engines=["all"]))
+
+    _step("4. evaluate both in-process with lm-eval and compare them question by question")
+    report = compare_checkpoints(candidate=out / "arith-mxfp4", baseline=out / "arith-fp8",
+                                 tasks=["toy_arith"], limit=limit, out=out / "report")
+    typer.echo(f"\nreport: {out / 'report' / 'report.md'}")
+    typer.echo(f"verdict: {report['verdict']}")
