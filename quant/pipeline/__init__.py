@@ -9,12 +9,13 @@ like a finished checkpoint.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import json
 import re
 import shutil
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from quant import __version__
@@ -200,13 +201,16 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
             advance(shard.source_bytes)
             return result
 
-        pool = ThreadPoolExecutor(max_workers=len(device_list))
-        try:
-            for result in pool.map(work, enumerate(todo)):
-                results[result.file] = result
-        finally:
-            # On an error, shards not started yet are dropped: the run stops at the first failure.
-            pool.shutdown(wait=True, cancel_futures=True)
+        # One shard in flight per worker, so a failure stops the run before later shards start.
+        queue = iter(enumerate(todo))
+        with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
+            running = {pool.submit(work, item) for item in itertools.islice(queue, len(device_list))}
+            while running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    result = future.result()
+                    results[result.file] = result
+                    running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
     elapsed = time.perf_counter() - started
 
     ordered = [results[s.file] for s in plan.shards]
