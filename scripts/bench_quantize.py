@@ -82,7 +82,7 @@ ModelQuantizer(cfg).direct_quantize_checkpoint(sys.argv[1], sys.argv[2], device=
 
 def expert_names(ckpt: Path) -> dict[str, str]:
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    return {n[: -len(".weight")]: f for n, f in index.items() if "_proj.weight" in n}
+    return {n[: -len(".weight")]: f for n, f in index.items() if n.endswith("_proj.weight")}
 
 
 def compare(ours: Path, quark: Path) -> tuple[int, int]:

@@ -177,6 +177,7 @@ def test_dequantized_weights_match_manifest_error(toy_factory, tmp_path):
     name = "model.layers.0.mlp.experts.1.up_proj"
     rec = manifest["tensors"][name]
     orig = _read(src, name + ".weight").float()
+    assert rec["error_rows"] == orig.shape[0], "small weights are measured on every row"
     deq = _read(plain, name + ".weight")
     rel = float((orig - deq).double().square().sum() / orig.double().square().sum())
     assert rel == pytest.approx(rec["rel_mse"], rel=1e-5)  # manifest sums fp32 chunk dot products
@@ -192,3 +193,15 @@ def _read(ckpt: Path, name: str) -> torch.Tensor:
     ck = open_checkpoint(ckpt)
     with safe_open(str(ckpt / ck.tensors[name].file), "pt") as f:
         return f.get_tensor(name)
+
+
+def test_error_windows_cover_small_weights_and_sample_large_ones():
+    from quant.pipeline.execute import ERROR_SAMPLE_ROWS, error_windows
+
+    assert error_windows(96, 1) == [(0, 96)]
+    windows = error_windows(2048, 1)
+    assert sum(b - a for a, b in windows) == ERROR_SAMPLE_ROWS
+    assert windows[0][0] == 0 and windows[-1][1] > 1800, "windows spread over the whole weight"
+    tiles = error_windows(2048, 128)
+    assert all(a % 128 == 0 for a, _ in tiles) and sum(b - a for a, b in tiles) == ERROR_SAMPLE_ROWS
+    assert error_windows(300, 128) == [(0, 128)] or all(a % 128 == 0 for a, _ in error_windows(300, 128))

@@ -22,6 +22,7 @@ class Scheme:
     quantize: Callable[[torch.Tensor, str], dict[str, torch.Tensor]]  # (weight, scale_mode) -> {suffix: tensor}
     dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # {suffix: tensor} -> fp32 weight
     rows: Callable[[dict[str, torch.Tensor], int, int], dict[str, torch.Tensor]]  # rows r0:r1 of the parts
+    row_align: int = 1  # rows() windows must start at multiples of this
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
@@ -71,7 +72,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
                "quark", _fp8_channel, _fp8_back, _row_slice),
         Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
-               "fp8-official", _fp8_block, _fp8_block_back, _block_rows),
+               "fp8-official", _fp8_block, _fp8_block_back, _block_rows, row_align=128),
     ]
 }
 
