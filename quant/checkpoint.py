@@ -93,6 +93,12 @@ class Checkpoint:
         return sum((self.root / f).stat().st_size for f in self.files if (self.root / f).is_file())
 
 
+def text_config(config: dict) -> dict:
+    """A config's language-model fields: vision-language wrappers (Qwen3.5) keep them under text_config."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config
+
+
 def is_safe_relative(name: str) -> bool:
     """A file name from an index that stays inside the checkpoint directory."""
     p = PurePosixPath(name.replace("\\", "/"))

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import yaml
 
+from quant.checkpoint import text_config
 from quant.errors import QuantError
 from quant.paths import MANIFESTS_DIR
 
@@ -112,10 +113,6 @@ def select_profiles(specs: list[str] | None) -> list[Profile]:
 
 
 # ---- MTP / NextN naming ------------------------------------------------------------------------------
-
-def text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
 
 def mtp_layers(config: dict) -> range:
     """Checkpoint layer indices of the MTP/NextN layers: num_hidden_layers .. + num_nextn_predict_layers."""

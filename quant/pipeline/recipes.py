@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from quant.checkpoint import text_config
 from quant.errors import QuantError
 from quant.paths import MANIFESTS_DIR
 
@@ -84,12 +85,6 @@ def load_family(name: str) -> Family:
         mtp=data.get("mtp", parent.mtp if parent else None),
         fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
     )
-
-
-def text_config(config: dict) -> dict:
-    """Vision-language wrappers (Qwen3.5) keep the language model's fields under text_config."""
-    inner = config.get("text_config")
-    return {**config, **inner} if isinstance(inner, dict) else config
 
 
 def family_for_config(config: dict, config_path: Path | str = "config.json") -> Family:

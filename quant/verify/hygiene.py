@@ -7,7 +7,7 @@ import fnmatch
 import re
 
 from quant import engines
-from quant.checkpoint import Checkpoint
+from quant.checkpoint import Checkpoint, text_config
 from quant.engines import Profile
 from quant.verify.matching import GLOB_CHARS, is_glob
 from quant.verify.report import Finding
@@ -190,7 +190,7 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     config = ckpt.config
     out: list[Finding] = []
     mtp = engines.mtp_layers(config)
-    n = int(engines.text_config(config).get("num_hidden_layers") or 0)
+    n = int(text_config(config).get("num_hidden_layers") or 0)
     present = {engines.layer_index(t) for t in ckpt.tensors} - {None}
     for p in profiles:
         rule = p.rules.get("mtp", {})
@@ -229,7 +229,7 @@ def shared_expert_fusion_findings(config: dict, profiles: list[Profile]) -> list
     fusion for the whole model (sglang #36124/#36870; performance only)."""
     q = config.get("quantization_config") or {}
     exclude = q.get("exclude") if isinstance(q.get("exclude"), list) else []
-    if int(engines.text_config(config).get("n_shared_experts") or 0) != 1:
+    if int(text_config(config).get("n_shared_experts") or 0) != 1:
         return []
     vetoes = [e for e in exclude if "shared_expert" in str(e) and "shared_expert_gate" not in str(e)
               and not str(e).startswith("mtp.")]

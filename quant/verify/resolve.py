@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from quant.checkpoint import text_config
 from quant import engines
 from quant.engines import Profile
 from quant.verify import contract
@@ -64,7 +65,7 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     group_experts = True  # per-leaf engines split the groups again while resolving (_leaf_groups)
     never = _any_of(rules.get("never_quantized", []))
     mtp_range = engines.mtp_layers(config)
-    n_layers = int(engines.text_config(config).get("num_hidden_layers") or 0)
+    n_layers = int(text_config(config).get("num_hidden_layers") or 0)
     main = {k: m for k, m in modules.items() if m.layer is None or m.layer < n_layers}
     exclude, lqc = _exclude_list(config), _lqc(config)
     contexts = [BuildContext(
