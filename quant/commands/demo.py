@@ -23,14 +23,18 @@ def _step(title: str) -> None:
 
 def command(
     out: Path = typer.Argument(Path("demo-out"), help="Directory for everything the demo writes (replaced)."),
-    limit: int = typer.Option(200, help="Questions per arm in the eval step."),
+    limit: int = typer.Option(100, help="Questions per arm in the eval step (the toy test set has 200)."),
 ) -> None:
     """Run build → quantize → verify-manifest → eval → report on toy models."""
-    from evals.api import compare_checkpoints
+    from evals.compare import EvalRequest, evaluate
+    from evals.report import print_table
     from quant.pipeline import quantize_checkpoint
     from quant.toy import build_toy
     from quant.verify import verify_checkpoint
-    from quant.verify.report import render_report
+    from quant.verify.report import render
+    from rich.console import Console
+
+    console = Console()
 
     if out.exists():
         shutil.rmtree(out)
@@ -42,15 +46,16 @@ def command(
 
     _step("2. quantize the toy to MXFP4 (experts) and check it with the preflight for every engine")
     quantize_checkpoint(toy, out / "toy-glm5-mxfp4", progress=True)
-    render_report(verify_checkpoint(out / "toy-glm5-mxfp4", engines=["all"]))
+    render(verify_checkpoint(out / "toy-glm5-mxfp4", engines=["all"]), console)
 
     _step("3. quantize the trained toy: block-FP8 baseline and MXFP4 candidate")
     quantize_checkpoint(TRAINED_TOY, out / "arith-fp8", scheme="fp8-block", recipe="all-linear", progress=True)
     quantize_checkpoint(TRAINED_TOY, out / "arith-mxfp4", progress=True)
-    render_report(verify_checkpoint(out / "arith-mxfp4", engines=["all"]))
+    render(verify_checkpoint(out / "arith-mxfp4", engines=["all"]), console)
 
     _step("4. evaluate both in-process with lm-eval and compare them question by question")
-    report = compare_checkpoints(candidate=out / "arith-mxfp4", baseline=out / "arith-fp8",
-                                 tasks=["toy_arith"], limit=limit, out=out / "report")
-    typer.echo(f"\nreport: {out / 'report' / 'report.md'}")
-    typer.echo(f"verdict: {report['verdict']}")
+    report = evaluate(EvalRequest(candidate=str(out / "arith-mxfp4"), baseline=str(out / "arith-fp8"),
+                                  tasks="toy_arith", limit=limit, out=out / "report", dtype="float32"),
+                      log=lambda m: typer.echo(f"   {m}"))
+    print_table(report)
+    typer.echo(f"\nreport: {out / 'report' / 'report.md'} (+ report.json, report.png); verdict: {report['verdict']}")
