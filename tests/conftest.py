@@ -4,6 +4,13 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two xdist workers on two cores: a second intra-op thread per worker only contends (each parallel region
+    # then waits a scheduler timeslice), so each worker computes on one thread.
+    import torch
+
+    torch.set_num_threads(1)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
