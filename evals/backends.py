@@ -1,0 +1,259 @@
+"""The two ways a model is evaluated: an OpenAI-compatible server (SGLang, vLLM, evals.server) through lm-eval's
+local-completions / local-chat-completions, or a checkpoint run in this process by transformers through HFLM.
+
+In process, a quantized checkpoint (Quark MXFP4, Quark FP8, block FP8) is first dequantized into a plain BF16
+copy by `quant.dequant.dequantize_checkpoint`, so its weights hold the quantized values (MXFP4 exactly; FP8 times
+its scale rounded to BF16) while activations stay BF16 (no MXFP4 activation quantization). That weights-only
+emulation is the documented approximation of the in-process backend; a server running the real kernels has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quant.errors import QuantError
+
+# What a request that failed after every retry is recorded as: no digits and no "(X)" letter, so every lm-eval
+# filter extracts nothing and the answer is scored wrong, and the report can count it.
+FAILED_GENERATION = "[generation failed after retries]"
+ENDPOINTS = {"completions": "completions", "chat": "chat/completions"}
+DTYPES = ("bfloat16", "float32")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    endpoint: str = "completions"     # server: "completions" or "chat"
+    server_model: str | None = None   # server: model name to send; None: the first of GET /v1/models
+    concurrency: int = 8
+    max_retries: int = 3
+    timeout: int = 3600
+    max_gen_toks: int = 512           # server default when a task does not set max_gen_toks
+    batch_size: int = 16              # in process
+    device: str | None = None         # in process; None: cuda if available, else cpu
+    dtype: str = "bfloat16"           # in process
+
+
+@dataclass
+class Backend:
+    label: str                 # "baseline" or "candidate"
+    source: str                # the checkpoint path or URL the user gave
+    kind: str                  # "server" or "transformers"
+    lm: object                 # an lm_eval.api.model.LM
+    chat: bool = False
+    description: str = ""      # e.g. "transformers on cpu (BF16 51, MXFP4 30 weight tensors, dequantized ...)"
+    notes: list[str] = field(default_factory=list)
+
+    def seed_gen_kwargs(self, seed: int) -> dict:
+        """Extra generation kwargs that make sampling follow `seed`. Servers take it in the request payload;
+        in process the torch seed (set by simple_evaluate) drives sampling, and HF generate rejects `seed`."""
+        return {"seed": seed} if self.kind == "server" else {}
+
+    def failures(self) -> int:
+        return getattr(self.lm, "failed_requests", 0)
+
+
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def open_backend(source: str, label: str, options: BackendOptions, work_dir: Path) -> Backend:
+    if is_url(source):
+        return _server_backend(source, label, options)
+    return _transformers_backend(Path(source), label, options, work_dir)
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+def endpoint_url(base: str, endpoint: str) -> str:
+    """`http://h:p/v1` -> `http://h:p/v1/completions` (or chat/completions); a full endpoint URL is kept."""
+    if endpoint not in ENDPOINTS:
+        raise QuantError(f"--endpoint {endpoint!r}: choose from {', '.join(ENDPOINTS)}")
+    base = base.rstrip("/")
+    if base.endswith(("/completions", "/chat/completions")):
+        return base
+    return f"{base}/{ENDPOINTS[endpoint]}"
+
+
+def api_root(base: str) -> str:
+    base = base.rstrip("/")
+    for tail in ("/chat/completions", "/completions"):
+        if base.endswith(tail):
+            return base[: -len(tail)]
+    return base
+
+
+def served_model_name(base: str, timeout: float = 30.0) -> str:
+    """The first model id the server lists at GET <root>/models."""
+    url = f"{api_root(base)}/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            models = json.load(response).get("data") or []
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise QuantError(f"{url}: cannot list the served models ({e}); is the server up? "
+                         "(or name the model with --server-model)")
+    if not models:
+        raise QuantError(f"{url}: the server lists no model; name it with --server-model")
+    return str(models[0]["id"])
+
+
+class _RetryingCalls:
+    """Retries each request itself and, when every attempt failed, records FAILED_GENERATION for its prompts
+    instead of aborting the whole evaluation (lm-eval would re-raise). lm-eval's own retry is set to 1 attempt."""
+
+    attempts = 3
+    failed_requests = 0
+
+    def _failure_response(self, n: int) -> dict:
+        raise NotImplementedError
+
+    def model_call(self, messages, *, generate=True, gen_kwargs=None, **kwargs):
+        error = None
+        for attempt in range(self.attempts):
+            try:
+                return super().model_call(messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any transport or HTTP error is retried, then recorded
+                error = e
+                if attempt + 1 < self.attempts:
+                    time.sleep(min(10.0, 2.0 ** attempt))
+        if not generate:
+            raise error
+        n = len(messages)
+        self.failed_requests += n
+        log.warning("request failed after %d attempts (%s); scored as wrong", self.attempts, error)
+        return self._failure_response(n)
+
+    async def amodel_call(self, session, sem, messages, *, generate=True, cache_keys=None, ctxlens=None,
+                          gen_kwargs=None, **kwargs):
+        error = None
+        for attempt in range(self.attempts):
+            try:
+                return await super().amodel_call(session, sem, messages, generate=generate, cache_keys=cache_keys,
+                                                 ctxlens=ctxlens, gen_kwargs=gen_kwargs, **kwargs)
+            except Exception as e:  # noqa: BLE001 - as in model_call
+                error = e
+                if attempt + 1 < self.attempts:
+                    await asyncio.sleep(min(10.0, 2.0 ** attempt))
+        if not generate:
+            raise error
+        n = len(messages)
+        self.failed_requests += n
+        log.warning("request failed after %d attempts (%s); scored as wrong", self.attempts, error)
+        return [FAILED_GENERATION] * n
+
+
+def _api_classes():
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+
+    class RetryingCompletions(_RetryingCalls, LocalCompletionsAPI):
+        def _failure_response(self, n):
+            return {"choices": [{"index": i, "text": FAILED_GENERATION} for i in range(n)]}
+
+    class RetryingChat(_RetryingCalls, LocalChatCompletion):
+        def _failure_response(self, n):
+            return {"choices": [{"index": 0, "message": {"content": FAILED_GENERATION}}]}
+
+    return {"completions": RetryingCompletions, "chat": RetryingChat}
+
+
+def _server_backend(source: str, label: str, options: BackendOptions) -> Backend:
+    url = endpoint_url(source, options.endpoint)
+    model = options.server_model or served_model_name(url)
+    cls = _api_classes()[options.endpoint]
+    # The server tokenizes (tokenizer_backend=None, tokenized_requests=False): no local tokenizer is needed,
+    # no BOS is dropped and no context is silently left-truncated (lm-eval.md section 6.2).
+    lm = cls(model=model, base_url=url, tokenizer_backend=None, tokenized_requests=False,
+             num_concurrent=options.concurrency, max_retries=1, timeout=options.timeout,
+             max_gen_toks=options.max_gen_toks)
+    lm.attempts = max(1, options.max_retries)
+    return Backend(label=label, source=source, kind="server", lm=lm, chat=options.endpoint == "chat",
+                   description=f"server {url} (model {model!r}, {options.endpoint} endpoint)")
+
+
+# ----------------------------------------------------------------------------------------- in process
+
+
+def describe_weights(ckpt) -> str:
+    """How the checkpoint stores its Linear weights, e.g. "MXFP4 24, FP8 12, BF16 40 weight tensors"."""
+    formats = Counter()
+    for name, info in ckpt.tensors.items():
+        if not name.endswith(".weight"):
+            continue
+        module = name[: -len(".weight")]
+        if info.dtype == "U8" and f"{module}.weight_scale" in ckpt.tensors:
+            formats["MXFP4"] += 1
+        elif info.dtype.startswith("F8"):
+            formats["FP8 block" if f"{module}.weight_scale_inv" in ckpt.tensors else "FP8"] += 1
+        else:
+            formats[info.dtype] += 1
+    return ", ".join(f"{fmt} {n}" for fmt, n in formats.most_common()) + " weight tensors"
+
+
+def _torch_device(device: str | None) -> str:
+    import torch
+
+    if device:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16", device: str | None = None):
+    """(model, tokenizer, description, notes) for a checkpoint directory; a quantized one is dequantized into
+    `work_dir` first (deleted again once loaded)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quant.checkpoint import open_checkpoint
+
+    if dtype not in DTYPES:
+        raise QuantError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    ckpt = open_checkpoint(path)
+    weights = describe_weights(ckpt)
+    quantized = "quantization_config" in ckpt.config
+    load_dir = Path(path)
+    notes = []
+    if quantized:
+        from quant.dequant import dequantize_checkpoint
+
+        load_dir = Path(work_dir) / f"dequantized-{Path(path).name}"
+        shutil.rmtree(load_dir, ignore_errors=True)
+        dequantize_checkpoint(path, load_dir)
+        notes.append("weights-only emulation: quantized weights dequantized into BF16, activations not quantized")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    # transformers lists every MTP-layer tensor as UNEXPECTED (it never builds the MTP layer): expected, not news.
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(load_dir)
+    except (OSError, ValueError) as e:
+        raise QuantError(f"{path}: transformers cannot load the checkpoint ({e})")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if quantized:
+            shutil.rmtree(load_dir, ignore_errors=True)
+    device = _torch_device(device)
+    model = model.to(device).eval()
+    description = f"transformers on {device} ({weights}{', dequantized to ' + dtype if quantized else ''})"
+    return model, tokenizer, description, notes
+
+
+def _transformers_backend(path: Path, label: str, options: BackendOptions, work_dir: Path) -> Backend:
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer, description, notes = load_checkpoint_model(path, work_dir / label, dtype=options.dtype,
+                                                                 device=options.device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
+    return Backend(label=label, source=str(path), kind="transformers", lm=lm, description=description,
+                   notes=notes)

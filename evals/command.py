@@ -1,0 +1,67 @@
+"""`quant eval --candidate CKPT_OR_URL --baseline CKPT_OR_URL`: is the candidate as accurate as the baseline?
+
+Runs lm-eval's GSM8K and GPQA-Diamond (offline, from local files) on both models, pairs the answers question by
+question and decides non-inferiority against a margin. Exit code: 0 pass, 1 fail, 3 inconclusive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from quant.paths import SHARED_DATA_DIR
+
+
+def command(
+    candidate: str = typer.Option(..., help="Candidate (e.g. MXFP4): checkpoint directory or server URL "
+                                  "http://host:port/v1"),
+    baseline: Optional[str] = typer.Option(None, help="Baseline (e.g. FP8): checkpoint directory or server URL"),
+    baseline_run: Optional[Path] = typer.Option(None, help="Instead of --baseline: reuse the baseline answers of an "
+                                                "earlier eval output directory (same tasks and settings)"),
+    tasks: str = typer.Option("gsm8k,gpqa_diamond", help="Comma-separated: gsm8k, gpqa_diamond, toy_arith"),
+    out: Path = typer.Option(Path("eval-out"), help="Output directory (report.json/md/png, per-question samples)"),
+    limit: Optional[int] = typer.Option(200, help="Questions per task (first N; GPQA-Diamond has 198); "
+                                        "0 for all"),
+    seeds: int = typer.Option(2, help="Generation seeds for sampled tasks (GPQA: temperature 1.0, do_sample)"),
+    margin: float = typer.Option(2.0, help="Non-inferiority margin in accuracy points"),
+    data_dir: Path = typer.Option(SHARED_DATA_DIR / "gsm8k", help="GSM8K directory with train.jsonl and "
+                                  "test.jsonl (question/answer columns)"),
+    gpqa_csv: Optional[Path] = typer.Option(None, help="GPQA-Diamond CSV (gated dataset; columns Question, "
+                                            "Correct Answer, Incorrect Answer 1-3)"),
+    max_gen_toks: Optional[int] = typer.Option(None, help="Max generated tokens (default per task: GSM8K 512, "
+                                               "GPQA 32768, toy_arith 64)"),
+    temperature: float = typer.Option(1.0, help="Sampling temperature of sampled tasks"),
+    top_p: float = typer.Option(1.0, help="top_p of sampled tasks"),
+    endpoint: str = typer.Option("completions", help="Server endpoint: completions | chat"),
+    server_model: Optional[str] = typer.Option(None, help="Model name sent to servers (default: first of "
+                                               "GET /v1/models)"),
+    concurrency: int = typer.Option(8, help="Concurrent requests per server"),
+    max_retries: int = typer.Option(3, help="Attempts per server request before it is scored as failed"),
+    timeout: int = typer.Option(3600, help="Seconds per server request"),
+    batch_size: int = typer.Option(16, help="In-process batch size"),
+    device: Optional[str] = typer.Option(None, help="In-process torch device (default: cuda if available)"),
+    dtype: str = typer.Option("bfloat16", help="In-process compute dtype: bfloat16 | float32"),
+    bootstrap_iterations: int = typer.Option(10_000, help="Paired bootstrap resamples"),
+    bootstrap_seed: int = typer.Option(0, help="Paired bootstrap seed"),
+    baseline_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
+    candidate_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
+) -> None:
+    """Compare a candidate against a baseline on GSM8K / GPQA-Diamond with paired statistics."""
+    from evals.compare import EXIT_CODES, EvalRequest, evaluate
+
+    request = EvalRequest(
+        candidate=candidate, baseline=baseline, baseline_run=baseline_run, tasks=tasks, out=out,
+        limit=limit or None, seeds=seeds, margin=margin, data_dir=data_dir, gpqa_csv=gpqa_csv,
+        max_gen_toks=max_gen_toks, temperature=temperature, top_p=top_p, endpoint=endpoint,
+        server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
+        batch_size=batch_size, device=device, dtype=dtype, bootstrap_iterations=bootstrap_iterations,
+        bootstrap_seed=bootstrap_seed, baseline_name=baseline_name, candidate_name=candidate_name,
+    )
+    report = evaluate(request, log=lambda m: typer.echo(m, err=True))
+    from evals.report import print_table
+
+    print_table(report)
+    typer.echo(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
+    raise typer.Exit(EXIT_CODES[report["verdict"]])

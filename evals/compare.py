@@ -1,0 +1,215 @@
+"""The eval stage end to end: validate inputs, write the offline task files, run both arms, pair the answers,
+compute the statistics and write the report. Data flows one way; report.json is written last."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from evals import stats
+from evals.backends import Backend, BackendOptions, is_url, open_backend
+from evals.pairing import generation_counts, pair_scores
+from evals.report import METHODS, REPORT_JSON, write_report
+from evals.run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
+from evals.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
+from quant.errors import QuantError
+
+EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
+# Directories of the output this stage owns and recreates on every run.
+OWN_SUBDIRS = ("runs", "tasks", "hf_datasets_cache", "work")
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    candidate: str
+    baseline: str | None = None         # checkpoint or URL; or reuse an earlier run's baseline (baseline_run)
+    baseline_run: Path | None = None
+    tasks: str = "gsm8k,gpqa_diamond"
+    out: Path = Path("eval-out")
+    limit: int | None = 200
+    seeds: int = 2
+    margin: float = 2.0
+    data_dir: Path | None = None
+    gpqa_csv: Path | None = None
+    max_gen_toks: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    endpoint: str = "completions"
+    server_model: str | None = None
+    concurrency: int = 8
+    max_retries: int = 3
+    timeout: int = 3600
+    batch_size: int = 16
+    device: str | None = None
+    dtype: str = "bfloat16"
+    bootstrap_iterations: int = 10_000
+    bootstrap_seed: int = 0
+    baseline_name: str | None = None
+    candidate_name: str | None = None
+    toy_data_dir: Path = EVAL_DATA_DIR / "toy_arith"
+
+
+def _check(request: EvalRequest) -> None:
+    if request.margin <= 0:
+        raise QuantError(f"--margin {request.margin:g}: must be a positive number of points")
+    if request.seeds < 1:
+        raise QuantError(f"--seeds {request.seeds}: must be at least 1")
+    if request.limit is not None and request.limit < 1:
+        raise QuantError(f"--limit {request.limit}: must be positive (0 means all questions)")
+    if request.bootstrap_iterations < 100:
+        raise QuantError(f"--bootstrap-iterations {request.bootstrap_iterations}: use at least 100")
+    if (request.baseline is None) == (request.baseline_run is None):
+        raise QuantError("give exactly one of --baseline (checkpoint or URL) and --baseline-run (earlier output)")
+    sources = [("candidate", request.candidate)] + ([("baseline", request.baseline)] if request.baseline else [])
+    out = Path(request.out).resolve()
+    for label, source in sources:
+        if is_url(source):
+            continue
+        if not Path(source).is_dir():
+            raise QuantError(f"--{label} {source}: not a checkpoint directory or an http(s):// server URL")
+        if out == Path(source).resolve() or Path(source).resolve() in out.parents:
+            raise QuantError(f"--out {request.out}: must not be inside the checkpoint {source}")
+
+
+def _prepare_out(out: Path) -> None:
+    """Remove what an earlier run left (our own subdirectories and report files only)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_JSON).unlink(missing_ok=True)
+    for sub in OWN_SUBDIRS:
+        shutil.rmtree(out / sub, ignore_errors=True)
+
+
+def _weights_name(backend: Backend) -> str:
+    if backend.kind == "server":
+        return backend.label
+    for fmt in ("MXFP4", "FP8 block", "FP8"):
+        if fmt + " " in backend.description:
+            return fmt.replace(" block", "")
+    return "BF16"
+
+
+def _release(backend: Backend) -> None:
+    backend.lm = None
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+RUN_SETTINGS = ("limit", "seeds", "max_gen_toks", "temperature", "top_p")
+
+
+def _settings(request: EvalRequest, specs) -> dict:
+    from importlib.metadata import version
+
+    return {"tasks": [s.name for s in specs], "limit": request.limit, "seeds": request.seeds,
+            "max_gen_toks": request.max_gen_toks, "temperature": request.temperature, "top_p": request.top_p,
+            "endpoint": request.endpoint, "bootstrap_iterations": request.bootstrap_iterations,
+            "bootstrap_seed": request.bootstrap_seed, "ci_level": 0.95, "lm_eval_version": version("lm_eval")}
+
+
+def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict]]:
+    """The baseline arm of an earlier `quant eval` output (its report.json and per-question samples), checked to
+    have run the same tasks with the same generation settings; prompts are checked again when pairing."""
+    report_path = Path(run) / REPORT_JSON
+    try:
+        earlier = json.loads(report_path.read_text())
+    except (OSError, ValueError) as e:
+        raise QuantError(f"--baseline-run {run}: no finished eval output here ({report_path}: {e})")
+    for key in RUN_SETTINGS:
+        if earlier["settings"].get(key) != settings[key]:
+            raise QuantError(f"--baseline-run {run}: it ran with {key}={earlier['settings'].get(key)!r}, this run "
+                             f"uses {settings[key]!r}; the baseline must be generated with the same settings")
+    records = []
+    for spec in specs:
+        for seed in RunSettings(limit=None, max_gen_toks=None, seeds=settings["seeds"]).seed_list(spec):
+            path = Path(run) / "runs" / "baseline" / run_dir_name(spec, seed) / SAMPLES_FILE
+            if not path.is_file():
+                raise QuantError(f"--baseline-run {run}: no baseline samples for {spec.name} ({path})")
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return earlier["baseline"], records
+
+
+def compare_records(baseline: list[dict], candidate: list[dict], specs, request: EvalRequest) -> list[dict]:
+    """One report row per task and lm-eval filter."""
+    rows = []
+    for spec in specs:
+        for filter_name in spec.filters:
+            paired = pair_scores(baseline, candidate, spec.name, filter_name)
+            comparison = stats.compare(paired.baseline, paired.candidate, margin=request.margin / 100.0,
+                                       samples_per_question=len(paired.seeds),
+                                       iterations=request.bootstrap_iterations, seed=request.bootstrap_seed)
+            rows.append({
+                "task": spec.name, "label": spec.label, "filter": filter_name,
+                "primary": filter_name == spec.primary_filter, "seeds": paired.seeds,
+                "comparison": comparison.to_json(),
+                "baseline_generations": generation_counts(baseline, spec.name, filter_name).to_json(),
+                "candidate_generations": generation_counts(candidate, spec.name, filter_name).to_json(),
+            })
+    return rows
+
+
+def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: Path, settings: RunSettings,
+         options: BackendOptions, log) -> tuple[dict, list[dict]]:
+    log(f"{label}: loading {source}")
+    backend = open_backend(source, label, options, out / "work")
+    log(f"{label}: {backend.description}")
+    records = run_arm(backend, specs, task_dir, out / "runs" / label, settings, log=log)
+    arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
+           "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures()}
+    _release(backend)
+    return arm, records
+
+
+def evaluate(request: EvalRequest, log=print) -> dict:
+    """Run the comparison and write the report; returns the report dict (report["verdict"])."""
+    _check(request)
+    specs = parse_tasks(request.tasks)
+    settings = _settings(request, specs)
+    earlier = load_baseline_run(request.baseline_run, specs, settings) if request.baseline_run else None
+    out = Path(request.out)
+    _prepare_out(out)
+    datasets_cache = out / "hf_datasets_cache"
+    task_dir = write_task_files(out / "tasks", specs, gsm8k_dir=request.data_dir or _default_gsm8k(),
+                                toy_dir=request.toy_data_dir, gpqa_csv=request.gpqa_csv,
+                                datasets_cache=datasets_cache)
+    go_offline(datasets_cache)
+    run_settings = RunSettings(limit=request.limit, max_gen_toks=request.max_gen_toks, seeds=request.seeds,
+                               temperature=request.temperature, top_p=request.top_p)
+    options = BackendOptions(endpoint=request.endpoint, server_model=request.server_model,
+                             concurrency=request.concurrency, max_retries=request.max_retries,
+                             timeout=request.timeout, max_gen_toks=request.max_gen_toks or 512,
+                             batch_size=request.batch_size, device=request.device, dtype=request.dtype)
+    if earlier:
+        baseline_arm, baseline = earlier
+        baseline_arm = {**baseline_arm, "reused_from": str(request.baseline_run)}
+        write_records(out / "runs" / "baseline", specs, baseline)
+        log(f"baseline: reusing the samples of {request.baseline_run}")
+    else:
+        baseline_arm, baseline = _run("baseline", request.baseline, request.baseline_name, specs, task_dir, out,
+                                      run_settings, options, log)
+    candidate_arm, candidate = _run("candidate", request.candidate, request.candidate_name, specs, task_dir, out,
+                                    run_settings, options, log)
+    for scratch in ("work", "hf_datasets_cache"):
+        shutil.rmtree(out / scratch, ignore_errors=True)
+
+    rows = compare_records(baseline, candidate, specs, request)
+    verdict = stats.combine_verdicts(r["comparison"]["verdict"] for r in rows if r["primary"])
+    report = {"verdict": verdict, "exit_code": EXIT_CODES[verdict], "margin_points": request.margin,
+              "baseline": baseline_arm, "candidate": candidate_arm, "settings": settings, "rows": rows,
+              "methods": METHODS}
+    write_report(report, out)
+    return report
+
+
+def _default_gsm8k() -> Path:
+    from quant.paths import SHARED_DATA_DIR
+
+    return SHARED_DATA_DIR / "gsm8k"

@@ -1,0 +1,168 @@
+"""The comparison written out: report.json (everything), report.md (the table and how to read it), report.png
+(the paired differences against the margin) and the same table printed with rich."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "report.png"
+VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow"}
+
+METHODS = {
+    "accuracy_stderr": "lm-eval's standard error of the mean (sample sd with n-1 over sqrt(n)); for several seeds "
+                       "computed over per-question seed means (clustered by question)",
+    "difference": "candidate minus baseline, mean over questions of the paired per-question difference",
+    "ci": "95% percentile interval of a seeded paired bootstrap: questions resampled with replacement, both "
+          "arms together; with several seeds each question's score is first averaged over its seeds",
+    "mcnemar": "exact two-sided McNemar test (binomial on the discordant pairs b, c). With several seeds: the exact "
+               "sign test on the per-question seed-averaged differences (b = questions where the baseline's mean "
+               "is higher, c = where the candidate's is higher, ties dropped), which equals McNemar for one seed "
+               "and keeps the question as the unit, so seeds are not counted as independent questions",
+    "verdict": "non-inferiority against the margin: pass when the CI's lower bound > -margin, fail when the "
+               "whole CI is below -margin, inconclusive when the CI contains -margin. The overall verdict uses "
+               "each task's primary filter (flexible-extract): fail if any fails, else inconclusive if any is",
+    "failures": "requests that failed after all retries, and empty generations, are scored wrong and counted",
+    "exit_code": "0 pass, 1 fail, 3 inconclusive (errors: 'error: ...' on stderr with exit code 1 or 2)",
+}
+
+
+def _pt(x: float, signed: bool = False) -> str:
+    return f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}"
+
+
+def _p(p: float) -> str:
+    return f"{p:.3g}" if p >= 0.001 else f"{p:.1e}"
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for r in report["rows"]:
+        c = r["comparison"]
+        label = f"{r['label']} ({r['filter']})" + ("" if r["primary"] else " [secondary]")
+        if c["samples_per_question"] > 1:
+            label += f", {c['samples_per_question']} seeds"
+        rows.append([
+            label,
+            str(c["n_questions"]),
+            f"{_pt(c['baseline_accuracy'])} ± {_pt(c['baseline_stderr'])}",
+            f"{_pt(c['candidate_accuracy'])} ± {_pt(c['candidate_stderr'])}",
+            _pt(c["difference"], signed=True),
+            f"[{_pt(c['ci_low'], True)}, {_pt(c['ci_high'], True)}]",
+            f"{_p(c['mcnemar_p'])} (b={c['baseline_only_correct']}, c={c['candidate_only_correct']})",
+            c["verdict"],
+        ])
+    return rows
+
+
+def table_header(report: dict) -> list[str]:
+    return ["Eval", "n", f"{report['baseline']['name']} baseline", report["candidate"]["name"], "Δ (pt)",
+            "95% CI (pt)", "McNemar p", f"verdict (margin {report['margin_points']:g} pt)"]
+
+
+def markdown(report: dict) -> str:
+    header = table_header(report)
+    lines = [
+        f"# Accuracy: {report['candidate']['name']} vs {report['baseline']['name']}",
+        "",
+        f"**Verdict: {report['verdict'].upper()}** (non-inferiority margin {report['margin_points']:g} points; "
+        f"exit code {report['exit_code']})",
+        "",
+        f"- baseline: `{report['baseline']['source']}` — {report['baseline']['description']}"
+        + (f" (answers reused from `{report['baseline']['reused_from']}`)" if "reused_from" in report["baseline"]
+           else ""),
+        f"- candidate: `{report['candidate']['source']}` — {report['candidate']['description']}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    lines += ["", "Accuracies in percent ± 1 standard error; Δ = candidate − baseline in points.", ""]
+    lines.append("## Generations that failed or came back empty (scored wrong)")
+    lines.append("")
+    lines.append("| Eval | arm | generations | failed | empty |")
+    lines.append("|---|---|---|---|---|")
+    for r in report["rows"]:
+        if r["primary"]:
+            for arm in ("baseline", "candidate"):
+                g = r[f"{arm}_generations"]
+                lines.append(f"| {r['label']} | {arm} | {g['generations']} | {g['failed']} | {g['empty']} |")
+    emulated = any(report[arm]["notes"] for arm in ("baseline", "candidate"))
+    lines += ["", "## Method", ""]
+    lines += [f"- {key.replace('_', ' ')}: {text}" for key, text in METHODS.items()]
+    if emulated:
+        lines += ["", "## Approximation", "",
+                  "Weights-only emulation: the in-process (transformers) backend dequantizes each quantized checkpoint "
+                  "into BF16, so every quantized weight holds its MXFP4/FP8 value (MXFP4 exactly; FP8 times its "
+                  "scale rounded to BF16), but activations are not quantized. A server running the real kernels "
+                  "(SGLang/vLLM) also quantizes activations for W4A4 schemes such as w_mxfp4_a_mxfp4."]
+    s = report["settings"]
+    lines += ["", "## Settings", "",
+              f"- tasks: {', '.join(s['tasks'])}; limit {s['limit']}; seeds for sampled tasks {s['seeds']}; "
+              f"max_gen_toks {s['max_gen_toks'] or 'task default'}",
+              f"- bootstrap: {s['bootstrap_iterations']} iterations, seed {s['bootstrap_seed']}; lm-eval "
+              f"{s['lm_eval_version']}",
+              "- samples per arm and task: `runs/<arm>/<task>/samples.jsonl`; lm-eval results next to them", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Paired difference and CI per row, with the -margin line."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = [f"{r['label']}\n{r['filter']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 1.0 + 0.7 * len(rows)))
+    for i, r in enumerate(rows):
+        c = r["comparison"]
+        color = VERDICT_STYLE.get(c["verdict"], "gray")
+        color = {"green": "tab:green", "red": "tab:red", "yellow": "tab:orange"}.get(color, color)
+        d, lo, hi = (100 * c[k] for k in ("difference", "ci_low", "ci_high"))
+        ax.errorbar(d, i, xerr=[[d - lo], [hi - d]], fmt="o", color=color, capsize=4,
+                    alpha=1.0 if r["primary"] else 0.5)
+        ax.annotate(f"{_pt(c['baseline_accuracy'])} → {_pt(c['candidate_accuracy'])}  ({c['verdict']})",
+                    (hi, i), textcoords="offset points", xytext=(6, -3), fontsize=8)
+    margin = report["margin_points"]
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.axvline(-margin, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel(f"{report['candidate']['name']} − {report['baseline']['name']} accuracy (points), 95% paired CI")
+    ax.set_title(f"Verdict: {report['verdict']}  (dashed: −margin, {margin:g} pt)", fontsize=10)
+    lows = [100 * r["comparison"]["ci_low"] for r in rows] + [-margin]
+    highs = [100 * r["comparison"]["ci_high"] for r in rows] + [0.0]
+    span = max(highs) - min(lows) or 1.0
+    ax.set_xlim(min(lows) - 0.15 * span, max(highs) + 0.6 * span)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"{report['candidate']['name']} vs {report['baseline']['name']} — verdict: "
+                        f"{report['verdict']}")
+    for name in table_header(report):
+        table.add_column(escape(name))
+    for row in table_rows(report):
+        table.add_row(*map(escape, row[:-1]), f"[{VERDICT_STYLE[row[-1]]}]{row[-1]}[/]")
+    Console().print(table)
+
+
+def write_report(report: dict, out_dir: Path) -> dict[str, Path]:
+    """Write the PNG and markdown, then report.json last (atomically): its presence means the run finished."""
+    paths = {"png": out_dir / REPORT_PNG, "md": out_dir / REPORT_MD, "json": out_dir / REPORT_JSON}
+    plot(report, paths["png"])
+    paths["md"].write_text(markdown(report))
+    tmp = paths["json"].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(paths["json"])
+    return paths

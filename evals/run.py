@@ -1,0 +1,169 @@
+"""Drive `lm_eval.simple_evaluate` for one model (an "arm") over the chosen tasks, offline, and persist every
+per-question record so the comparison can pair answers question by question.
+
+Both arms get identical seeds (python 0, numpy 1234, few-shot 1234) so they see the same few-shot examples.
+Sampled tasks (GPQA) run once per generation seed; the seed reaches the sampler through the backend (torch seed
+in process, `seed` in the request payload for servers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from evals.backends import FAILED_GENERATION, Backend
+from evals.tasks import TaskSpec
+from quant.errors import QuantError
+
+SAMPLES_FILE = "samples.jsonl"
+RESULTS_FILE = "results.json"
+OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# lm-eval's defaults, pinned so both arms (and reruns) agree whatever lm-eval's defaults become.
+PYTHON_SEED, NUMPY_SEED, FEWSHOT_SEED = 0, 1234, 1234
+GREEDY_TORCH_SEED = 1234
+
+
+def go_offline(datasets_cache: Path) -> None:
+    """No hub access from here on; datasets caches into the run's own directory.
+
+    The environment is read when `datasets` / `huggingface_hub` are imported, so the flags are also set on the
+    already-imported modules (tests and long-lived processes import them early)."""
+    os.environ.update(OFFLINE_ENV)
+    os.environ["HF_DATASETS_CACHE"] = str(datasets_cache)
+    import datasets.config
+    import huggingface_hub.constants
+
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    limit: int | None
+    max_gen_toks: int | None     # None: the task's default
+    seeds: int                   # generation seeds for sampled tasks
+    temperature: float = 1.0     # sampled tasks only; greedy tasks always decode greedily
+    top_p: float = 1.0
+
+    def seed_list(self, spec: TaskSpec) -> list[int]:
+        return list(range(self.seeds)) if spec.sampled else [0]
+
+    def gen_kwargs(self, spec: TaskSpec) -> dict:
+        max_gen_toks = self.max_gen_toks or spec.default_max_gen_toks
+        if spec.sampled:
+            # do_sample must be explicit: HF and vLLM would otherwise follow a YAML's do_sample and ignore
+            # the temperature (lm-eval.md section 7.3).
+            return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
+                    "max_gen_toks": max_gen_toks}
+        return {"do_sample": False, "temperature": 0.0, "max_gen_toks": max_gen_toks}
+
+
+@contextlib.contextmanager
+def _light_provenance():
+    """simple_evaluate ends every call (here: every task and seed) with torch's full environment report
+    (collect_env: seconds of pip and nvidia-smi subprocesses) and `git describe` of the working directory (which
+    prints "fatal: not a git repository" outside one). Record the library versions instead, during our calls."""
+    import lm_eval.evaluator as evaluator
+
+    def versions_only(storage: dict) -> None:
+        from importlib.metadata import version
+
+        storage.update({"lm_eval_version": version("lm_eval"), "transformers_version": version("transformers")})
+
+    originals = evaluator.add_env_info, evaluator.get_git_commit_hash
+    evaluator.add_env_info, evaluator.get_git_commit_hash = versions_only, lambda: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info, evaluator.get_git_commit_hash = originals
+
+
+def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
+    """The part of one lm-eval sample the comparison needs, JSON-ready."""
+    response = sample["resps"][0][0] if sample["resps"] and sample["resps"][0] else ""
+    extracted = sample["filtered_resps"][0] if sample["filtered_resps"] else ""
+    return {
+        "task": spec.name,
+        "seed": seed,
+        "filter": sample["filter"],
+        "doc_id": int(sample["doc_id"]),
+        "doc_hash": sample["doc_hash"],
+        "prompt_hash": sample["prompt_hash"],
+        "target": str(sample["target"]),
+        "response": str(response),
+        "extracted": str(extracted),
+        "score": float(sample["exact_match"]),
+        "failed": response == FAILED_GENERATION,
+        "empty": not str(response).strip(),
+    }
+
+
+def _check_context(backend: Backend, spec: TaskSpec, max_gen_toks: int) -> None:
+    if backend.kind != "transformers":
+        return  # the server tokenizes and enforces its own context length
+    context = backend.lm.max_length
+    if max_gen_toks >= context:
+        raise QuantError(f"{spec.name}: max_gen_toks {max_gen_toks} leaves no room for the prompt in the "
+                         f"{context}-token context of {backend.source}; lower --max-gen-toks")
+
+
+def run_dir_name(spec: TaskSpec, seed: int) -> str:
+    return f"{spec.name}-seed{seed}" if spec.sampled else spec.name
+
+
+def write_records(out_dir: Path, specs: list[TaskSpec], records: list[dict]) -> None:
+    """One samples.jsonl per task (and seed) under `out_dir`, as run_arm writes them."""
+    for spec in specs:
+        for seed in sorted({r["seed"] for r in records if r["task"] == spec.name}):
+            run_dir = out_dir / run_dir_name(spec, seed)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / SAMPLES_FILE, "w") as f:
+                for r in records:
+                    if r["task"] == spec.name and r["seed"] == seed:
+                        f.write(json.dumps(r) + "\n")
+
+
+def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Path, settings: RunSettings,
+            log=print) -> list[dict]:
+    """Evaluate `backend` on every task (and seed); write samples and lm-eval results under `out_dir`."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    records = []
+    for spec in specs:
+        for seed in settings.seed_list(spec):
+            run_dir = out_dir / run_dir_name(spec, seed)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            gen_kwargs = settings.gen_kwargs(spec)
+            _check_context(backend, spec, gen_kwargs["max_gen_toks"])
+            if spec.sampled:
+                gen_kwargs.update(backend.seed_gen_kwargs(seed))
+            log(f"  {backend.label}: {spec.name}" + (f" seed {seed}" if spec.sampled else ""))
+            with _light_provenance():
+                results = lm_eval.simple_evaluate(
+                    model=backend.lm,
+                    tasks=[spec.lm_eval_task],
+                    task_manager=task_manager,
+                    limit=settings.limit,
+                    gen_kwargs=gen_kwargs,
+                    apply_chat_template=backend.chat,
+                    log_samples=True,
+                    bootstrap_iters=0,
+                    random_seed=PYTHON_SEED,
+                    numpy_random_seed=NUMPY_SEED,
+                    torch_random_seed=seed if spec.sampled else GREEDY_TORCH_SEED,
+                    fewshot_random_seed=FEWSHOT_SEED,
+                    verbosity="ERROR",
+                )
+            samples = sorted(results["samples"][spec.lm_eval_task], key=lambda s: (s["filter"], s["doc_id"]))
+            task_records = [sample_record(spec, seed, s) for s in samples]
+            write_records(out_dir, [spec], task_records)
+            summary = {k: v for k, v in results.items() if k != "samples"}
+            (run_dir / RESULTS_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            records.extend(task_records)
+    return records

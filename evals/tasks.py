@@ -1,0 +1,172 @@
+"""The evaluation tasks and the offline lm-eval task files generated for them at run time.
+
+Each task includes lm-eval's own YAML (so prompts, filters and exact_match scoring are lm-eval's) and only
+swaps the dataset for local files: GSM8K-format JSONL (`question`/`answer`) or the GPQA-Diamond CSV. The files
+are written into the run's output directory because `include:` must name the installed lm-eval by absolute path.
+GPQA's stock `process_docs` shuffles the answer letters with the process-global RNG, frozen by whatever the
+datasets cache holds; ours seeds the shuffle from sha256 of the question, so every run and both models see the
+same letter order (lm-eval.md section 2.3 and 4.3).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from quant.errors import QuantError
+
+EVAL_DATA_DIR = Path(__file__).resolve().parent / "data"
+GSM8K_COLUMNS = ("question", "answer")
+GSM8K_SPLITS = ("train", "test")  # test is evaluated, train is the few-shot pool
+GPQA_COLUMNS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
+GPQA_UTILS_MODULE = "gpqa_local_utils"
+PROCESS_DOCS_TAG = f"!function {GPQA_UTILS_MODULE}.process_docs"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One evaluation as the user names it (`--tasks`), and how it runs."""
+
+    name: str
+    label: str                  # row label in the report
+    lm_eval_task: str           # name of the generated task
+    include: str                # lm-eval YAML it extends, relative to the lm_eval package
+    data: str                   # "gsm8k-jsonl" or "gpqa-csv"
+    filters: tuple[str, ...]    # lm-eval filters reported, primary first
+    sampled: bool               # True: several seeds at temperature 1.0; False: one greedy run
+    default_max_gen_toks: int
+
+    @property
+    def primary_filter(self) -> str:
+        return self.filters[0]
+
+
+# flexible-extract is primary: it is what the published MXFP4 model cards report and it does not hinge on the
+# model reproducing the exact answer line; strict-match is reported alongside.
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec("gsm8k", "GSM8K 5-shot", "gsm8k_local", "tasks/gsm8k/gsm8k.yaml", "gsm8k-jsonl",
+                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=512),
+        TaskSpec("toy_arith", "toy arithmetic 5-shot", "toy_arith_local", "tasks/gsm8k/gsm8k.yaml", "gsm8k-jsonl",
+                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=64),
+        TaskSpec("gpqa_diamond", "GPQA-Diamond CoT", "gpqa_diamond_cot_zeroshot_local",
+                 "tasks/gpqa/cot_zeroshot/_gpqa_cot_zeroshot_yaml", "gpqa-csv",
+                 ("flexible-extract", "strict-match"), sampled=True, default_max_gen_toks=32768),
+    )
+}
+
+
+def parse_tasks(value: str) -> list[TaskSpec]:
+    """`"gsm8k,gpqa_diamond"` -> specs, in the order given; QuantError naming an unknown task."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise QuantError("--tasks is empty; choose from " + ", ".join(TASKS))
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise QuantError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    return [TASKS[n] for n in dict.fromkeys(names)]
+
+
+def gsm8k_data_files(data_dir: Path) -> dict[str, str]:
+    """{split: path} of a GSM8K-format directory, checked to exist and to have question/answer columns."""
+    files = {}
+    for split in GSM8K_SPLITS:
+        path = Path(data_dir) / f"{split}.jsonl"
+        try:
+            with path.open() as f:
+                first = json.loads(f.readline())
+        except FileNotFoundError:
+            raise QuantError(f"{path}: not found (a GSM8K-format directory needs train.jsonl and test.jsonl)")
+        except (OSError, ValueError) as e:
+            raise QuantError(f"{path}: not a JSON-lines file ({e})")
+        missing = [c for c in GSM8K_COLUMNS if c not in first]
+        if missing:
+            raise QuantError(f"{path}: first record lacks the column(s) {', '.join(missing)}")
+        files[split] = str(path.resolve())
+    return files
+
+
+def gpqa_data_file(csv_path: Path) -> str:
+    """The GPQA-Diamond CSV path, checked for the columns the task reads."""
+    path = Path(csv_path)
+    try:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+    except OSError as e:
+        raise QuantError(f"{path}: cannot read the GPQA CSV ({e.strerror or e})")
+    missing = [c for c in GPQA_COLUMNS if c not in header]
+    if missing:
+        raise QuantError(f"{path}: GPQA CSV lacks the column(s) {', '.join(missing)}")
+    return str(path.resolve())
+
+
+def _clean_choice(text) -> str:
+    # lm-eval's GPQA preprocess (tasks/gpqa/*/utils.py), kept identical so prompts match the stock task.
+    if text is None:
+        return " "
+    return str(text).strip().replace(" [title]", ". ").replace("  ", " ")
+
+
+def gpqa_choice_order(question: str) -> list[int]:
+    """Permutation of the four answers [wrong1, wrong2, wrong3, correct], seeded by sha256 of the question."""
+    order = [0, 1, 2, 3]
+    random.Random(int(hashlib.sha256(question.encode()).hexdigest()[:16], 16)).shuffle(order)
+    return order
+
+
+def gpqa_process_docs(dataset):
+    """lm-eval's GPQA `process_docs`, with the answer shuffle seeded per question instead of by global state."""
+
+    def one(doc):
+        answers = [_clean_choice(doc[c]) for c in GPQA_COLUMNS[2:]] + [_clean_choice(doc["Correct Answer"])]
+        choices = [answers[i] for i in gpqa_choice_order(doc["Question"])]
+        correct = choices.index(answers[3])
+        return {"choice1": choices[0], "choice2": choices[1], "choice3": choices[2], "choice4": choices[3],
+                "choices": choices, "answer": f"({chr(65 + correct)})"}
+
+    return dataset.map(one)
+
+
+def write_task_files(task_dir: Path, specs: list[TaskSpec], *, gsm8k_dir: Path | None, toy_dir: Path | None,
+                     gpqa_csv: Path | None, datasets_cache: Path) -> Path:
+    """Write one YAML per task (plus the GPQA process_docs shim) into `task_dir`; returns `task_dir`."""
+    import lm_eval
+
+    lm_eval_dir = Path(lm_eval.__file__).resolve().parent
+    task_dir.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        config = {
+            "include": str(lm_eval_dir / spec.include),
+            "task": spec.lm_eval_task,
+            "tag": [],  # otherwise the task inherits a group tag such as math_word_problems
+            "dataset_name": None,
+        }
+        if spec.data == "gsm8k-jsonl":
+            data_dir = toy_dir if spec.name == "toy_arith" else gsm8k_dir
+            config["dataset_path"] = "json"
+            files = gsm8k_data_files(data_dir)
+        else:
+            if gpqa_csv is None:
+                raise QuantError(f"--tasks {spec.name} needs --gpqa-csv (the gated GPQA-Diamond CSV; it is "
+                                 "never downloaded)")
+            config["dataset_path"] = "csv"
+            files = {"train": gpqa_data_file(gpqa_csv)}  # the stock templates evaluate the train split
+            config["process_docs"] = PROCESS_DOCS_TAG
+        config["dataset_kwargs"] = {"data_files": files, "cache_dir": str(datasets_cache)}
+        text = yaml.safe_dump(config, sort_keys=False)
+        # `!function` is a YAML tag, not a string: unquote it after dumping.
+        text = text.replace(f"'{PROCESS_DOCS_TAG}'", PROCESS_DOCS_TAG)
+        (task_dir / f"{spec.lm_eval_task}.yaml").write_text(text)
+    if any(spec.data == "gpqa-csv" for spec in specs):
+        (task_dir / f"{GPQA_UTILS_MODULE}.py").write_text(
+            '"""Generated by evals.tasks: GPQA process_docs with a per-question seeded answer shuffle."""\n'
+            "from evals.tasks import gpqa_process_docs as process_docs  # noqa: F401\n"
+        )
+    return task_dir

@@ -1,0 +1,284 @@
+"""Train the toy arithmetic model behind the eval stage's end-to-end test (tests/fixtures/toy_arith).
+
+The model is the GLM-5 toy (`quant.toy.build_toy("glm5")`: MLA attention with the DSA indexer, a dense layer, a
+MoE layer with shared expert, and the MTP layer) with eval-friendly dimensions, trained on CPU from a fixed seed
+on a GSM8K-format task of its own:
+
+    Question: What is 47 + 8?
+    Answer: 47 + 8 = 55
+    #### 55
+
+Training rows are laid out exactly like lm-eval's 5-shot GSM8K prompts (examples joined by a blank line), so the
+model answers the last question of a few-shot prompt. During the last part of training every quantizable
+weight is replaced, on half of the steps, by its MXFP4 quantize-dequantize (straight-through gradient), so the
+correct MXFP4 export keeps the accuracy while a broken one (swapped nibbles, wrong scales) does not.
+
+Writes evals/data/toy_arith/{train,test}.jsonl and the checkpoint (BF16 safetensors, config, tokenizer; the MTP
+layer keeps its seeded random weights: transformers never runs it). Then scores the checkpoint through the eval
+stage's own lm-eval pipeline and prints the greedy accuracy.
+
+    python scripts/train_toy_arith.py                      # a few minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO / "evals" / "data" / "toy_arith"
+FIXTURE_DIR = REPO / "tests" / "fixtures" / "toy_arith"
+TEST_QUESTIONS = 200
+
+# Every quantized Linear has an input dimension divisible by 32 (the MXFP4 block). index_topk above the longest
+# prompt makes the DSA indexer select every token, i.e. dense causal attention.
+MODEL_OVERRIDES = {
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "head_dim": 32,
+    "index_n_heads": 1,
+    "index_head_dim": 32,
+    "index_topk": 2048,
+    "max_position_embeddings": 2048,
+}
+# Weights a recipe may quantize: attention projections, dense MLP, shared and routed experts (not the router,
+# the indexer, embeddings or lm_head).
+QUANTIZABLE = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$"
+                         r"|mlp\.(gate_proj|up_proj|down_proj)\.weight$"
+                         r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$"
+                         r"|mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def make_example(a: int, b: int) -> dict:
+    return {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+
+
+def write_data(data_dir: Path, seed: int) -> tuple[list[dict], list[dict]]:
+    """All a + b with a in 10..99 and b in 1..9; the first TEST_QUESTIONS of a seeded shuffle are the test set."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(1, 10)]
+    random.Random(seed).shuffle(pairs)
+    test, train = [make_example(*p) for p in pairs[:TEST_QUESTIONS]], [make_example(*p) for p in pairs[TEST_QUESTIONS:]]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("test", test)):
+        with open(data_dir / f"{name}.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return train, test
+
+
+def training_row(examples: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of examples laid out as lm-eval's few-shot prompt, and a loss mask that skips the question
+    (its operands are random; everything else, including the next "Question:", is predictable)."""
+    ids, mask = [], []
+    for ex in examples:
+        for text, learn in (("Question: ", 1), (ex["question"], 0), ("\nAnswer: " + ex["answer"] + "\n\n", 1)):
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+            ids += tokens
+            mask += [learn] * len(tokens)
+    return ids, mask
+
+
+class FakeMXFP4:
+    """Parametrization: the weight as its MXFP4 quantize-dequantize in the forward pass, identity gradient."""
+
+    enabled = False
+
+    @staticmethod
+    def module():
+        import torch
+
+        from quant.numerics.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+        class Module(torch.nn.Module):
+            def forward(self, w):
+                if not FakeMXFP4.enabled:
+                    return w
+                with torch.no_grad():
+                    q = dequantize_mxfp4(*quantize_mxfp4(w.detach(), compiled=False), dtype=w.dtype)
+                return w + (q - w).detach()
+
+        return Module()
+
+
+def zero_routed_expert_outputs(model) -> None:
+    """Start every MoE layer as its shared expert alone: the routed experts' down projections begin at zero (they
+    still get gradients). Random routed outputs on top of an untrained residual stream delay, by hundreds of steps,
+    the moment the attention learns to find the question's digits."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.experts.down_proj"):
+                p.zero_()
+
+
+def step_shape(step: int, steps: int, examples: int, short_fraction: float, rng: random.Random) -> tuple[int, int]:
+    """(examples per row, rows) of a step. Short rows (one example) are cheap and teach the task; the last part
+    mixes rows of 2-6 examples (half as many questions per step: long rows cost more per token) so the model
+    answers the last question of a long few-shot prompt."""
+    if step < short_fraction * steps:
+        return 1, examples
+    shots = rng.randint(2, 6)
+    return shots, max(1, -(-examples // (2 * shots)))
+
+
+def train(model, tokenizer, train_rows: list[dict], *, steps: int, examples: int, short_fraction: float, lr: float,
+          qat_from: float, seed: int, log=print) -> None:
+    import torch
+    from torch.nn.utils import parametrize
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    zero_routed_expert_outputs(model)
+    quantizable = [(module, leaf) for name, _ in model.named_parameters() if QUANTIZABLE.search(name)
+                   for module, leaf in [(model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])]]
+    for module, leaf in quantizable:
+        parametrize.register_parametrization(module, leaf, FakeMXFP4.module())
+    params = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.98))
+    pad = tokenizer.pad_token_id
+    warmup = max(1, steps // 50)
+    model.train()
+    start = time.time()
+    for step in range(steps):
+        shots, n_rows = step_shape(step, steps, examples, short_fraction, rng)
+        rows = [training_row(rng.sample(train_rows, shots), tokenizer) for _ in range(n_rows)]
+        width = max(len(ids) for ids, _ in rows)
+        x = torch.full((n_rows, width), pad, dtype=torch.long)
+        y = torch.full((n_rows, width), -100, dtype=torch.long)
+        for i, (ids, mask) in enumerate(rows):
+            x[i, :len(ids)] = torch.tensor(ids)
+            y[i, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr * max(scale, 0.05)
+        FakeMXFP4.enabled = step >= qat_from * steps and rng.random() < 0.5
+        loss = model(input_ids=x, attention_mask=(x != pad).long(), labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % 50 == 0 or step == 0:
+            log(f"step {step + 1}/{steps}  rows {n_rows}x{shots}  loss {loss.item():.4f}  {time.time() - start:.0f}s"
+                + ("  (MXFP4 fake-quant)" if FakeMXFP4.enabled else ""))
+    FakeMXFP4.enabled = False
+    for module, leaf in quantizable:
+        parametrize.remove_parametrizations(module, leaf, leave_parametrized=False)
+    model.eval()
+
+
+def save_checkpoint(model, toy_dir: Path, out: Path) -> None:
+    """The toy checkpoint with the trained weights: every tensor transformers holds is replaced, the MTP layer
+    (which transformers does not build) is kept as the toy wrote it."""
+    from safetensors.torch import load_file
+
+    from quant.toy import write_safetensors
+
+    tensors = {}
+    for shard in sorted(toy_dir.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)  # per-expert names, as on disk
+        trained = {}
+        for shard in sorted(Path(tmp).glob("*.safetensors")):
+            trained.update(load_file(shard))
+    unknown = sorted(set(trained) - set(tensors))
+    if unknown:
+        raise SystemExit(f"trained model has tensors the toy lacks: {unknown[:3]}")
+    for name, value in trained.items():
+        tensors[name] = value.to(tensors[name].dtype)
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(toy_dir, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    write_safetensors(tensors, staging, None)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+
+
+def score(checkpoint: Path, limit: int, log=print) -> float:
+    """Greedy 5-shot accuracy (flexible-extract) through the eval stage's own lm-eval pipeline."""
+    from evals.backends import BackendOptions, open_backend
+    from evals.run import RunSettings, go_offline, run_arm
+    from evals.tasks import TASKS, write_task_files
+
+    spec = TASKS["toy_arith"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        task_dir = write_task_files(tmp / "tasks", [spec], gsm8k_dir=None, toy_dir=DATA_DIR, gpqa_csv=None,
+                                    datasets_cache=tmp / "cache")
+        go_offline(tmp / "cache")
+        backend = open_backend(str(checkpoint), "trained", BackendOptions(batch_size=32), tmp / "work")
+        records = run_arm(backend, [spec], task_dir, tmp / "runs", RunSettings(limit=limit, max_gen_toks=24, seeds=1),
+                          log=log)
+    scores = [r["score"] for r in records if r["filter"] == spec.primary_filter]
+    return sum(scores) / len(scores)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=FIXTURE_DIR)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--examples", type=int, default=32, help="questions per step")
+    parser.add_argument("--short-fraction", type=float, default=0.6,
+                        help="fraction of steps on one-question rows before few-shot rows")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--qat-from", type=float, default=0.6, help="fraction of steps after which fake-quant starts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eval-limit", type=int, default=200)
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from quant.toy import build_toy
+
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()  # the MTP layer's tensors are "UNEXPECTED" to transformers, as always
+    train_rows, _ = write_data(args.data_dir, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        toy_dir = build_toy("glm5", Path(tmp) / "toy", seed=args.seed, overrides=MODEL_OVERRIDES)
+        tokenizer = AutoTokenizer.from_pretrained(toy_dir)
+        model = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float32)
+        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+              f"{len(train_rows)} training questions", flush=True)
+        start = time.time()
+        train(model, tokenizer, train_rows, steps=args.steps, examples=args.examples,
+              short_fraction=args.short_fraction, lr=args.lr, qat_from=args.qat_from, seed=args.seed,
+              log=lambda m: print(m, flush=True))
+        print(f"trained in {time.time() - start:.0f}s", flush=True)
+        save_checkpoint(model, toy_dir, args.out)
+    size = sum(f.stat().st_size for f in args.out.iterdir())
+    print(f"wrote {args.out} ({size / 1e6:.2f} MB)", flush=True)
+    accuracy = score(args.out, args.eval_limit, log=lambda m: None)
+    print(f"greedy 5-shot accuracy (flexible-extract) on {args.eval_limit} test questions: {accuracy:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

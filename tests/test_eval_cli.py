@@ -1,0 +1,31 @@
+"""`quant eval` on the command line: options reach the stage, bad input is one `error:` line."""
+
+import os
+import subprocess
+import sys
+
+
+def quant(*args):
+    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}  # help text unwrapped, whatever the terminal
+    return subprocess.run([sys.executable, "-m", "quant.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def test_help_lists_the_options():
+    result = quant("eval", "--help")
+    assert result.returncode == 0
+    for option in ("--candidate", "--baseline", "--tasks", "--limit", "--seeds", "--margin", "--gpqa-csv",
+                   "--data-dir", "--endpoint", "--concurrency", "--max-retries", "--max-gen-toks"):
+        assert option in result.stdout
+
+
+def test_bad_input_is_one_error_line(tmp_path):
+    result = quant("eval", "--candidate", str(tmp_path / "missing"), "--baseline", "http://127.0.0.1:9/v1",
+                   "--out", str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: --candidate {tmp_path / 'missing'}: not a checkpoint directory or an http(s):// server URL"]
+    result = quant("eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:9/v1",
+                   "--margin", "0", "--out", str(tmp_path / "out"))
+    assert result.returncode == 1 and "error: --margin 0: must be a positive number of points" in result.stderr
+    assert not (tmp_path / "out" / "report.json").exists()
