@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import quant  # noqa: F401  (sets the OpenMP wait policy before torch loads)
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two xdist workers on two cores: a second intra-op thread per worker only contends (each parallel region
     # then waits a scheduler timeslice), so each worker computes on one thread.
