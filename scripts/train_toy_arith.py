@@ -8,16 +8,19 @@ on a GSM8K-format task of its own:
     Answer: 47 + 8 = 55
     #### 55
 
-Training rows are laid out exactly like lm-eval's 5-shot GSM8K prompts (examples joined by a blank line), so the
-model answers the last question of a few-shot prompt. During the last part of training every quantizable
-weight is replaced, on half of the steps, by its MXFP4 quantize-dequantize (straight-through gradient), so the
-correct MXFP4 export keeps the accuracy while a broken one (swapped nibbles, wrong scales) does not.
+Training rows are laid out exactly like lm-eval's GSM8K few-shot prompts (examples joined by a blank line, each
+row ending with the next "Question:", the task's stop sequence). The first 60% of the steps use one-question
+rows (cheap; this is where the task is learnt), the rest rows of 2-6 questions, so the model answers the last
+question of a 5-shot prompt. From 60% on, every quantizable weight (attention, dense MLP, shared and routed
+experts) is replaced on half of the steps by its MXFP4 quantize-dequantize (straight-through gradient), with
+weight decay throughout, so the correct MXFP4 export keeps the accuracy while a broken one (swapped nibbles,
+wrong scales) does not. The 200 test questions are held out from training.
 
 Writes evals/data/toy_arith/{train,test}.jsonl and the checkpoint (BF16 safetensors, config, tokenizer; the MTP
 layer keeps its seeded random weights: transformers never runs it). Then scores the checkpoint through the eval
 stage's own lm-eval pipeline and prints the greedy accuracy.
 
-    python scripts/train_toy_arith.py                      # a few minutes on 2 CPU cores
+    python scripts/train_toy_arith.py      # about 2.5-4 minutes on 2 CPU cores; byte-identical reruns
 """
 
 from __future__ import annotations
@@ -89,13 +92,16 @@ def write_data(data_dir: Path, seed: int) -> tuple[list[dict], list[dict]]:
 
 def training_row(examples: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     """Token ids of examples laid out as lm-eval's few-shot prompt, and a loss mask that skips the question
-    (its operands are random; everything else, including the next "Question:", is predictable)."""
+    (its operands are random; everything else is predictable). Every row ends with the next "Question:", the
+    stop sequence of the GSM8K task, so the model ends its answer there."""
     ids, mask = [], []
+    pieces = []
     for ex in examples:
-        for text, learn in (("Question: ", 1), (ex["question"], 0), ("\nAnswer: " + ex["answer"] + "\n\n", 1)):
-            tokens = tokenizer.encode(text, add_special_tokens=False)
-            ids += tokens
-            mask += [learn] * len(tokens)
+        pieces += [("Question: ", 1), (ex["question"], 0), ("\nAnswer: " + ex["answer"] + "\n\n", 1)]
+    for text, learn in pieces + [("Question:", 1)]:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        ids += tokens
+        mask += [learn] * len(tokens)
     return ids, mask
 
 

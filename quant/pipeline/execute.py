@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,16 +189,18 @@ def run_shard(plan: Plan, digest: str, shard: ShardJob, ckpt: Checkpoint, out: P
     reader = SourceReader(ckpt, device)
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
-    try:
-        for job in shard.jobs:
-            produced, record = run_job(job, reader, plan.scale_mode, timing)
-            tensors.update(produced)
-            records[job.output] = record
-    finally:
-        reader.close()
-    t0 = time.perf_counter()
-    # Hash the source while its pages are still cached from the read above.
-    source_sha = sha256_file(ckpt.shard_path(shard.source_file))
+    # hashlib releases the GIL: the source is hashed on the other core while this one quantizes.
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        source_hash = hasher.submit(sha256_file, ckpt.shard_path(shard.source_file))
+        try:
+            for job in shard.jobs:
+                produced, record = run_job(job, reader, plan.scale_mode, timing)
+                tensors.update(produced)
+                records[job.output] = record
+        finally:
+            reader.close()
+        t0 = time.perf_counter()
+        source_sha = source_hash.result()
     t1 = time.perf_counter()
     target = out / shard.file
     tmp = target.with_name(target.name + ".tmp")
