@@ -18,6 +18,28 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def load_vectors(name: str):
+    """The reference vector module tests/data/<name>.py (data only; copied from shared/reference)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "data" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Many small tensor ops: with xdist workers sharing the cores, one intra-op thread each is much faster."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def toy_factory(tmp_path_factory):
     """toy_factory(name, fp8_block=False, shard_size=None) -> path of a cached toy checkpoint (read-only use)."""

@@ -1,12 +1,11 @@
 """FP8 E4M3 numerics: block (DeepSeek-V3 weight_scale_inv), per-channel and per-tensor; bit-exact against the shared
 vectors and an independent per-tile reference; partial and zero tiles, saturation, bounds, compiled == eager."""
 
-import importlib.util
 import math
 import struct
-from pathlib import Path
 
 import pytest
+from conftest import load_vectors
 import torch
 
 from quant.errors import QuantError
@@ -20,26 +19,14 @@ from quant.numerics.fp8 import (
     quantize_fp8_per_tensor,
 )
 
-DATA = Path(__file__).parent / "data"
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-VECTORS = _load("fp8_vectors").FP8_BLOCK_VECTORS
+VECTORS = load_vectors("fp8_vectors").FP8_BLOCK_VECTORS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many small tensor ops: with pytest-xdist workers sharing the cores, one intra-op thread each is much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def f32_bits(v: float) -> int:

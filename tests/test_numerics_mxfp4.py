@@ -1,41 +1,28 @@
 """MXFP4 numerics: bit-exact against the shared test vectors and against an independent numpy + ml_dtypes reference
 on millions of values; error bounds, idempotence, batching, compiled == eager, input errors."""
 
-import importlib.util
 import math
 import zlib
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import load_vectors
 import torch
 
 from quant.errors import QuantError
 from quant.numerics import mxfp4
 from quant.numerics.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
-DATA = Path(__file__).parent / "data"
 MODES = ("floor", "rceil", "even")  # the modes the shared vectors cover
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, DATA / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-VECTORS = _load("mxfp4_vectors").MXFP4_VECTORS
+VECTORS = load_vectors("mxfp4_vectors").MXFP4_VECTORS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many small tensor ops: with pytest-xdist workers sharing the cores, one intra-op thread each is much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------------
