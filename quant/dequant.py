@@ -9,7 +9,6 @@ F32 weight_scale, per-tensor or per-channel) and official block FP8 (weight_scal
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -88,11 +87,3 @@ def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: torch.dtype =
             shutil.copy2(f, out / f.name)
     return out
 
-
-def load_dequantized_model(src: str | Path, workdir: str | Path, dtype: torch.dtype = torch.bfloat16):
-    """A transformers model holding `src`'s weights dequantized (via a plain copy in `workdir`)."""
-    from transformers import AutoModelForCausalLM
-
-    plain = dequantize_checkpoint(src, Path(workdir) / "dequantized", dtype)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return AutoModelForCausalLM.from_pretrained(plain, dtype=dtype)

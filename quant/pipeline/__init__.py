@@ -25,7 +25,7 @@ from quant.pipeline.execute import PROGRESS_DIR, ShardResult, completed, run_sha
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
 from quant.pipeline.recipes import family_for_config, load_recipe
-from quant.pipeline.schemes import SCALE_MODES, get_scheme, raise_unknown
+from quant.pipeline.schemes import SCALE_MODES, get_scheme
 from quant.pipeline.source import resolve_source
 
 COMPLETE_MARKER = ".quant-complete"
@@ -167,7 +167,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
                         progress: bool = False, log=print) -> dict:
     scheme_obj = get_scheme(scheme)
     if scale_mode not in SCALE_MODES:
-        raise_unknown("scale mode", scale_mode, SCALE_MODES)
+        raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
     src_path, source_ref = resolve_source(src)
     out = Path(out)
     check_paths(src_path, out)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from quant.errors import QuantError
 from quant.numerics import fp8, mxfp4
 
 
@@ -80,16 +81,9 @@ SCALE_MODES = mxfp4.SCALE_MODES
 
 
 def get_scheme(name: str) -> Scheme:
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise_unknown("scheme", name, SCHEMES)
-
-
-def raise_unknown(what: str, name: str, known) -> None:
-    from quant.errors import QuantError
-
-    raise QuantError(f"unknown {what} {name!r}; choose one of: {', '.join(known)}")
+    if name not in SCHEMES:
+        raise QuantError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}")
+    return SCHEMES[name]
 
 
 def secondary_scheme(primary: Scheme) -> Scheme:
