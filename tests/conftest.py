@@ -1,6 +1,7 @@
 """Shared fixtures: toy checkpoints are built once per test session (per xdist worker) from tiny configs."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -13,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+# Compiled-kernel packages the developer built (`quant kernels build`) must not decide which code path the tests
+# exercise: each session starts from an empty cache (tests/test_aot.py builds its own packages).
+os.environ["QUANT_CACHE_DIR"] = tempfile.mkdtemp(prefix="quant-test-cache-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,10 +1,11 @@
-"""`torch.compile` for the numerics kernels, with an automatic eager fallback.
+"""Compiled numerics kernels: an ahead-of-time package when one is cached, else `torch.compile`, else eager.
 
 The kernels are written with exact integer/power-of-two arithmetic only, so the compiled and the eager run give
-bit-identical results; compiling only fuses them into one pass over memory. Compiling a kernel costs seconds (the
-C++ compiler runs once per kernel and process; inductor caches the result on disk), so small tensors, which gain
-nothing from it, run eagerly. Set QUANT_NO_COMPILE=1 to never compile. A kernel whose compilation fails (no C++
-compiler, unsupported platform) logs one warning and stays eager for the rest of the process.
+bit-identical results; compiling only fuses them into one pass over memory. On CPU a kernel built by
+`quant kernels build` (see `_aot`) loads in milliseconds; otherwise `torch.compile` costs seconds per process (the
+C++ compiler runs once per kernel; inductor caches the result on disk), so small tensors, which gain nothing from
+it, run eagerly. Set QUANT_NO_COMPILE=1 to never compile. A kernel whose compilation fails (no C++ compiler,
+unsupported platform) logs one warning and stays eager for the rest of the process.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
+
+from quant.numerics._aot import AotCache, build_package
 
 log = logging.getLogger(__name__)
 
@@ -26,31 +30,53 @@ def compile_enabled() -> bool:
     return os.environ.get("QUANT_NO_COMPILE", "") in ("", "0")
 
 
-def wants_compiled(size: int, compiled: bool | None = None) -> bool:
-    """Whether a call on `size` input elements should run compiled (`compiled` forces it; None decides by size).
-
-    False once any kernel failed to compile, so callers size their chunks for eager execution.
+def wants_compiled(size: int, compiled: bool | None = None) -> bool | None:
+    """How a call on `size` input elements should run: True compiled (a cached package, else torch.compile),
+    None a cached package if there is one, else eager (small tensors: torch.compile would cost more than it
+    saves), False eager. `compiled` forces True or False; torch.compile failing once makes True mean None.
     """
     if compiled is None:
-        compiled = size >= COMPILE_MIN_ELEMENTS and compile_enabled()
-    return compiled and not Kernel.any_broken
+        if not compile_enabled():
+            return False
+        compiled = True if size >= COMPILE_MIN_ELEMENTS else None
+    return None if compiled and Kernel.any_broken else compiled
 
 
 class Kernel:
-    """A pure tensor function that runs compiled on request; `Kernel.eager` is the same function uncompiled."""
+    """A pure tensor function that runs compiled on request; `Kernel.eager` is the same function uncompiled.
+
+    `examples` gives small argument tuples, one per signature the pipeline calls the kernel with, from which
+    `build_aot` compiles packages; `dynamic_dims` are the dimensions of each tensor argument that vary by tensor.
+    """
 
     any_broken = False
+    registry: list[Kernel] = []
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, examples: Callable[[], list[tuple]] | None = None,
+                 dynamic_dims: tuple[int, ...] = (0,)):
         self.eager = fn
-        self.name = fn.__name__
+        self.name = fn.__name__.lstrip("_")
+        self.examples, self.dynamic_dims = examples, dynamic_dims
         self._compiled: Callable | None = None
         self._broken = False
         self._lock = threading.Lock()  # the pipeline quantizes from several threads (one per device)
+        self._aot = AotCache(fn, self.name)
+        Kernel.registry.append(self)
 
-    def __call__(self, *args, compiled: bool):
-        """Run on `args` (tensors), compiled or eager."""
-        if not compiled or self._broken:
+    def build_aot(self, force: bool = False) -> Iterator[tuple[Path, bool]]:
+        """Compile this kernel's packages for every example signature: [(path, built now)]."""
+        for args in self.examples() if self.examples else []:
+            yield build_package(self.name, self.eager, args, self.dynamic_dims, force)
+
+    def __call__(self, *args, compiled: bool | None):
+        """Run on `args` (tensors) as `wants_compiled` decided: compiled (True), eager (False), or compiled only
+        if a package is cached (None)."""
+        if compiled is False:
+            return self.eager(*args)
+        runner = self._aot.runner(args) if self.examples else None
+        if runner is not None:
+            return runner(args)
+        if compiled is None or self._broken:
             return self.eager(*args)
         with self._lock:
             if self._compiled is None:

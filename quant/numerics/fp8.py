@@ -48,7 +48,11 @@ def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _encode(w, scale), scale
 
 
-QUANTIZE_TILES, QUANTIZE_ROWS = Kernel(_quantize_tiles), Kernel(_quantize_rows)
+_EXAMPLE_DTYPES = (torch.bfloat16, torch.float32)  # bf16 sources, and fp32 from dequantized FP8 sources
+QUANTIZE_TILES = Kernel(_quantize_tiles, dynamic_dims=(0, 2),
+                        examples=lambda: [(torch.randn(2, BLOCK, 3, BLOCK).to(dt),) for dt in _EXAMPLE_DTYPES])
+QUANTIZE_ROWS = Kernel(_quantize_rows, dynamic_dims=(0, 1),
+                       examples=lambda: [(torch.randn(48, 96).to(dt),) for dt in _EXAMPLE_DTYPES])
 
 # Input elements per kernel call: bounds the fp32 temporaries of the eager kernels (compiled ones have none).
 _EAGER_CHUNK_ELEMENTS = 1 << 22

@@ -1,0 +1,49 @@
+"""`quant kernels status|build`: the ahead-of-time compiled CPU kernels in the cache."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+app = typer.Typer(help="Ahead-of-time compiled CPU kernels (built once per machine, loaded in milliseconds).",
+                  no_args_is_help=True)
+
+
+def _kernels():
+    import quant.numerics.fp8  # noqa: F401  (registers its kernels)
+    import quant.numerics.mxfp4  # noqa: F401
+    from quant.numerics._compile import Kernel
+
+    return [k for k in Kernel.registry if k.examples]
+
+
+@app.command("status")
+def status() -> None:
+    """List each kernel signature and whether its package is built."""
+    from quant.numerics._aot import cache_dir, package_path, signature
+
+    missing = 0
+    for k in _kernels():
+        for args in k.examples():
+            path = package_path(k.eager, k.name, signature(args))
+            missing += not path.is_file()
+            typer.echo(f"{'built  ' if path.is_file() else 'missing'}  {k.name}({signature(args)})")
+    typer.echo(f"cache: {cache_dir()}" + (f"; {missing} missing: run `quant kernels build`" if missing else ""))
+
+
+@app.command("build")
+def build(force: bool = typer.Option(False, help="Rebuild packages that already exist")) -> None:
+    """Compile every kernel for this machine (about 10 s each, once; later runs skip built ones)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")  # export's deprecation chatter is not the user's concern
+    built = 0
+    for k in _kernels():
+        start = time.perf_counter()
+        for path, new in k.build_aot(force=force):
+            built += new
+            typer.echo(f"{'built' if new else 'up to date'}: {path.name}"
+                       + (f" ({time.perf_counter() - start:.1f} s)" if new else ""), err=True)
+            start = time.perf_counter()
+    typer.echo(f"{built} kernel package(s) built", err=True)
