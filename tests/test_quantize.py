@@ -195,13 +195,14 @@ def _read(ckpt: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def test_error_windows_cover_small_weights_and_sample_large_ones():
-    from quant.pipeline.execute import ERROR_SAMPLE_ROWS, error_windows
+def test_error_rows_cover_small_weights_and_sample_large_ones():
+    from quant.pipeline.execute import ERROR_SAMPLE_ROWS, error_rows
 
-    assert error_windows(96, 1) == [(0, 96)]
-    windows = error_windows(2048, 1)
-    assert sum(b - a for a, b in windows) == ERROR_SAMPLE_ROWS
-    assert windows[0][0] == 0 and windows[-1][1] > 1800, "windows spread over the whole weight"
-    tiles = error_windows(2048, 128)
-    assert all(a % 128 == 0 for a, _ in tiles) and sum(b - a for a, b in tiles) == ERROR_SAMPLE_ROWS
-    assert error_windows(300, 128) == [(0, 128)] or all(a % 128 == 0 for a, _ in error_windows(300, 128))
+    assert error_rows(96, 1).tolist() == list(range(96))
+    rows = error_rows(2048, 1)
+    assert len(rows) == ERROR_SAMPLE_ROWS and len(set(rows.tolist())) == ERROR_SAMPLE_ROWS
+    assert rows[0] == 0 and rows[-1] > 1900, "rows spread over the whole weight"
+    tiles = error_rows(2048, 128)
+    assert len(tiles) == ERROR_SAMPLE_ROWS and tiles[0] % 128 == 0 and torch.equal(tiles, tiles[0] + torch.arange(128))
+    short_tail = error_rows(300, 128)  # three tile rows, one window
+    assert short_tail.tolist() == list(range(128))

@@ -8,24 +8,29 @@ like a finished checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import gc
 import itertools
 import json
+import os
 import re
 import shutil
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.errors import QuantError
-from quant.pipeline.execute import PROGRESS_DIR, ShardResult, completed, run_shard, write_atomic
+from quant.pipeline.files import sha256_file, write_atomic
+from quant.pipeline.progress import PROGRESS_DIR, ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
 from quant.pipeline.recipes import family_for_config, load_recipe
-from quant.pipeline.schemes import SCALE_MODES, get_scheme
+from quant.numerics import SCALE_MODES
+from quant.pipeline.schemes import get_scheme
 from quant.pipeline.source import resolve_source
 
 COMPLETE_MARKER = ".quant-complete"
@@ -50,10 +55,10 @@ def check_paths(src: Path, out: Path) -> None:
 
 
 def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
-    import torch
-
     if devices is None:
         return ["cpu"] * max(1, workers)
+    import torch
+
     items = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
     for d in items:
         if d.startswith("cuda") and not torch.cuda.is_available():
@@ -177,9 +182,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     family = family_for_config(ckpt.config, src_path / "config.json")
     plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
     digest = plan.digest()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / COMPLETE_MARKER).unlink(missing_ok=True)
-    (out / PROGRESS_DIR).mkdir(exist_ok=True)
 
     results: dict[str, ShardResult] = {}
     todo = []
@@ -194,23 +196,18 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
 
     started = time.perf_counter()
     timing = Counter()
-    with _progress(progress, plan, todo) as advance:
-        def work(i_shard):
-            i, shard = i_shard
-            result = run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)], timing)
-            advance(shard.source_bytes)
-            return result
-
-        # One shard in flight per worker, so a failure stops the run before later shards start.
-        queue = iter(enumerate(todo))
-        with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
-            running = {pool.submit(work, item) for item in itertools.islice(queue, len(device_list))}
-            while running:
-                finished, running = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    result = future.result()
-                    results[result.file] = result
-                    running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
+    # Source hashes run on a thread of their own, in shard order, from before torch loads (in the first worker)
+    # to beside the quantizing workers.
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / COMPLETE_MARKER).unlink(missing_ok=True)
+            (out / PROGRESS_DIR).mkdir(exist_ok=True)
+            _run_shards(plan, digest, todo, ckpt, out, device_list, hashes, timing, results, progress)
+        finally:
+            for future in hashes.values():
+                future.cancel()  # after a failure, shards never started need no hash
     elapsed = time.perf_counter() - started
 
     ordered = [results[s.file] for s in plan.shards]
@@ -221,6 +218,86 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
                           **{k: round(v, 3) for k, v in timing.items()}}
     return manifest
+
+
+def run_shard(*args, **kwargs) -> ShardResult:
+    """`execute.run_shard`, imported on first use because it loads torch."""
+    from quant.pipeline import execute
+
+    return execute.run_shard(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _compute_runtime(device_list: list[str]):
+    """Load torch for the run, and set the intra-op threads of CPU workers: the cores left after the hashing and
+    writing threads, shared by the workers. On two cores that is one thread: a second one would wait a scheduler timeslice at the end of each
+    kernel whenever the hasher holds its core (seconds per run, and irregular)."""
+    # The run's first import of torch (it overlaps the source hashing) creates a few hundred thousand objects and
+    # no garbage; the collector would walk them over and over, during the import and the whole run (8% of the CPU
+    # time on two cores). So no collection while importing, and the objects stay frozen until the run ends.
+    collecting, freezing = gc.isenabled(), gc.get_freeze_count() == 0  # never thaw what the caller froze
+    gc.disable()
+    try:
+        import torch
+
+        from quant.pipeline import execute  # noqa: F401  (the rest of the heavy imports: numerics, safetensors)
+    finally:
+        if freezing:
+            gc.freeze()
+        if collecting:
+            gc.enable()
+    before = torch.get_num_threads()
+    threads = before
+    if all(torch.device(d).type == "cpu" for d in device_list):
+        threads = max(1, ((os.cpu_count() or 1) - 1) // len(device_list))
+    try:
+        yield threads
+    finally:
+        if freezing:
+            gc.unfreeze()
+        torch.set_num_threads(before)
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
+                timing: Counter, results: dict[str, ShardResult], progress: bool) -> None:
+    """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
+    start; shards are written on a writer thread meanwhile. Finished results go into `results`."""
+    writes: list[Future] = []
+
+    def raise_failed_writes():
+        for w in writes:
+            if w.done() and w.exception():
+                raise w.exception()
+
+    with (_progress(progress, plan, todo) as advance, ThreadPoolExecutor(max_workers=1) as writer,
+          _compute_runtime(device_list) as threads):
+        def work(i_shard):
+            i, shard = i_shard
+            _set_threads(threads)  # OpenMP keeps a thread count per thread: the compiled kernels read this one
+            written = run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
+                                hashes[shard.file], timing, writer=writer)
+            written.add_done_callback(lambda _: advance(shard.source_bytes))
+            return written
+
+        queue = iter(enumerate(todo))
+        with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
+            running = {pool.submit(work, item) for item in itertools.islice(queue, len(device_list))}
+            while running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    writes.append(future.result())
+                    raise_failed_writes()
+                    running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
+        for w in writes:
+            result = w.result()
+            results[result.file] = result
 
 
 class _progress:

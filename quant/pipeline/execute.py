@@ -1,20 +1,13 @@
-"""Executing a plan shard by shard: load → quantize → write atomically → record.
-
-Each finished output shard gets a progress record (`.quant-progress/<shard>.json`) holding the plan digest,
-the output's sha256 and the per-tensor records. A re-run skips a shard whose record matches the plan and whose
-bytes still hash to the record, so a killed run resumes to the same bytes as an uninterrupted one.
-"""
+"""Executing a plan shard by shard: load → quantize → write atomically → record (see `progress`)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import torch
@@ -24,69 +17,60 @@ from safetensors.torch import save_file
 from quant.checkpoint import Checkpoint, safetensors_dtype
 from quant.errors import QuantError
 from quant.numerics import fp8
+from quant.pipeline.files import sha256_file, write_atomic
+from quant.pipeline.progress import PROGRESS_DIR, ShardResult, progress_path
 from quant.pipeline.plan import Plan, ShardJob, Source, TensorJob
 from quant.pipeline.schemes import SCHEMES
 
-PROGRESS_DIR = ".quant-progress"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    mode = "wb" if isinstance(data, bytes) else "w"
-    with open(tmp, mode) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 ERROR_SAMPLE_ROWS = 128  # rows on which a large weight's error is measured; smaller weights: every row
 
 
-def error_windows(rows: int, align: int) -> list[tuple[int, int]]:
-    """Row windows for the error measurement: all rows of a small weight, else windows spread evenly over the
-    weight (aligned to the scheme's row tiles) that add up to ERROR_SAMPLE_ROWS rows. Dequantizing is several
-    times slower than quantizing, so measuring every row of a [2048, 6144] expert would dominate the run."""
+def error_rows(rows: int, align: int) -> torch.Tensor:
+    """Row indices for the error measurement: every row of a small weight; else ERROR_SAMPLE_ROWS rows spread
+    evenly over the weight, in whole windows of `align` rows (a block-FP8 tile row) when the scheme needs them.
+    Dequantizing is slower than quantizing, so measuring every row of a [2048, 6144] expert would dominate."""
     if rows <= ERROR_SAMPLE_ROWS:
-        return [(0, rows)]
-    window = max(8, align)
-    starts = list(range(0, rows, window))
-    count = max(1, min(len(starts), ERROR_SAMPLE_ROWS // window))
-    return [(starts[i * len(starts) // count], min(rows, starts[i * len(starts) // count] + window))
-            for i in range(count)]
+        return torch.arange(rows)
+    windows = -(-rows // align)
+    count = max(1, min(windows, ERROR_SAMPLE_ROWS // align))
+    starts = [(i * windows // count) * align for i in range(count)]
+    return torch.cat([torch.arange(r0, min(rows, r0 + align)) for r0 in starts])
 
 
 def error_stats(original: torch.Tensor, parts: dict[str, torch.Tensor], scheme) -> dict:
-    """Relative MSE and SQNR (dB) of a quantized weight over `error_windows` rows: fp32 dot products per
-    window, summed in Python floats (float64) across windows."""
-    noise = signal = 0.0
-    windows = error_windows(original.shape[0], scheme.row_align)
-    for r0, r1 in windows:
-        x = original[r0:r1].float().reshape(-1)
-        d = x - scheme.dequantize(scheme.rows(parts, r0, r1)).reshape(-1)
-        noise += float(torch.dot(d, d))
-        signal += float(torch.dot(x, x))
+    """Relative MSE and SQNR (dB) of a quantized weight over its `error_rows`, from fp32 dot products."""
+    index = error_rows(original.shape[0], scheme.row_align).to(original.device)
+    rows, row_parts = original.index_select(0, index), scheme.rows(parts, index)
+    if scheme.error_sums:
+        noise, signal = scheme.error_sums(rows, row_parts)
+    else:
+        x = rows.float().reshape(-1)
+        d = x - scheme.dequantize(row_parts).reshape(-1)
+        noise, signal = float(torch.dot(d, d)), float(torch.dot(x, x))
     rel = noise / signal if signal else 0.0
     sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise) if signal else -math.inf
-    return {"rel_mse": rel, "sqnr_db": round(sqnr, 4) if math.isfinite(sqnr) else None,
-            "error_rows": sum(r1 - r0 for r0, r1 in windows)}
+    return {"rel_mse": rel, "sqnr_db": round(sqnr, 4) if math.isfinite(sqnr) else None, "error_rows": len(index)}
 
 
 class SourceReader:
-    """Open shard handles for one shard job; slices of fused experts are read without loading the rest."""
+    """Open shard handles for one shard job; slices of fused experts are read without loading the rest.
+
+    Tensors are views of the shard's memory map, whose pages stay resident while it is mapped; a handle is
+    therefore reopened after every REMAP_BYTES it served, which unmaps what the finished tensors touched and
+    keeps a worker's resident source near that size instead of a whole shard."""
+
+    REMAP_BYTES = 1 << 28
 
     def __init__(self, ckpt: Checkpoint, device: str):
         self.ckpt, self.device, self.handles = ckpt, device, {}
+        self.served: dict[str, int] = {}
 
     def handle(self, file: str):
+        if self.served.get(file, 0) >= self.REMAP_BYTES:
+            del self.handles[file]
+            self.served[file] = 0
         if file not in self.handles:
             path = self.ckpt.shard_path(file)
             try:
@@ -104,6 +88,7 @@ class SourceReader:
         except Exception as e:
             raise QuantError(f"{self.ckpt.shard_path(file)}: cannot read tensor {name} "
                              f"({str(e).splitlines()[0]})") from None
+        self.served[file] = self.served.get(file, 0) + t.nbytes
         return t.to(self.device)
 
     def load(self, src: Source) -> torch.Tensor:
@@ -131,9 +116,10 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str,
               "source_shape": list(src.shape)}
     where = f"{reader.ckpt.shard_path(job.source.file)}: tensor {job.source.describe()}"
     if job.action == "copy":
-        out = {job.output: src.contiguous()}
+        # A copy of its own: a view would keep the whole source shard mapped (and resident) until written.
+        out = {job.output: src.clone(memory_format=torch.contiguous_format)}
     elif job.action == "dequantize":
-        out = {job.output: src.to(torch.bfloat16).contiguous()}
+        out = {job.output: src.to(torch.bfloat16, copy=True).contiguous()}
     else:
         scheme = SCHEMES[job.scheme]
         if not src.is_floating_point():
@@ -151,65 +137,45 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str,
     return {name: t.cpu() for name, t in out.items()}, record
 
 
-@dataclass
-class ShardResult:
-    file: str
-    sha256: str
-    bytes: int
-    source_file: str
-    source_sha256: str
-    tensors: dict  # output tensor name -> {dtype, shape}
-    records: dict  # job output -> record
-
-
-def progress_path(out: Path, shard: ShardJob) -> Path:
-    return out / PROGRESS_DIR / (shard.file + ".json")
-
-
-def completed(out: Path, shard: ShardJob, digest: str) -> ShardResult | None:
-    """The recorded result of a shard finished by an earlier run of the same plan, if its bytes still match."""
-    rec_path, shard_path = progress_path(out, shard), out / shard.file
-    if not (rec_path.is_file() and shard_path.is_file()):
-        return None
-    try:
-        rec = json.loads(rec_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if rec.get("plan_digest") != digest or shard_path.stat().st_size != rec["result"]["bytes"]:
-        return None
-    if sha256_file(shard_path) != rec["result"]["sha256"]:
-        return None
-    return ShardResult(**rec["result"])
-
-
 def run_shard(plan: Plan, digest: str, shard: ShardJob, ckpt: Checkpoint, out: Path, device: str,
-              timing: Counter | None = None) -> ShardResult:
-    """Quantize one shard; `timing` accumulates seconds spent reading, quantizing, writing and hashing."""
+              source_hash: Future, timing: Counter | None = None, writer: Executor | None = None
+              ) -> ShardResult | Future:
+    """Quantize one shard, then write it (`write_shard`). `source_hash` is the source's sha256, computed beside
+    it; `timing` accumulates seconds per phase. With a `writer`, the write runs there while the caller goes on
+    to the next shard (writing is mostly waiting for the disk), and a Future of the result is returned."""
     timing = Counter() if timing is None else timing
     reader = SourceReader(ckpt, device)
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
-    # hashlib releases the GIL: the source is hashed on the other core while this one quantizes.
-    with ThreadPoolExecutor(max_workers=1) as hasher:
-        source_hash = hasher.submit(sha256_file, ckpt.shard_path(shard.source_file))
-        try:
-            for job in shard.jobs:
-                produced, record = run_job(job, reader, plan.scale_mode, timing)
-                tensors.update(produced)
-                records[job.output] = record
-        finally:
-            reader.close()
-        t0 = time.perf_counter()
-        source_sha = source_hash.result()
-    t1 = time.perf_counter()
+    try:
+        for job in shard.jobs:
+            produced, record = run_job(job, reader, plan.scale_mode, timing)
+            tensors.update(produced)
+            records[job.output] = record
+    finally:
+        reader.close()
+    if writer is None:
+        return write_shard(digest, shard, out, tensors, records, source_hash, timing)
+    return writer.submit(write_shard, digest, shard, out, tensors, records, source_hash, timing)
+
+
+def write_shard(digest: str, shard: ShardJob, out: Path, tensors: dict[str, torch.Tensor], records: dict[str, dict],
+                source_hash: Future, timing: Counter) -> ShardResult:
+    """Write the shard atomically, hash it, and record it as complete (its progress record)."""
+    t0 = time.perf_counter()
     target = out / shard.file
     tmp = target.with_name(target.name + ".tmp")
+    # Streams the tensors to the file; serializing to one bytes object first would cost as much again in
+    # freshly zeroed memory as hashing the file back from the page cache.
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, target)
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
     out_sha = sha256_file(target)
-    timing["hash_s"] += (t1 - t0) + (time.perf_counter() - t2)
-    timing["write_s"] += t2 - t1
+    t2 = time.perf_counter()
+    source_sha = source_hash.result()
+    timing["hash_wait_s"] += time.perf_counter() - t2
+    timing["hash_s"] += t2 - t1
+    timing["write_s"] += t1 - t0
     result = ShardResult(file=shard.file, sha256=out_sha, bytes=target.stat().st_size,
                          source_file=shard.source_file, source_sha256=source_sha,
                          tensors={n: _tensor_record(t) for n, t in sorted(tensors.items())}, records=records)

@@ -1,17 +1,20 @@
 """The output schemes: how a weight is quantized, which tensors it becomes, and how it reads back.
 
 One table (`SCHEMES`); the Quark tensor specs that describe each scheme in config.json live in quark_config.py.
+Planning needs only the table, so torch and the numerics load when a weight is first quantized: the quantize
+command hashes the source while they load.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from quant.errors import QuantError
-from quant.numerics import fp8, mxfp4
+from quant.numerics import SCALE_MODES
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -22,44 +25,75 @@ class Scheme:
     output_format: str  # "quark" or "fp8-official"
     quantize: Callable[[torch.Tensor, str], dict[str, torch.Tensor]]  # (weight, scale_mode) -> {suffix: tensor}
     dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # {suffix: tensor} -> fp32 weight
-    rows: Callable[[dict[str, torch.Tensor], int, int], dict[str, torch.Tensor]]  # rows r0:r1 of the parts
-    row_align: int = 1  # rows() windows must start at multiples of this
+    rows: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]]  # parts of some rows
+    row_align: int = 1  # rows() takes whole windows of this many rows
+    # (sum of squared errors, sum of squares) of weight rows against their parts; None: dequantize and compare
+    error_sums: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[float, float]] | None = None
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    from quant.numerics import mxfp4
+
     packed, scales = mxfp4.quantize_mxfp4(w, mode=scale_mode)
     return {"weight": packed, "weight_scale": scales}
 
 
 def _mxfp4_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch
+
+    from quant.numerics import mxfp4
+
     return mxfp4.dequantize_mxfp4(t["weight"], t["weight_scale"], dtype=torch.float32)
 
 
+def _mxfp4_error(w: torch.Tensor, t: dict[str, torch.Tensor]) -> tuple[float, float]:
+    from quant.numerics import mxfp4
+
+    return mxfp4.quantization_error(w, t["weight"], t["weight_scale"])
+
+
 def _fp8_channel(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    from quant.numerics import fp8
+
     q, s = fp8.quantize_fp8_per_channel(w)
     return {"weight": q, "weight_scale": s}
 
 
 def _fp8_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch
+
+    from quant.numerics import fp8
+
     return fp8.dequantize_fp8(t["weight"], t["weight_scale"], dtype=torch.float32)
 
 
-def _row_slice(parts: dict[str, torch.Tensor], r0: int, r1: int) -> dict[str, torch.Tensor]:
-    """Rows r0:r1 of a row-wise scheme (MXFP4 blocks and per-channel scales run along rows)."""
-    return {k: (v[r0:r1] if v.dim() else v) for k, v in parts.items()}
+def _row_select(parts: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows `index` of a row-wise scheme (MXFP4 blocks and per-channel scales run along rows)."""
+    return {k: (v.index_select(0, index) if v.dim() else v) for k, v in parts.items()}
 
 
-def _block_rows(parts: dict[str, torch.Tensor], r0: int, r1: int) -> dict[str, torch.Tensor]:
-    assert r0 % 128 == 0, "block-FP8 row chunks start on a tile boundary"
-    return {"weight": parts["weight"][r0:r1], "weight_scale_inv": parts["weight_scale_inv"][r0 // 128: -(-r1 // 128)]}
+def _block_rows(parts: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole 128-row tile rows (only the weight's last one may be short), in order."""
+    import torch
+
+    tiles = torch.unique_consecutive(index // 128)
+    assert index.numel() == 0 or int(index[0]) % 128 == 0, "block-FP8 rows come in whole tile rows"
+    return {"weight": parts["weight"].index_select(0, index),
+            "weight_scale_inv": parts["weight_scale_inv"].index_select(0, tiles)}
 
 
 def _fp8_block(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    from quant.numerics import fp8
+
     q, s = fp8.quantize_fp8_block(w)
     return {"weight": q, "weight_scale_inv": s}
 
 
 def _fp8_block_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch
+
+    from quant.numerics import fp8
+
     return fp8.dequantize_fp8_block(t["weight"], t["weight_scale_inv"], dtype=torch.float32)
 
 
@@ -67,18 +101,15 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in [
         Scheme("w_mxfp4_a_mxfp4", "MXFP4 weights, dynamic MXFP4 activations (what AMD publishes)", 32, "quark",
-               _mxfp4, _mxfp4_back, _row_slice),
+               _mxfp4, _mxfp4_back, _row_select, error_sums=_mxfp4_error),
         Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back,
-               _row_slice),
+               _row_select, error_sums=_mxfp4_error),
         Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
-               "quark", _fp8_channel, _fp8_back, _row_slice),
+               "quark", _fp8_channel, _fp8_back, _row_select),
         Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
                "fp8-official", _fp8_block, _fp8_block_back, _block_rows, row_align=128),
     ]
 }
-
-SCALE_MODES = mxfp4.SCALE_MODES
-
 
 def get_scheme(name: str) -> Scheme:
     if name not in SCHEMES:
