@@ -58,8 +58,22 @@ def build_synthetic(root: Path, gb: float, shards: int) -> Path:
     return root
 
 
-def timed(cmd: list[str], env=None) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes of the process tree as the kernel counts it, stderr)."""
+def settle(src: Path) -> None:
+    """The same starting point for every timed run: dirty pages flushed (else the writeback of, say, the freshly
+    built source throttles whichever process writes next to disk speed) and the source read once, so it is in
+    the page cache (this VM drops a few percent of cached pages while idle, and re-reading them at random costs
+    seconds)."""
+    os.sync()
+    buf = bytearray(1 << 24)
+    for f in sorted(src.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def timed(cmd: list[str], src: Path, env: dict | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes of the process as the kernel counts it, stderr), from `settle`d state."""
+    settle(src)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     err = proc.stderr.read()
@@ -107,23 +121,41 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=3.0, help="source size in GB (bf16)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--keep", type=Path, help="work directory to keep (default: a temporary one)")
+    ap.add_argument("--no-peer", action="store_true", help="measure only `quant quantize` (quick iterations)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of `quant quantize` (the median is reported)")
+    ap.add_argument("--cold", action="store_true", help="also time one run without the compiled-kernel cache")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     src = build_synthetic(work / "src", args.gb, args.shards) if not (work / "src").exists() else work / "src"
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"source: {size / 1e9:.2f} GB in {args.shards} shards, expert shapes [2048, 6144] / [6144, 2048]")
 
+    build = time.perf_counter()
+    kernels = subprocess.run([sys.executable, "-m", "quant.cli", "kernels", "build"], capture_output=True, text=True,
+                             check=True).stderr.strip().splitlines()[-1]
+    print(f"compiled kernels (one-time per machine, `quant kernels build`): {kernels}, "
+          f"{time.perf_counter() - build:.1f} s")
+
     ours = work / "ours"
-    shutil.rmtree(ours, ignore_errors=True)
-    quant = [sys.executable, "-m", "quant.cli", "quantize", str(src), str(ours), "--no-progress",
-             "--check-engines", ""]
-    t_ours, rss_ours, err = timed(quant)
-    timing = next((l for l in err.splitlines() if l.startswith("time:")), "")
+    quant = [sys.executable, "-m", "quant.cli", "quantize", str(src), str(ours), "--no-progress"]
+    runs = []
+    for _ in range(args.runs):
+        shutil.rmtree(ours, ignore_errors=True)
+        runs.append(timed(quant, src))
+    t_ours, rss_ours, err = sorted(runs)[len(runs) // 2]  # the median run
+    timing = next((line for line in err.splitlines() if line.startswith("time:")), "")
     parts = dict((k, float(v.rstrip("s"))) for k, v in (p.strip().split(" ") for p in timing[5:].split(",")))
     share = parts.get("quantize", 0) / t_ours
     print(f"quant quantize : {t_ours:7.2f} s  {size / t_ours / 1e9:6.2f} GB/s  peak RSS {rss_ours / 1e9:.2f} GB  "
-          f"(quantize {parts.get('quantize', 0):.2f} s = {share:.0%} of wall; {timing[6:]})")
+          f"(median of {len(runs)}: {', '.join(f'{r[0]:.2f}' for r in runs)} s; quantize {parts.get('quantize', 0):.2f}"
+          f" s = {share:.0%} of wall; {timing[6:]})")
+    if args.cold:
+        shutil.rmtree(ours, ignore_errors=True)
+        t_cold, _, _ = timed(quant, src, env={**os.environ, "QUANT_NO_AOT": "1"})
+        print(f"  without the compiled-kernel cache (torch.compile in the run): {t_cold:.2f} s")
 
+    if args.no_peer:
+        return
     try:
         import quark  # noqa: F401
     except ImportError:
@@ -131,7 +163,7 @@ def main() -> None:
         return
     qdir = work / "quark"
     shutil.rmtree(qdir, ignore_errors=True)
-    t_q, rss_q, _ = timed([sys.executable, "-c", QUARK_SCRIPT, str(src), str(qdir)])
+    t_q, rss_q, _ = timed([sys.executable, "-c", QUARK_SCRIPT, str(src), str(qdir)], src)
     print(f"amd-quark 0.13 : {t_q:7.2f} s  {size / t_q / 1e9:6.2f} GB/s  peak RSS {rss_q / 1e9:.2f} GB")
     n, differ = compare(ours, qdir)
     print(f"speed-up {t_q / t_ours:.1f}x; peak RSS ours/quark {rss_ours / rss_q:.2f}; "
