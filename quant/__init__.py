@@ -8,5 +8,8 @@ import os
 # vs 12 ms for 128 rows of a GLM-5 expert). Compiling in-process avoids a pool of busy compile workers.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# numpy (imported to read safetensors headers) starts OpenBLAS's thread server, whose idle thread spins for a
+# tenth of a second on a core the source hashing needs; nothing here multiplies matrices with numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 __version__ = "0.1.0"

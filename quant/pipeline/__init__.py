@@ -37,6 +37,7 @@ COMPLETE_MARKER = ".quant-complete"
 MANIFEST_FILE = "quant_manifest.json"
 OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER}
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
+WRITERS = 2
 
 
 def check_paths(src: Path, out: Path) -> None:
@@ -268,15 +269,22 @@ def _set_threads(n: int) -> None:
 def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
                 timing: Counter, results: dict[str, ShardResult], progress: bool) -> None:
     """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
-    start; shards are written on a writer thread meanwhile. Finished results go into `results`."""
+    start. Shards are written by WRITERS threads meanwhile (two, so the last shards' writes overlap at the end);
+    a worker starts another shard only while fewer than WRITERS written shards are pending, which bounds the
+    memory held by quantized shards. Finished results go into `results`."""
     writes: list[Future] = []
 
-    def raise_failed_writes():
-        for w in writes:
-            if w.done() and w.exception():
-                raise w.exception()
+    def wait_for_writers():
+        while True:
+            for w in writes:
+                if w.done() and w.exception():
+                    raise w.exception()
+            pending = [w for w in writes if not w.done()]
+            if len(pending) < WRITERS:
+                return
+            wait(pending, return_when=FIRST_COMPLETED)
 
-    with (_progress(progress, plan, todo) as advance, ThreadPoolExecutor(max_workers=1) as writer,
+    with (_progress(progress, plan, todo) as advance, ThreadPoolExecutor(max_workers=WRITERS) as writer,
           _compute_runtime(device_list) as threads):
         def work(i_shard):
             i, shard = i_shard
@@ -293,7 +301,7 @@ def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_lis
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     writes.append(future.result())
-                    raise_failed_writes()
+                    wait_for_writers()
                     running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
         for w in writes:
             result = w.result()
