@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from quant import __version__
@@ -37,7 +37,6 @@ COMPLETE_MARKER = ".quant-complete"
 MANIFEST_FILE = "quant_manifest.json"
 OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER}
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
-WRITERS = 2
 
 
 def check_paths(src: Path, out: Path) -> None:
@@ -269,30 +268,15 @@ def _set_threads(n: int) -> None:
 def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
                 timing: Counter, results: dict[str, ShardResult], progress: bool) -> None:
     """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
-    start. Shards are written by WRITERS threads meanwhile (two, so the last shards' writes overlap at the end);
-    a worker starts another shard only while fewer than WRITERS written shards are pending, which bounds the
-    memory held by quantized shards. Finished results go into `results`."""
-    writes: list[Future] = []
-
-    def wait_for_writers():
-        while True:
-            for w in writes:
-                if w.done() and w.exception():
-                    raise w.exception()
-            pending = [w for w in writes if not w.done()]
-            if len(pending) < WRITERS:
-                return
-            wait(pending, return_when=FIRST_COMPLETED)
-
-    with (_progress(progress, plan, todo) as advance, ThreadPoolExecutor(max_workers=WRITERS) as writer,
-          _compute_runtime(device_list) as threads):
+    start; this thread writes each quantized shard while the workers go on with the next ones, so at most one
+    quantized shard per worker waits in memory. (A pool of writer threads measured slower on two cores: one more
+    thread competing for them.) Finished results go into `results`."""
+    with _progress(progress, plan, todo) as advance, _compute_runtime(device_list) as threads:
         def work(i_shard):
             i, shard = i_shard
             _set_threads(threads)  # OpenMP keeps a thread count per thread: the compiled kernels read this one
-            written = run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
-                                hashes[shard.file], timing, writer=writer)
-            written.add_done_callback(lambda _: advance(shard.source_bytes))
-            return written
+            return shard, run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
+                                    hashes[shard.file], timing, defer_write=True)
 
         queue = iter(enumerate(todo))
         with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
@@ -300,12 +284,11 @@ def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_lis
             while running:
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    writes.append(future.result())
-                    wait_for_writers()
+                    shard, write = future.result()
                     running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
-        for w in writes:
-            result = w.result()
-            results[result.file] = result
+                    result = write()
+                    results[result.file] = result
+                    advance(shard.source_bytes)
 
 
 class _progress:

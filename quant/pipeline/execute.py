@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import time
 from collections import Counter
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -138,11 +140,11 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str,
 
 
 def run_shard(plan: Plan, digest: str, shard: ShardJob, ckpt: Checkpoint, out: Path, device: str,
-              source_hash: Future, timing: Counter | None = None, writer: Executor | None = None
-              ) -> ShardResult | Future:
+              source_hash: Future, timing: Counter | None = None, defer_write: bool = False
+              ) -> ShardResult | Callable[[], ShardResult]:
     """Quantize one shard, then write it (`write_shard`). `source_hash` is the source's sha256, computed beside
-    it; `timing` accumulates seconds per phase. With a `writer`, the write runs there while the caller goes on
-    to the next shard (writing is mostly waiting for the disk), and a Future of the result is returned."""
+    it; `timing` accumulates seconds per phase. With `defer_write`, the write is returned as a callable for the
+    caller to run (in the thread of its choice) instead of being done here."""
     timing = Counter() if timing is None else timing
     reader = SourceReader(ckpt, device)
     tensors: dict[str, torch.Tensor] = {}
@@ -154,19 +156,19 @@ def run_shard(plan: Plan, digest: str, shard: ShardJob, ckpt: Checkpoint, out: P
             records[job.output] = record
     finally:
         reader.close()
-    if writer is None:
-        return write_shard(digest, shard, out, tensors, records, source_hash, timing)
-    return writer.submit(write_shard, digest, shard, out, tensors, records, source_hash, timing)
+    write = functools.partial(write_shard, digest, shard, out, tensors, records, source_hash, timing)
+    return write if defer_write else write()
 
 
 def write_shard(digest: str, shard: ShardJob, out: Path, tensors: dict[str, torch.Tensor], records: dict[str, dict],
                 source_hash: Future, timing: Counter) -> ShardResult:
-    """Write the shard atomically, hash it, and record it as complete (its progress record)."""
+    """Write the shard atomically, hash it, and record it as complete (its progress record).
+
+    save_file streams the tensors into the file; serializing them to one bytes object first (to hash it in memory
+    or write it past the page cache) costs as much again in fresh memory."""
     t0 = time.perf_counter()
     target = out / shard.file
     tmp = target.with_name(target.name + ".tmp")
-    # Streams the tensors to the file; serializing to one bytes object first would cost as much again in
-    # freshly zeroed memory as hashing the file back from the page cache.
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, target)
     t1 = time.perf_counter()

@@ -30,3 +30,4 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
