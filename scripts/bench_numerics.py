@@ -3,7 +3,7 @@
 Prints GB/s of bf16 input for each MXFP4 scale mode and for block FP8, next to two peers measured in the same run:
 a bf16 `clone()` of the tensor (the memory-bandwidth ceiling) and torchao's `to_mx(..., block_size=32,
 scaling_mode=FLOOR)` (if torchao is installed). Medians over interleaved rounds after a warm-up; the first call of
-each compiled kernel (compilation, or a load from inductor's on-disk cache) is reported separately.
+each compiled kernel (loading its `quant kernels build` package, or else torch.compile) is reported separately.
 
     python scripts/bench_numerics.py [--rows 2048] [--cols 6144] [--rounds 7] [--threads N]
 """
@@ -58,7 +58,7 @@ def main() -> None:
         fn()
         firsts.append(f"{name} {time.perf_counter() - t0:.2f}")
         fn()
-    print("first calls, s (torch.compile or inductor cache load): " + ", ".join(firsts))
+    print("first calls, s (compiled-kernel package load, else torch.compile): " + ", ".join(firsts))
 
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):  # interleaved, so background load hits every case alike
