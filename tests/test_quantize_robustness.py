@@ -251,3 +251,12 @@ def test_nonempty_foreign_output_dir_is_refused(sharded, tmp_path):
     (out / "precious.txt").write_text("keep me")
     assert_one_line_error(run_cli("quantize", sharded, out), str(out))
     assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_several_workers_write_the_same_bytes_as_one(sharded, tmp_path):
+    """Two CPU workers quantize and write their own shards; the output equals a single worker's, where the
+    calling thread does the writing."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    quantize_checkpoint(sharded, one)
+    quantize_checkpoint(sharded, two, workers=2)
+    assert tree_hashes(two) == tree_hashes(one)

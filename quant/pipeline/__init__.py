@@ -196,9 +196,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
 
     started = time.perf_counter()
     timing = Counter()
-    # Source hashes run on a thread of their own, in shard order, from before torch loads (in the first worker)
-    # to beside the quantizing workers.
-    with ThreadPoolExecutor(max_workers=1) as hasher:
+    # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
+    # shard order, from before torch loads to beside the quantizing workers.
+    with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:
         hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -229,9 +229,9 @@ def run_shard(*args, **kwargs) -> ShardResult:
 
 @contextlib.contextmanager
 def _compute_runtime(device_list: list[str]):
-    """Load torch for the run, and set the intra-op threads of CPU workers: the cores left after the hashing and
-    writing threads, shared by the workers. On two cores that is one thread: a second one would wait a scheduler timeslice at the end of each
-    kernel whenever the hasher holds its core (seconds per run, and irregular)."""
+    """Load torch for the run, and set the intra-op threads of CPU workers: the cores left after one for hashing
+    and writing, shared by the workers. On two cores that is one thread: a second one would wait a scheduler
+    timeslice at the end of each kernel whenever the hasher holds its core (seconds per run, and irregular)."""
     # The run's first import of torch (it overlaps the source hashing) creates a few hundred thousand objects and
     # no garbage; the collector would walk them over and over, during the import and the whole run (8% of the CPU
     # time on two cores). So no collection while importing, and the objects stay frozen until the run ends.
@@ -268,15 +268,18 @@ def _set_threads(n: int) -> None:
 def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
                 timing: Counter, results: dict[str, ShardResult], progress: bool) -> None:
     """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
-    start; this thread writes each quantized shard while the workers go on with the next ones, so at most one
-    quantized shard per worker waits in memory. (A pool of writer threads measured slower on two cores: one more
-    thread competing for them.) Finished results go into `results`."""
+    start. Finished results go into `results`.
+
+    A single worker hands each quantized shard to this thread, which writes it while the worker goes on with the
+    next one (a pool of writer threads measured slower on two cores: one more thread competing for them).
+    Several workers write their own shards, so writing keeps pace with the devices."""
+    write_here = len(device_list) == 1
     with _progress(progress, plan, todo) as advance, _compute_runtime(device_list) as threads:
         def work(i_shard):
             i, shard = i_shard
             _set_threads(threads)  # OpenMP keeps a thread count per thread: the compiled kernels read this one
             return shard, run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
-                                    hashes[shard.file], timing, defer_write=True)
+                                    hashes[shard.file], timing, defer_write=write_here)
 
         queue = iter(enumerate(todo))
         with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
@@ -284,9 +287,9 @@ def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_lis
             while running:
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    shard, write = future.result()
+                    shard, done = future.result()
                     running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
-                    result = write()
+                    result = done() if write_here else done
                     results[result.file] = result
                     advance(shard.source_bytes)
 

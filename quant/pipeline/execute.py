@@ -32,7 +32,7 @@ ERROR_SAMPLE_ROWS = 128  # rows on which a large weight's error is measured; sma
 def error_rows(rows: int, align: int) -> torch.Tensor:
     """Row indices for the error measurement: every row of a small weight; else ERROR_SAMPLE_ROWS rows spread
     evenly over the weight, in whole windows of `align` rows (a block-FP8 tile row) when the scheme needs them.
-    Dequantizing is slower than quantizing, so measuring every row of a [2048, 6144] expert would dominate."""
+    Measuring every row of a [2048, 6144] expert would cost about as much as quantizing it."""
     if rows <= ERROR_SAMPLE_ROWS:
         return torch.arange(rows)
     windows = -(-rows // align)
@@ -42,7 +42,7 @@ def error_rows(rows: int, align: int) -> torch.Tensor:
 
 
 def error_stats(original: torch.Tensor, parts: dict[str, torch.Tensor], scheme) -> dict:
-    """Relative MSE and SQNR (dB) of a quantized weight over its `error_rows`, from fp32 dot products."""
+    """Relative MSE and SQNR (dB) of a quantized weight over its `error_rows`."""
     index = error_rows(original.shape[0], scheme.row_align).to(original.device)
     rows, row_parts = original.index_select(0, index), scheme.rows(parts, index)
     if scheme.error_sums:
