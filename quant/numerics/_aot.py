@@ -58,9 +58,9 @@ class _Runner:
     """A loaded package: call it with the kernel's tensor arguments, get the kernel's return structure back."""
 
     def __init__(self, path: Path):
-        # Concurrent calls (one worker thread per device) each need a runner of their own.
-        self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, max(2, os.cpu_count() or 1),
-                                                             -1)
+        # Concurrent calls (one worker thread per device) each need a runner of their own; more wait for one.
+        runners = min(8, max(2, os.cpu_count() or 1))
+        self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, runners, -1)
         self._returns_tuple = self._loader.get_metadata().get("quant_returns_tuple") == "1"
 
     def __call__(self, args: Sequence[torch.Tensor]):
@@ -101,7 +101,8 @@ class AotCache:
         try:
             return _Runner(path)
         except Exception as e:  # a package from a damaged cache or an incompatible torch build
-            log.warning("cannot load the compiled kernel %s (%s); using torch.compile", path, str(e).splitlines()[0])
+            log.warning("cannot load the compiled kernel %s (%s); falling back to torch.compile or eager", path,
+                        str(e).splitlines()[0])
             return None
 
 
