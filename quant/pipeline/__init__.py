@@ -220,8 +220,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     return manifest
 
 
-def run_shard(*args, **kwargs) -> ShardResult:
-    """`execute.run_shard`, imported on first use because it loads torch."""
+def run_shard(*args, **kwargs):
+    """`execute.run_shard` (a ShardResult, or with defer_write the write to run), imported on first use because
+    it loads torch."""
     from quant.pipeline import execute
 
     return execute.run_shard(*args, **kwargs)
@@ -303,7 +304,7 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return lambda n: None
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn,
+        from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
 
         self.bar = Progress(TextColumn("[bold]quantize"), BarColumn(), TextColumn("{task.fields[shards]} shards"),

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from quant.errors import QuantError
-from quant.numerics import SCALE_MODES
 
 if TYPE_CHECKING:
     import torch
