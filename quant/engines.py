@@ -87,7 +87,8 @@ def profile(engine: str, release: str) -> Profile:
 
 
 def select_profiles(specs: list[str] | None) -> list[Profile]:
-    """Profiles for engine specs: "all", "sglang" (its default releases) or "sglang==0.5.12"."""
+    """Profiles for engine specs: "all", "sglang" (its default releases), "sglang==0.5.12" or
+    "sglang==latest" (the newest release profiled)."""
     out: list[Profile] = []
     for spec in specs or ["all"]:
         for item in str(spec).split(","):
@@ -102,6 +103,8 @@ def select_profiles(specs: list[str] | None) -> list[Profile]:
             else:
                 names = [(item, None)]
             for engine, release in names:
+                if release == "latest":
+                    release = releases(engine)[-1]
                 chosen = [release] if release else _engine(engine).get("default_releases") or releases(engine)
                 for r in chosen:
                     p = profile(engine, r)
@@ -156,13 +159,56 @@ def sglang_moe_coarse() -> str:
     return f"{rule['decoder_prefix']}.{rule['moe_coarse']}"
 
 
+# ---- wrapped architectures (VL models) and namespaced MTP heads -----------------------------------------
+
+def architecture(config: dict) -> str:
+    archs = config.get("architectures")
+    return str(archs[0]) if isinstance(archs, list) and archs else ""
+
+
+def name_mapper(rules: dict, config: dict) -> dict[str, str]:
+    """The engine's checkpoint -> runtime prefix mapping for this config's architecture ({} = same names)."""
+    return dict((rules.get("name_mappers") or {}).get(architecture(config)) or {})
+
+
+def runtime_name(module: str, mapper: dict[str, str]) -> str:
+    """WeightsMapper.orig_to_new_prefix applied to a module name the way the engine maps tensor names
+    ("<module>." is mapped, so "lm_head" follows the "lm_head." rule)."""
+    dotted = module + "."
+    for old, new in mapper.items():
+        if dotted.startswith(old):
+            return (new + dotted[len(old):])[:-1]
+    return module
+
+
+def mtp_namespace(rules: dict, config: dict) -> dict | None:
+    """The engine's rule for an MTP head stored under its own namespace (Qwen3.5 `mtp.*`), if this
+    architecture has one."""
+    rule = rules.get("mtp_namespace")
+    if isinstance(rule, dict) and architecture(config) in rule.get("architectures", []):
+        return rule
+    return None
+
+
+def wrapper_aliases(module: str, config: dict) -> list[str]:
+    """Runtime names other engines build `module` under (VL wrappers: language_model.model.*, visual.*)."""
+    out = []
+    for engine in engine_data()["engines"].values():
+        alias = runtime_name(module, name_mapper(engine, config))
+        if alias != module and alias not in out:
+            out.append(alias)
+    return out
+
+
 def exclude_aliases(module: str, config: dict) -> list[str]:
     """Every exclude entry the engines need for checkpoint module `module`: the name itself first (vLLM,
     transformers and newer SGLang match checkpoint names), then SGLang's runtime names for the MTP layer
     SGLang builds (older SGLang does not remap the draft's exclude list), including the coarse FusedMoE
     prefix for a routed-expert leaf. A coarse `model.layers.{N}.mlp.experts` is deliberately NOT added:
     vLLM before the per-expert MoE fix asserts when an exclude entry matches a FusedMoE prefix."""
-    names = [module]
+    # Wrapped models: the engine's runtime spelling too, so the entry matches whether or not an engine release
+    # rewrites `exclude` with its mapper (vllm#54547: none of 1,550 checkpoint-form entries matched).
+    names = [module] + wrapper_aliases(module, config)
     mtp = split_mtp(module, config)
     if mtp is None:
         return names

@@ -29,14 +29,14 @@ from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_token
 
 __all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard_size", "write_safetensors"]
 
-TOY_NAMES = ("glm5", "deepseek-v3", "qwen3-moe", "qwen3.5-fused")
+TOY_NAMES = ("glm5", "deepseek-v3", "qwen3-moe", "qwen3.5", "qwen3.5-fused")
 TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
 
 # config.json lists with one entry per decoder layer; the MTP layer is built as an extra decoder layer and then
 # dropped from these lists, as in the real configs.
 PER_LAYER_CONFIG_KEYS = ("layer_types", "mlp_layer_types", "indexer_types")
 # Initialisers for MTP extras, by the kind named in toys.yaml (H = hidden size).
-MTP_INIT_KINDS = ("ones", "projection", "copy:")
+MTP_INIT_KINDS = ("ones", "zeros", "projection", "copy:")
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,30 @@ class Fp8Release:
 
 
 @dataclass(frozen=True)
+class MtpLayout:
+    """Where a family stores its MTP layers: DeepSeek/GLM as extra decoder layers `model.layers.{N+k}.*` with
+    their extras beside the block; Qwen3.5 under its own namespace, `mtp.layers.{k}.*` plus `mtp.fc` etc."""
+
+    count_key: str  # config.json key holding the number of MTP layers
+    layer_prefix: str  # "{text}layers.{n}." or "mtp.layers.{k}." (text = the text model prefix, n = N + k)
+    extras_prefix: str  # where the extras live: "{text}layers.{n}." or "mtp."
+    extras: dict[str, str]
+    fused_experts: bool | None  # None: as the main layers
+    layer_type: str | None  # layer_types entry of the decoder layer built for the MTP block
+
+
+@dataclass(frozen=True)
 class ToyFamily:
     name: str
     config_class: str
+    model_class: str | None  # transformers class when not AutoModelForCausalLM (vision-language wrappers)
+    text_config_key: str | None  # "text_config" for wrappers: the language model's keys live there
+    text_prefix: str  # tensor-name prefix of the language model ("model." or "model.language_model.")
     config: dict
+    release_config: dict
     fused_experts: bool
     mtp_layers: int
-    mtp_extras: dict[str, str]
+    mtp: MtpLayout | None
     f32_tensors: tuple[re.Pattern, ...]
     perturb: dict[str, float]
     config_json_renames: dict[str, str]
@@ -81,16 +98,28 @@ def toy_family(name: str) -> ToyFamily:
         raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(TOY_NAMES)}")
     spec = families[name]
     fp8 = spec.get("fp8_block", {})
-    for kind in spec.get("mtp_extras", {}).values():
+    mtp = spec.get("mtp")
+    for kind in (mtp or {}).get("extras", {}).values():
         if not kind.startswith(MTP_INIT_KINDS):
             raise QuantError(f"{TOYS_MANIFEST}: {name}: unknown MTP init {kind!r} (use one of {MTP_INIT_KINDS})")
     return ToyFamily(
         name=name,
         config_class=spec["config_class"],
+        model_class=spec.get("model_class"),
+        text_config_key=spec.get("text_config_key"),
+        text_prefix=spec.get("text_prefix", "model."),
         config=dict(spec["config"]),
+        release_config=dict(spec.get("release_config", {})),
         fused_experts=bool(spec.get("fused_experts", False)),
         mtp_layers=int(spec.get("mtp_layers", 0)),
-        mtp_extras=dict(spec.get("mtp_extras", {})),
+        mtp=MtpLayout(
+            count_key=mtp.get("count_key", "num_nextn_predict_layers"),
+            layer_prefix=mtp.get("layer_prefix", "{text}layers.{n}."),
+            extras_prefix=mtp.get("extras_prefix", "{text}layers.{n}."),
+            extras=dict(mtp.get("extras", {})),
+            fused_experts=mtp.get("fused_experts"),
+            layer_type=mtp.get("layer_type"),
+        ) if mtp else None,
         f32_tensors=tuple(re.compile(p) for p in spec.get("f32_tensors", [])),
         perturb=dict(spec.get("perturb", {})),
         config_json_renames=dict(spec.get("config_json_renames", {})),
@@ -173,7 +202,10 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     fused = family.fused_experts
     if fp8_block and family.fp8.fused_experts is not None:
         fused = family.fp8.fused_experts
-    tensors, config_json = _transformers_checkpoint(config, seed=seed, fused_experts=fused)
+    mtp_fused = fused if family.mtp is None or family.mtp.fused_experts is None or fp8_block \
+        else family.mtp.fused_experts
+    tensors, config_json = _transformers_checkpoint(family, config, seed=seed, fused_experts=fused,
+                                                    mtp_fused_experts=mtp_fused, n_main=n_main, n_mtp=n_mtp)
 
     generator = torch.Generator().manual_seed(seed)
     tensors.update(_mtp_extras(family, tensors, config_json, n_main, n_mtp, generator))
@@ -191,21 +223,37 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     save_toy_tokenizer(directory)
 
 
+def _text_keys(family: ToyFamily, kwargs: dict) -> dict:
+    """The dict holding the language model's keys: the config itself, or its text_config for wrappers."""
+    return kwargs[family.text_config_key] if family.text_config_key else kwargs
+
+
 def _model_config(family: ToyFamily, overrides: dict):
     """The transformers config to build (main layers + MTP layers as extra decoder layers)."""
+    import copy
+
     import transformers
 
-    tokenizer_ids = _tokenizer_ids()
-    kwargs = {"vocab_size": VOCAB_SIZE, "tie_word_embeddings": False, **tokenizer_ids, **family.config, **overrides}
-    n_mtp = int(kwargs.pop("num_nextn_predict_layers", family.mtp_layers))
-    if n_mtp and not family.mtp_extras:
+    text_defaults = {"vocab_size": VOCAB_SIZE, "tie_word_embeddings": False, **_tokenizer_ids()}
+    kwargs = copy.deepcopy(family.config)
+    if family.text_config_key:
+        kwargs[family.text_config_key] = {**text_defaults, **kwargs.get(family.text_config_key, {}), **overrides}
+        kwargs.setdefault("tie_word_embeddings", False)
+    else:
+        kwargs = {**text_defaults, **kwargs, **overrides}
+    text = _text_keys(family, kwargs)
+    count_key = family.mtp.count_key if family.mtp else "num_nextn_predict_layers"
+    n_mtp = int(text.pop(count_key, text.pop("num_nextn_predict_layers", family.mtp_layers)))
+    if n_mtp and family.mtp is None:
         raise QuantError(f"toy {family.name}: no MTP layout for this family (num_nextn_predict_layers must be 0)")
-    if kwargs["vocab_size"] < VOCAB_SIZE:
-        raise QuantError(f"toy {family.name}: vocab_size {kwargs['vocab_size']} is smaller than the toy tokenizer "
+    if text["vocab_size"] < VOCAB_SIZE:
+        raise QuantError(f"toy {family.name}: vocab_size {text['vocab_size']} is smaller than the toy tokenizer "
                          f"({VOCAB_SIZE} tokens)")
-    n_main = int(kwargs["num_hidden_layers"])
-    kwargs["num_hidden_layers"] = n_main + n_mtp
-    if "num_mtp_layers" in _config_parameters(family.config_class):
+    n_main = int(text["num_hidden_layers"])
+    text["num_hidden_layers"] = n_main + n_mtp
+    if n_mtp and family.mtp.layer_type and isinstance(text.get("layer_types"), list):
+        text["layer_types"] = list(text["layer_types"]) + [family.mtp.layer_type] * n_mtp
+    if not family.text_config_key and "num_mtp_layers" in _config_parameters(family.config_class):
         # DeepseekV3Config aliases num_mtp_layers to num_nextn_predict_layers and defaults it to 1.
         kwargs["num_mtp_layers"] = n_mtp
     try:
@@ -229,16 +277,40 @@ def _tokenizer_ids() -> dict[str, int]:
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN)}
 
 
-def _transformers_checkpoint(config, *, seed: int, fused_experts: bool):
-    """Tensors and config.json exactly as transformers writes them for a seeded random model."""
+def _transformers_checkpoint(family: ToyFamily, config, *, seed: int, fused_experts: bool,
+                             mtp_fused_experts: bool, n_main: int, n_mtp: int):
+    """Tensors and config.json exactly as transformers writes them for a seeded random model; the decoder
+    layers built for the MTP blocks are moved to the family's MTP names (in their own expert layout)."""
     import torch
-    from safetensors.torch import load_file
+    import transformers
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if family.model_class:
+            model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.bfloat16)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tensors, config_json = _saved(model, fused_experts)
+    if not n_mtp:
+        return tensors, config_json
+    mtp_source = tensors if mtp_fused_experts == fused_experts else _saved(model, mtp_fused_experts)[0]
+    text = family.text_prefix
+    for k in range(n_mtp):
+        built = f"{text}layers.{n_main + k}."
+        target = family.mtp.layer_prefix.format(text=text, n=n_main + k, k=k)
+        for name in [n for n in tensors if n.startswith(built)]:
+            del tensors[name]
+        for name, value in mtp_source.items():
+            if name.startswith(built):
+                tensors[target + name[len(built):]] = value
+    return tensors, config_json
+
+
+def _saved(model, fused_experts: bool) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+    from transformers.utils import logging as hf_logging
+
     progress_bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -256,21 +328,25 @@ def _transformers_checkpoint(config, *, seed: int, fused_experts: bool):
 
 
 def _mtp_extras(family: ToyFamily, tensors: dict, config_json: dict, n_main: int, n_mtp: int, generator) -> dict:
-    """The tensors an MTP layer has besides its decoder block (enorm, hnorm, eh_proj, shared_head, ...)."""
+    """The tensors an MTP layer has besides its decoder block (enorm, hnorm, eh_proj, shared_head, mtp.fc...)."""
     import torch
 
-    hidden = config_json["hidden_size"]
-    std = config_json.get("initializer_range", 0.02)
+    if family.mtp is None:
+        return {}
+    text = config_json.get(family.text_config_key, config_json) if family.text_config_key else config_json
+    hidden = text["hidden_size"]
+    std = text.get("initializer_range", 0.02)
     extras = {}
-    for layer in range(n_main, n_main + n_mtp):
-        for leaf, kind in family.mtp_extras.items():
-            if kind == "ones":
-                value = torch.ones(hidden, dtype=torch.bfloat16)
-            elif kind == "projection":  # eh_proj: [H, 2H] over concat(enorm(embedding), hnorm(hidden state))
+    for k in range(n_mtp):
+        prefix = family.mtp.extras_prefix.format(text=family.text_prefix, n=n_main + k, k=k)
+        for leaf, kind in family.mtp.extras.items():
+            if kind in ("ones", "zeros"):  # zeros: Gemma-style norms that scale by (1 + weight), as Qwen3.5's
+                value = (torch.ones if kind == "ones" else torch.zeros)(hidden, dtype=torch.bfloat16)
+            elif kind == "projection":  # eh_proj / fc: [H, 2H] over concat(norm(embedding), norm(hidden state))
                 value = (torch.randn(hidden, 2 * hidden, generator=generator) * std).to(torch.bfloat16)
             else:
                 value = tensors[kind.removeprefix("copy:")].clone()
-            extras[f"model.layers.{layer}.{leaf}"] = value
+            extras[prefix + leaf] = value
     return extras
 
 
@@ -302,20 +378,33 @@ def _perturb(tensors: dict, perturb: dict[str, float], generator) -> None:
             tensors[name] = (value.float() + noise).to(value.dtype)
 
 
+def _merge_into(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge_into(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
 def _release_config_json(family: ToyFamily, config_json: dict, n_main: int, n_mtp: int) -> dict:
-    """config.json as the real release writes it: MTP layers counted apart, release key spellings."""
-    config_json = dict(config_json)
-    config_json["num_hidden_layers"] = n_main
+    """config.json as the real release writes it: MTP layers counted apart, release-only keys (those that
+    select code paths in vLLM/SGLang but that transformers' config class does not write), key spellings."""
+    import copy
+
+    config_json = copy.deepcopy(config_json)
+    text = config_json[family.text_config_key] if family.text_config_key else config_json
+    text["num_hidden_layers"] = n_main
     for key in PER_LAYER_CONFIG_KEYS:
-        if isinstance(config_json.get(key), list):
-            config_json[key] = config_json[key][:n_main]
-    if family.mtp_extras:
-        config_json.pop("num_mtp_layers", None)
-        config_json["num_nextn_predict_layers"] = n_mtp
+        if isinstance(text.get(key), list):
+            text[key] = text[key][:n_main]
+    if family.mtp is not None:
+        text.pop("num_mtp_layers", None)
+        text[family.mtp.count_key] = n_mtp
     for old, new in family.config_json_renames.items():
-        if old in config_json:
-            config_json[new] = config_json.pop(old)
-    return config_json
+        if old in text:
+            text[new] = text.pop(old)
+    return _merge_into(config_json, copy.deepcopy(family.release_config))
 
 
 def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
@@ -368,6 +457,9 @@ def write_safetensors(tensors: dict, directory: Path, max_shard_size: int | None
 def _write_generation_config(directory: Path, config_json: dict) -> None:
     from transformers import GenerationConfig
 
+    from quant.checkpoint import text_config
+
+    config_json = text_config(config_json)
     GenerationConfig(
         bos_token_id=config_json["bos_token_id"],
         eos_token_id=config_json["eos_token_id"],

@@ -18,7 +18,10 @@ def command(
     devices: Optional[str] = typer.Option(None, help="Comma-separated torch devices, one worker each, "
                                           "e.g. cuda:0,cuda:1 (default: cpu)"),
     workers: int = typer.Option(1, help="CPU workers when --devices is not given"),
-    check_engines: str = typer.Option("sglang,vllm", help="Engines the self-check must pass for ('' to skip)"),
+    check_engines: str = typer.Option(
+        "sglang==latest,vllm==latest",
+        help="Engine releases the self-check must pass for ('' to skip; 'sglang' = its default releases, "
+             "'vllm==0.31' one release). `quant verify-manifest` checks every default release."),
     progress: bool = typer.Option(True, help="Show a progress bar"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""

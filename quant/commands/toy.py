@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-NAMES_HELP = "glm5, deepseek-v3, qwen3-moe or qwen3.5-fused"
+NAMES_HELP = "glm5, deepseek-v3, qwen3-moe, qwen3.5 (the released VL wrapper with mtp.*) or qwen3.5-fused (text-only class)"
 
 
 def command(

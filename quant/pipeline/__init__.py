@@ -168,7 +168,7 @@ def self_check(out: Path, engines: list[str]) -> None:
 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
-                        workers: int = 1, check_engines: list[str] | None = ("sglang", "vllm"),
+                        workers: int = 1, check_engines: list[str] | None = ("sglang==latest", "vllm==latest"),
                         progress: bool = False, log=print) -> dict:
     scheme_obj = get_scheme(scheme)
     if scale_mode not in SCALE_MODES:

@@ -72,6 +72,8 @@ def lookup_names(modules, config: dict) -> set[str]:
     for name, mod in modules.items():
         if mod.layer is not None and mod.layer in mtp:
             names.update(engines.exclude_aliases(name, config))
+        names.update(engines.wrapper_aliases(name, config))
+    for name in list(names):
         parent, _, leaf = name.rpartition(".")
         for fused in fused_of.get(leaf, ()):
             names.add(f"{parent}.{fused}")

@@ -66,13 +66,27 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     never = _any_of(rules.get("never_quantized", []))
     mtp_range = engines.mtp_layers(config)
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
-    main = {k: m for k, m in modules.items() if m.layer is None or m.layer < n_layers}
+    namespace = _mtp_namespace_prefix(config)
+    main = {k: m for k, m in modules.items() if (m.layer is None or m.layer < n_layers)
+            and not (namespace and k.startswith(namespace))}
     exclude, lqc = _exclude_list(config), _lqc(config)
+    # Wrapped architectures (VL models): units carry the engine's runtime names; `exclude` is rewritten with the
+    # same mapper only by releases whose quant config applies it.
+    mapper = engines.name_mapper(rules, config)
+    target_exclude = exclude
+    if mapper and rules.get("maps_exclude"):
+        target_exclude = [e if e.startswith("re:") else engines.runtime_name(e, mapper) for e in exclude]
     contexts = [BuildContext(
-        "target", _identity_units(main, packed, group_experts, False, cache),
-        ExcludeMatcher(exclude, rules["exclude_match"]), LayerConfigMatcher(lqc, rules["layer_config_match"]),
+        "target", _identity_units(main, packed, group_experts, False, cache, mapper),
+        ExcludeMatcher(target_exclude, rules["exclude_match"]), LayerConfigMatcher(lqc, rules["layer_config_match"]),
         never)]
-    if not len(mtp_range) or rules.get("mtp", {}).get("builds_mtp") is False:
+    if rules.get("mtp", {}).get("builds_mtp") is False:
+        return contexts
+    rule = engines.mtp_namespace(rules, config)
+    if rule is not None:
+        contexts.append(_namespace_draft(profile, rule, exclude, lqc, modules, packed))
+        return contexts
+    if not len(mtp_range):
         return contexts
     mtp_modules = {k: m for k, m in modules.items() if m.layer in mtp_range}
     if profile.engine == "sglang":
@@ -85,17 +99,48 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     return contexts
 
 
+def _mtp_namespace_prefix(config: dict) -> str | None:
+    """The namespace MTP heads of this architecture live under for any engine (Qwen3.5: "mtp.")."""
+    for data in engines.engine_data()["engines"].values():
+        rule = engines.mtp_namespace(data, config)
+        if rule is not None:
+            return rule["prefix"]
+    return None
+
+
+def _namespace_draft(profile: Profile, rule: dict, exclude: list[str], lqc: dict, modules: dict[str, Module],
+                     packed: dict) -> BuildContext:
+    """The draft of a namespaced MTP head: built under its checkpoint names by a class without a name mapper,
+    so `exclude` is matched as written; some engines build the whole head unquantized once any entry names it."""
+    prefix = rule["prefix"]
+    mtp_modules = {k: m for k, m in modules.items() if k.startswith(prefix)}
+    units = build_units(mtp_modules, lambda n: n, packed, True, lambda _: True)
+    never = _any_of(profile.rules.get("never_quantized", []) + list(rule.get("never_quantized", [])))
+    quantized, reason = True, ""
+    hits = [e for e in exclude if e.startswith(prefix)]
+    if rule.get("any_exclude_unquantizes") and hits:
+        quantized = False
+        reason = (f"exclude lists {hits[0]!r}{' and more' if len(hits) > 1 else ''}, so {profile.title} builds "
+                  f"the whole {prefix}* draft unquantized")
+    return BuildContext("draft", units, ExcludeMatcher(exclude, profile.rules["exclude_match"]),
+                        LayerConfigMatcher(lqc, profile.rules["layer_config_match"]), never, quantized, reason,
+                        f"{prefix}* draft")
+
+
 def _any_of(patterns: list[str]) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
 def _identity_units(modules: dict[str, Module], packed: dict, group_experts: bool, mtp: bool,
-                    cache: dict) -> list[Unit]:
-    """Units under checkpoint names; engines sharing a packed mapping share them (a 120k-tensor checkpoint
-    is grouped once per engine, not once per release)."""
-    key = (tuple(sorted((k, tuple(v)) for k, v in packed.items())), group_experts, mtp)
+                    cache: dict, mapper: dict[str, str] | None = None) -> list[Unit]:
+    """Units under checkpoint names (or the engine's prefix-mapped names); engines sharing a packed mapping
+    share them (a 120k-tensor checkpoint is grouped once per engine, not once per release)."""
+    mapper = mapper or {}
+    key = (tuple(sorted((k, tuple(v)) for k, v in packed.items())), group_experts, mtp,
+           tuple(sorted(mapper.items())))
     if key not in cache:
-        cache[key] = build_units(modules, lambda n: n, packed, group_experts, lambda n: mtp)
+        cache[key] = build_units(modules, lambda n: engines.runtime_name(n, mapper), packed, group_experts,
+                                 lambda n: mtp)
     return cache[key]
 
 
