@@ -299,11 +299,10 @@ def _transformers_checkpoint(family: ToyFamily, config, *, seed: int, fused_expe
     for k in range(n_mtp):
         built = f"{text}layers.{n_main + k}."
         target = family.mtp.layer_prefix.format(text=text, n=n_main + k, k=k)
+        block = {target + name[len(built):]: value for name, value in mtp_source.items() if name.startswith(built)}
         for name in [n for n in tensors if n.startswith(built)]:
             del tensors[name]
-        for name, value in mtp_source.items():
-            if name.startswith(built):
-                tensors[target + name[len(built):]] = value
+        tensors.update(block)
     return tensors, config_json
 
 
