@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quant.checkpoint import open_checkpoint
+from quant.checkpoint import open_checkpoint, text_config
 from quant.errors import QuantError
 from quant.toy import TOY_NAMES, build_toy, toy_family
 from quant.toy_tokenizer import VOCAB_SIZE
@@ -134,15 +134,19 @@ def test_qwen35_stores_fused_3d_experts_and_both_attention_kinds(bf16_toys):
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name):
     tensors = open_checkpoint(bf16_toys[name]).tensors
+    # Convolutions (linear attention's conv1d, the vision patch embedding) are not linears.
     linear = {k: t.shape for k, t in tensors.items()
-              if len(t.shape) >= 2 and "conv1d" not in k and "embed_tokens" not in k}
+              if len(t.shape) == 2 or (len(t.shape) == 3 and "experts" in k)
+              if "conv1d" not in k and "embed_tokens" not in k and "patch_embed" not in k}
     bad = {k: s for k, s in linear.items() if s[-1] % 32}
     assert not bad, f"Linear input dims not a multiple of 32: {bad}"
     inputs = {s[-1] for s in linear.values()}
-    outputs = {s[-2] for s in linear.values() if s[-2] != VOCAB_SIZE}  # not the head: vocab is never a tile count
+    vocab = text_config(config_of(bf16_toys[name]))["vocab_size"]
+    outputs = {s[-2] for s in linear.values() if s[-2] != vocab}  # not the head: vocab is never a tile count
     assert any(d % 128 for d in inputs) and any(d >= 128 for d in inputs)
     assert any(d % 128 for d in outputs)
-    assert config_of(bf16_toys[name])["vocab_size"] == VOCAB_SIZE
+    # The byte tokenizer's ids; the Qwen3.5 wrapper adds its four image/video token ids above them.
+    assert vocab == VOCAB_SIZE + (4 if name == "qwen3.5" else 0)
 
 
 # ---------------------------------------------------------------------------------------------------- FP8 source
@@ -177,7 +181,7 @@ def test_fp8_block_source_matches_the_official_contract(fp8_toys, bf16_toys, nam
     never = re.compile(r"(norm\.(weight|bias)|mlp\.gate\.|shared_expert_gate|weights_proj|eh_proj|embed_tokens|"
                        r"lm_head|e_score_correction_bias|in_proj_[ab]\.)")
     assert not [k for k in quantized if never.search(k)]
-    if toy_family(name).mtp_layers:
+    if toy_family(name).mtp_layers and not toy_family(name).text_config_key:
         n = config["num_hidden_layers"]
         for leaf in ("self_attn.kv_b_proj.weight", "mlp.experts.3.down_proj.weight",
                      "mlp.shared_experts.up_proj.weight"):
@@ -185,7 +189,7 @@ def test_fp8_block_source_matches_the_official_contract(fp8_toys, bf16_toys, nam
 
     # Same seed: dequantized FP8 weights are the BF16 toy's weights up to e4m3 rounding.
     bf16 = read_all(bf16_toys[name])
-    if name == "qwen3.5-fused":
+    if toy_family(name).fused_experts:
         bf16 = unfuse_experts(bf16)
     assert set(bf16) == {k for k in fp8 if not k.endswith("_scale_inv")}
     for key in quantized:
@@ -229,6 +233,13 @@ def test_transformers_loads_every_fp8_toy_weight_from_the_checkpoint(fp8_toys, b
     # bound still catches a weight left at random init (error ~1.4) or a module converted without its scale.
     from transformers import AutoModelForCausalLM
 
+    if name == "deepseek-v3":
+        # The real DeepSeek-V3 kv_a_proj_with_mqa is [576, 7168] with a [5, 56] scale grid; transformers 5.23
+        # divides rows by scale rows and refuses it. The toy keeps the real 576 rows (vLLM's CPU MLA needs
+        # them), so the reference oracle is unavailable here, which this asserts rather than skips.
+        with pytest.raises(RuntimeError, match="automatic conversion"):
+            AutoModelForCausalLM.from_pretrained(fp8_toys[name])
+        return
     bf16 = AutoModelForCausalLM.from_pretrained(bf16_toys[name]).state_dict()
     model = AutoModelForCausalLM.from_pretrained(fp8_toys[name])
     fp8 = model.state_dict()
@@ -322,7 +333,7 @@ def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
     with torch.no_grad():
         logits = model(ids).logits
     assert model.dtype == torch.bfloat16
-    assert logits.shape == (1, 64, VOCAB_SIZE) and logits.isfinite().all()
+    assert logits.shape == (1, 64, text_config(config_of(path))["vocab_size"]) and logits.isfinite().all()
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
@@ -342,7 +353,7 @@ def run_cli(*args):
 def test_cli_rejects_an_unknown_name(tmp_path):
     result = run_cli("glm6", tmp_path / "toy")
     assert isinstance(result.exception, QuantError)
-    assert "glm5, deepseek-v3, qwen3-moe, qwen3.5-fused" in str(result.exception)
+    assert "glm5, deepseek-v3, qwen3-moe, qwen3.5, qwen3.5-fused" in str(result.exception)
     assert not (tmp_path / "toy").exists()
 
 
