@@ -361,7 +361,7 @@ def test_cli_writes_a_summary_and_refuses_to_overwrite_without_force(tmp_path):
     out = tmp_path / "toy"
     result = run_cli("qwen3-moe", out, "--shard-size", "1MB", "--seed", "1")
     assert result.exit_code == 0, result.output
-    assert re.search(r"69 tensors, 2 shard\(s\), \d+\.\d\d MB", result.output)
+    assert re.search(r"69 tensors, 3 shard\(s\), \d+\.\d\d MB", result.output)
 
     result = run_cli("qwen3-moe", out)
     assert isinstance(result.exception, QuantError) and "--force" in str(result.exception)

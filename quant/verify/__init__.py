@@ -18,6 +18,7 @@ from quant.verify.modules import inventory
 from quant.verify.report import Finding, Report, merge_versions
 from quant.verify.resolve import ProfileChecker, build_contexts
 from quant.verify.schema import config_problems, profile_config_problems
+from quant.verify.shapes import config_shapes
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 
@@ -28,8 +29,9 @@ def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: in
     ckpt = open_checkpoint(path)
     profiles = select_profiles(engines)
     findings = hygiene.integrity_findings(ckpt)
+    shape_of = config_shapes(ckpt.config)
     if is_block_fp8(ckpt.config):
-        findings += block_fp8_findings(ckpt, profiles)
+        findings += block_fp8_findings(ckpt, profiles, shape_of, tp)
         is_quark = False
     else:
         config_findings, is_quark = config_problems(ckpt.config)
@@ -43,7 +45,7 @@ def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: in
         for profile in profiles:
             findings += profile_config_problems(ckpt.config, profile)
             contexts = build_contexts(profile, ckpt.config, modules, unit_cache)
-            findings += ProfileChecker(profile, ckpt.config, modules, tp, contract_cache).run(contexts)
+            findings += ProfileChecker(profile, ckpt.config, modules, tp, contract_cache, shape_of).run(contexts)
             for ctx in contexts:
                 findings += hygiene.fused_regex_findings(exclude, profile, [u for u in ctx.units if u.fused])
         findings += hygiene.exclude_findings(exclude, hygiene.lookup_names(modules, ckpt.config), profiles)

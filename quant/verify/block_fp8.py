@@ -9,11 +9,13 @@ Contract (moe-layouts.md §4, mx-numerics.md §10): every quantized linear store
 
 from __future__ import annotations
 
+import math
 import re
 
-from quant.checkpoint import FLOAT_DTYPES, Checkpoint
+from quant.checkpoint import FLOAT_DTYPES, Checkpoint, text_config
 from quant.engines import Profile
 from quant.verify.report import Finding
+from quant.verify.shapes import ShapeOf
 
 RULE = "block-FP8 contract"
 QCFG = "config.json:quantization_config"
@@ -29,7 +31,43 @@ def _all(tensor: str, message: str, fix: str) -> Finding:
     return Finding("error", "all", (), tensor, message, fix, RULE)
 
 
-def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
+def moe_block_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None) -> list[Finding]:
+    """Engines whose FP8 FusedMoE cannot take 128x128 block scales for this moe_intermediate_size (per TP
+    partition): the `block_fp8_moe` rule of each profile (manifests/engines.yaml)."""
+    cfg = text_config(ckpt.config)
+    inter, hidden = cfg.get("moe_intermediate_size"), cfg.get("hidden_size")
+    experts = sorted(n for n, t in ckpt.tensors.items()
+                     if ".experts." in n and n.endswith(".weight") and t.dtype == "F8_E4M3")
+    if not experts or not isinstance(inter, int) or not isinstance(hidden, int) or inter <= 0 or hidden <= 0:
+        return []
+    tp = tp or 1
+    per_partition = inter // tp
+    aligned = inter % tp == 0 and per_partition % 128 == 0
+    out = []
+    for profile in profiles:
+        rule = profile.rules.get("block_fp8_moe")
+        if rule is None or aligned:
+            continue
+        refine = math.gcd(128, per_partition, hidden)
+        if rule == "refine" and refine >= 32:
+            message = (f"{profile.title} refines the FP8 MoE blocks to {refine}x{refine} for moe_intermediate_size "
+                       f"{inter}{f'/TP {tp}' if tp > 1 else ''} and upsamples the checkpoint's 128x128 scales by "
+                       f"{128 // refine}: the grids differ (e.g. {math.ceil(per_partition / 128) * (128 // refine)} "
+                       f"vs {math.ceil(per_partition / refine)} rows), so loading {experts[0]}_scale_inv fails with "
+                       "\"The size of tensor a (...) must match the size of tensor b (...)\" in _load_w2/_load_w13")
+        else:
+            message = (f"{profile.title} raises ValueError(\"The output_size of gate's and up's weight = "
+                       f"{per_partition} is not divisible by weight quantization block_n = 128.\") while building "
+                       "the block-FP8 FusedMoE")
+        out.append(Finding("error", profile.engine, (profile.release,), experts[0], message,
+                           "keep the routed experts in BF16 (modules_to_not_convert) or export them with another "
+                           "scheme (Quark FP8 per-channel, MXFP4); moe_intermediate_size per TP rank must be a "
+                           "multiple of 128 for block FP8", RULE + " (MoE blocks)"))
+    return out
+
+
+def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: ShapeOf | None = None,
+                       tp: int | None = None) -> list[Finding]:
     q = ckpt.config["quantization_config"]
     out: list[Finding] = []
     if list(q.get("weight_block_size") or []) != [128, 128]:
@@ -53,6 +91,11 @@ def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Findin
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
         module = name[: -len(".weight")]
+        expected = shape_of(module) if shape_of else None
+        if expected and tuple(info.shape) != tuple(expected):
+            out.append(_all(name, f"{name} is {info.dtype} {list(info.shape)}, but the engines allocate "
+                            f"{list(expected)} for it from config.json", "re-export it with the config's shape"))
+            continue
         if info.dtype == "F8_E4M3":
             scale = tensors.get(module + ".weight_scale_inv")
             want = (-(-info.shape[0] // 128), -(-info.shape[1] // 128))
@@ -71,4 +114,4 @@ def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Findin
                                f"{profile.engine} builds {module} as block FP8 and expects F8_E4M3 "
                                f"{list(info.shape)} with weight_scale_inv, but {name} is {info.dtype}",
                                f"add {module} to modules_to_not_convert", RULE))
-    return out
+    return out + moe_block_findings(ckpt, profiles, tp)

@@ -67,13 +67,20 @@ class TensorIssue:
     family_mismatch: bool
 
 
-def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_parallel_tp: int | None = None
-                 ) -> list[TensorIssue]:
+def stored_weight_shape(kind: str | None, shape: tuple[int, int]) -> tuple[int, int]:
+    """The weight tensor's shape on disk for a linear of logical [out, in] under `kind`."""
+    o, i = shape
+    return (o, i // 2) if family(kind) == "mxfp4" else (o, i)
+
+
+def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_parallel_tp: int | None = None,
+                 config_shape: tuple[int, int] | None = None) -> list[TensorIssue]:
     """Issues of one module against `kind` (None: built unquantized). `row_parallel_tp`: the TP degree when
-    the module is row-parallel (its input dimension is split)."""
+    the module is row-parallel (its input dimension is split). `config_shape`: the [out, in] the engine
+    allocates from config.json; without it the shape is read back from the stored weight."""
     name = mod.name
-    shape = logical_shape(mod)
-    if shape is None:
+    shape = config_shape or logical_shape(mod)
+    if shape is None or mod.weight is None or len(mod.weight.shape) != 2:
         return [TensorIssue(f"{name}.weight", describe(mod.weight), "a 2-D weight", False)]
     want, have = family(kind), stored_family(mod)
     w = mod.weight
@@ -83,6 +90,14 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
         return [TensorIssue(f"{name}.weight", f"{describe(w)}{extra}", expected_weight(kind, shape), True)]
     o, i = shape
     issues: list[TensorIssue] = []
+    if config_shape and tuple(w.shape) != stored_weight_shape(kind, shape):
+        # The engine copies the stored tensor into a parameter sized from config.json: the weight is what is
+        # wrong, whatever its scales say (e.g. MXFP4 left unpacked, or packed along the output dimension).
+        so, si = stored_weight_shape(kind, shape)
+        packing = " (two FP4 values per byte along the input dimension)" if want == "mxfp4" else ""
+        return [TensorIssue(f"{name}.weight", describe(w),
+                            f"{w.dtype} [{so}, {si}]{packing}, as sized from config.json ([out, in] = [{o}, {i}])",
+                            False)]
 
     def need(suffix: str, dtype: str, shapes: list[tuple[int, ...]], label: str) -> None:
         info = mod.params.get(suffix)

@@ -193,7 +193,7 @@ class ProfileChecker:
     """All unit-level findings of one profile."""
 
     def __init__(self, profile: Profile, config: dict, modules: dict[str, Module], tp: int | None,
-                 contract_cache: dict | None = None):
+                 contract_cache: dict | None = None, shape_of=None):
         self.p = profile
         self.contract_cache = {} if contract_cache is None else contract_cache
         self._kinds: dict[int, str] = {}
@@ -208,6 +208,7 @@ class ProfileChecker:
         self.linear_type_cfg = (ltqc or {}).get(profile.rules.get("layer_type_config")) \
             if isinstance(ltqc, dict) else None
         self.row_parallel = _any_of(profile.rules.get("row_parallel", []))
+        self.shape_of = shape_of or (lambda _module: None)
 
     def add(self, severity: str, tensor: str | None, message: str, fix: str, rule: str) -> None:
         self.findings.append(Finding(severity, self.p.engine, (self.p.release,), tensor, message, fix, rule))
@@ -366,7 +367,8 @@ class ProfileChecker:
             issues = self.contract_cache.get(key)
             if issues is None:
                 issues = self.contract_cache[key] = contract.check_module(self.modules[member], res.kind,
-                                                                          res.layer_cfg, tp)
+                                                                          res.layer_cfg, tp,
+                                                                          self.shape_of(member))
             for issue in issues:
                 if issue.family_mismatch:
                     mismatched.append((member, issue))
@@ -380,7 +382,7 @@ class ProfileChecker:
             self._family_mismatch(ctx, unit, res, mismatched)
 
     def _expected_shape(self, unit: Unit, res: Resolution) -> str:
-        shapes = [contract.logical_shape(self.modules[m]) for m in unit.members]
+        shapes = [self.shape_of(m) or contract.logical_shape(self.modules[m]) for m in unit.members]
         if not unit.fused or None in shapes:
             each = " per expert" if len(shapes) > 1 else ""
             return contract.expected_weight(res.kind, shapes[0]) + each if shapes[0] else "?"

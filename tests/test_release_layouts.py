@@ -1,0 +1,150 @@
+"""Real release layouts in the quantizer and the preflight: shapes from config.json, the vLLM 0.32 block-FP8 MoE
+refinement, Qwen3.5 as released (VL wrapper names, the whole-MTP rule of SGLang)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quant.checkpoint import open_checkpoint
+from quant.pipeline import quantize_checkpoint
+from quant.toy import TOY_NAMES, build_toy
+from quant.verify import verify_checkpoint
+from quant.verify.shapes import config_shapes
+
+pytestmark = pytest.mark.xdist_group("toy")
+EXPERT = "model.layers.1.mlp.experts.2.down_proj"
+
+
+def errors(report, engine=None):
+    return [f for f in report.errors if engine is None or f.engine == engine]
+
+
+def rewrite(path: Path, edit) -> None:
+    """Apply `edit(tensors)` to the single shard of a checkpoint."""
+    shard = next(path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def mxfp4_export(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("layouts")
+    quantize_checkpoint(build_toy("qwen3-moe", root / "src"), root / "q", log=lambda m: None)
+    return root / "q"
+
+
+@pytest.mark.parametrize("name", TOY_NAMES)
+def test_config_shape_formulas_match_what_transformers_builds(toy_factory, name):
+    ckpt = open_checkpoint(toy_factory(name))
+    shape_of = config_shapes(ckpt.config)
+    covered = 0
+    for tensor, info in ckpt.tensors.items():
+        if tensor.endswith(".weight") and len(info.shape) == 2 and (expected := shape_of(tensor[:-7])):
+            covered += 1
+            assert tuple(expected) == tuple(info.shape), tensor
+    assert covered >= 14
+
+
+@pytest.mark.parametrize("layout", ["unpacked", "packed-along-output"])
+def test_mispacked_mxfp4_weight_is_named_with_the_engine_shape(mxfp4_export, tmp_path, layout):
+    broken = tmp_path / "broken"
+    shutil.copytree(mxfp4_export, broken)
+
+    def edit(tensors):
+        w = tensors[EXPERT + ".weight"]  # U8 [160, 64]
+        o, half = w.shape
+        if layout == "unpacked":  # one FP4 code per byte: [out, in]
+            tensors[EXPERT + ".weight"] = torch.stack([w & 0xF, w >> 4], -1).reshape(o, 2 * half).contiguous()
+        else:  # packed two output rows per byte: [out/2, in]
+            tensors[EXPERT + ".weight"] = torch.zeros(o // 2, 2 * half, dtype=torch.uint8)
+
+    rewrite(broken, edit)
+    report = verify_checkpoint(broken, engines=["vllm==0.32", "sglang==0.5.19"])
+    assert {f.engine for f in errors(report)} == {"vllm", "sglang"}
+    for finding in errors(report):
+        assert finding.tensor == EXPERT + ".weight"
+        assert "expected U8 [160, 64]" in finding.message  # hidden 160, moe_intermediate 128 / 2
+
+
+def test_a_wrong_scale_alone_is_named_as_the_scale(mxfp4_export, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(mxfp4_export, broken)
+    rewrite(broken, lambda t: t.update({EXPERT + ".weight_scale": t[EXPERT + ".weight_scale"][:, :2].contiguous()}))
+    report = verify_checkpoint(broken, engines=["vllm==0.32"])
+    assert [f.tensor for f in errors(report)] == [EXPERT + ".weight_scale"]
+    assert "U8 [160, 4]" in errors(report)[0].message
+
+
+def test_non_aligned_block_fp8_moe_is_flagged_per_release(tmp_path):
+    src = build_toy("qwen3-moe", tmp_path / "src", overrides={"moe_intermediate_size": 96})
+    out = tmp_path / "fp8"
+    quantize_checkpoint(src, out, scheme="fp8-block", recipe="experts-only", check_engines=None, log=lambda m: None)
+    report = verify_checkpoint(out, engines=["vllm==0.31", "vllm==0.32", "sglang==0.5.19", "transformers"])
+    by_release = {(f.engine, f.versions): f.message for f in errors(report)}
+    assert "refines the FP8 MoE blocks to 32x32" in by_release[("vllm", ("0.32",))]
+    assert "4 vs 3 rows" in by_release[("vllm", ("0.32",))]
+    assert "is not divisible by weight quantization block_n = 128" in by_release[("vllm", ("0.31",))]
+    assert ("sglang", ("0.5.19",)) in by_release and not errors(report, "transformers")
+    # The same export with the releases' 128-aligned experts loads.
+    aligned = tmp_path / "fp8-aligned"
+    quantize_checkpoint(build_toy("qwen3-moe", tmp_path / "src2"), aligned, scheme="fp8-block",
+                        recipe="experts-only", log=lambda m: None)
+    assert not errors(verify_checkpoint(aligned, engines=["all"]))
+
+
+def test_qwen35_release_layout_quantizes_and_names_engine_modules(toy_factory, tmp_path):
+    out = tmp_path / "q"
+    quantize_checkpoint(toy_factory("qwen3.5"), out, log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    exclude = config["quantization_config"]["exclude"]
+    tensors = open_checkpoint(out).tensors
+    # Vision tower and the whole MTP head stay BF16; routed experts of the language model are MXFP4.
+    assert all(t.dtype != "U8" for n, t in tensors.items() if n.startswith(("mtp.", "model.visual.")))
+    assert tensors["model.language_model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == "U8"
+    # Every BF16 linear is listed in checkpoint form and in the runtime form vLLM/SGLang build
+    # (language_model.model.*, visual.*: qwen3_vl hf_to_vllm_mapper / hf_to_sglang_mapper).
+    for name in ("model.language_model.layers.1.self_attn.q_proj", "model.visual.blocks.0.attn.qkv"):
+        assert name in exclude
+    assert "language_model.model.layers.1.self_attn.q_proj" in exclude and "visual.blocks.0.attn.qkv" in exclude
+    assert "mtp.fc" in exclude and "mtp.layers.0.mlp.experts.0.gate_proj" in exclude
+    report = verify_checkpoint(out, engines=["sglang", "vllm==0.32", "transformers"])
+    assert not report.errors, [f.message for f in report.errors]
+
+
+def test_qwen35_exclude_in_checkpoint_form_only_fails_an_engine_that_does_not_map_it(toy_factory, tmp_path):
+    out = tmp_path / "q"
+    quantize_checkpoint(toy_factory("qwen3.5"), out, log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    q["exclude"] = [e for e in q["exclude"] if not e.startswith(("language_model.", "visual."))]
+    (out / "config.json").write_text(json.dumps(config))
+    report = verify_checkpoint(out, engines=["sglang==0.5.12", "sglang==0.5.19", "vllm==0.32"])
+    failing = {(f.engine, f.versions) for f in report.errors}
+    assert ("sglang", ("0.5.12",)) in failing  # matches runtime names, does not rewrite exclude (vllm#54547)
+    assert ("sglang", ("0.5.19",)) not in failing and ("vllm", ("0.32",)) not in failing
+
+
+def test_qwen35_partly_quantized_mtp_head_fails_sglang(toy_factory, tmp_path, monkeypatch):
+    """Quantizing the MTP experts while mtp.fc stays BF16 (the family data without its whole-head keep rule):
+    vLLM can build that, SGLang builds the whole draft unquantized as soon as any mtp.* entry is excluded, so
+    the MXFP4 experts cannot load there."""
+    import quant.pipeline as pipeline
+    from quant.pipeline.recipes import load_family
+
+    out = tmp_path / "q"
+    family = load_family("qwen3_moe")
+    family.roles["keep"] = [p for p in family.roles["keep"] if p.pattern != r"^mtp\."]
+    monkeypatch.setattr(pipeline, "family_for_config", lambda config, path=None: family)
+    quantize_checkpoint(toy_factory("qwen3.5"), out, check_engines=None, log=lambda m: None)
+    assert open_checkpoint(out).tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"].dtype == "U8"
+    report = verify_checkpoint(out, engines=["sglang==0.5.19", "vllm==0.32"])
+    sglang = errors(report, "sglang")
+    assert sglang and "builds the whole mtp.* draft unquantized" in sglang[0].message
+    assert not errors(report, "vllm")
