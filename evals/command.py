@@ -1,6 +1,6 @@
 """`quant eval --candidate CKPT_OR_URL --baseline CKPT_OR_URL`: is the candidate as accurate as the baseline?
 
-Runs lm-eval's GSM8K and GPQA-Diamond (offline, from local files) on both models, pairs the answers question by
+Runs lm-eval's GSM8K and GPQA-Diamond (from the hub through `datasets`, or from local files) on both models, pairs the answers question by
 question and decides non-inferiority against a margin. Exit code: 0 pass, 1 fail, 3 inconclusive.
 """
 
@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-
-from quant.paths import SHARED_DATA_DIR
 
 
 def command(
@@ -26,10 +24,11 @@ def command(
                                         "0 for all"),
     seeds: int = typer.Option(2, help="Generation seeds for sampled tasks (GPQA: temperature 1.0, do_sample)"),
     margin: float = typer.Option(2.0, help="Non-inferiority margin in accuracy points"),
-    data_dir: Path = typer.Option(SHARED_DATA_DIR / "gsm8k", help="GSM8K directory with train.jsonl and "
-                                  "test.jsonl (question/answer columns)"),
-    gpqa_csv: Optional[Path] = typer.Option(None, help="GPQA-Diamond CSV (gated dataset; columns Question, "
-                                            "Correct Answer, Incorrect Answer 1-3)"),
+    data_dir: Optional[Path] = typer.Option(None, help="Local GSM8K directory with train.jsonl and test.jsonl "
+                                            "(question/answer); default: openai/gsm8k [main] from the hub"),
+    gpqa_csv: Optional[Path] = typer.Option(None, help="Local GPQA-Diamond CSV (columns Question, Correct Answer, "
+                                            "Incorrect Answer 1-3); default: the gated Idavidrein/gpqa "
+                                            "[gpqa_diamond] from the hub with your HF token"),
     max_gen_toks: Optional[int] = typer.Option(None, help="Max generated tokens (default per task: GSM8K 512, "
                                                "GPQA 32768, toy_arith 64)"),
     temperature: float = typer.Option(1.0, help="Sampling temperature of sampled tasks"),
@@ -47,9 +46,15 @@ def command(
     bootstrap_seed: int = typer.Option(0, help="Paired bootstrap seed"),
     baseline_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
     candidate_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
+    card: Optional[Path] = typer.Option(None, help="Export directory whose model card (README.md) gets this "
+                                        "accuracy section (replaced on every run; report.png is copied beside)"),
 ) -> None:
     """Compare a candidate against a baseline on GSM8K / GPQA-Diamond with paired statistics."""
     from evals.compare import EXIT_CODES, EvalRequest, evaluate
+    from quant.errors import QuantError
+
+    if card is not None and not card.is_dir():
+        raise QuantError(f"--card {card}: not a directory (give the export whose README.md to update)")
 
     request = EvalRequest(
         candidate=candidate, baseline=baseline, baseline_run=baseline_run, tasks=tasks, out=out,
@@ -64,4 +69,8 @@ def command(
 
     print_table(report)
     typer.echo(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
+    if card is not None:
+        from evals.card import add_accuracy
+
+        typer.echo(f"updated {add_accuracy(card, report, out)}")
     raise typer.Exit(EXIT_CODES[report["verdict"]])

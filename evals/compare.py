@@ -19,7 +19,7 @@ from quant.errors import QuantError
 
 EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
 # Directories of the output this stage owns and recreates on every run.
-OWN_SUBDIRS = ("runs", "tasks", "hf_datasets_cache", "work")
+OWN_SUBDIRS = ("runs", "tasks", "hf_datasets_cache", "work", "data")
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,9 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     out = Path(request.out)
     _prepare_out(out)
     datasets_cache = out / "hf_datasets_cache"
-    task_dir = write_task_files(out / "tasks", specs, gsm8k_dir=request.data_dir or _default_gsm8k(),
-                                toy_dir=request.toy_data_dir, gpqa_csv=request.gpqa_csv,
-                                datasets_cache=datasets_cache)
+    gsm8k_dir, gpqa_csv = _eval_data(request, specs, out / "data")
+    task_dir = write_task_files(out / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,
+                                gpqa_csv=gpqa_csv, datasets_cache=datasets_cache)
     go_offline(datasets_cache)
     run_settings = RunSettings(limit=request.limit, max_gen_toks=request.max_gen_toks, seeds=request.seeds,
                                temperature=request.temperature, top_p=request.top_p)
@@ -209,7 +209,16 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     return report
 
 
-def _default_gsm8k() -> Path:
-    from quant.paths import SHARED_DATA_DIR
+def _eval_data(request: EvalRequest, specs, dest: Path) -> tuple[Path | None, Path | None]:
+    """Local data the user gave, else the tasks' datasets from the hub (before the run goes offline)."""
+    from evals import hub_data
+    from evals.tasks import GPQA_COLUMNS
 
-    return SHARED_DATA_DIR / "gsm8k"
+    names = {s.name for s in specs}
+    gsm8k_dir = request.data_dir
+    if gsm8k_dir is None and "gsm8k" in names:
+        gsm8k_dir = hub_data.fetch_gsm8k(dest / "gsm8k")
+    gpqa_csv = request.gpqa_csv
+    if gpqa_csv is None and "gpqa_diamond" in names:
+        gpqa_csv = hub_data.fetch_gpqa_diamond(dest / "gpqa_diamond.csv", GPQA_COLUMNS)
+    return gsm8k_dir, gpqa_csv

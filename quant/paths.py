@@ -1,9 +1,13 @@
-"""Where the project's data lives: the `manifests/` directory and the shared data directory."""
+"""Where the package's run-time data lives.
+
+Model families, recipes, engine profiles and toy configs ship inside the package (`quant/manifests/`, also
+reachable as `manifests/` at the top of a checkout) and are found through `importlib.resources`, so an installed
+`quant` works from any directory. `QUANT_MANIFESTS_DIR` points the tool at another copy (to try a changed
+engine profile without reinstalling).
+"""
 
 import os
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MANIFESTS_DIR = Path(os.environ.get("QUANT_MANIFESTS_DIR", REPO_ROOT / "manifests"))
-# The real GSM8K sets live beside the checkout (../shared/data); override with QUANT_DATA_DIR.
-SHARED_DATA_DIR = Path(os.environ.get("QUANT_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+MANIFESTS_DIR = Path(os.environ.get("QUANT_MANIFESTS_DIR") or str(files("quant").joinpath("manifests")))

@@ -1,4 +1,4 @@
-"""Train the toy arithmetic model behind the eval stage's end-to-end test (tests/fixtures/toy_arith).
+"""Train the toy arithmetic model behind the eval stage's end-to-end test (evals/data/toy_arith/model).
 
 The model is the GLM-5 toy (`quant.toy.build_toy("glm5")`: MLA attention with the DSA indexer, a dense layer, a
 MoE layer with shared expert, and the MTP layer) with eval-friendly dimensions, trained on CPU from a fixed seed
@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO / "evals" / "data" / "toy_arith"
-FIXTURE_DIR = REPO / "tests" / "fixtures" / "toy_arith"
+FIXTURE_DIR = DATA_DIR / "model"
 TEST_QUESTIONS = 200
 
 # Every quantized Linear has an input dimension divisible by 32 (the MXFP4 block). index_topk above the longest

@@ -1,4 +1,4 @@
-"""End to end on the trained toy (tests/fixtures/toy_arith, GLM-5 layout with its MTP layer): quantize it to
+"""End to end on the trained toy (evals/data/toy_arith/model, GLM-5 layout with its MTP layer): quantize it to
 block FP8 (baseline) and MXFP4 (candidate), score both in process through lm-eval's GSM8K pipeline, and check the
 verdicts: the correct MXFP4 export passes, an export with swapped nibbles fails. Also GPQA's seeded sampling path
 on a synthetic CSV."""
@@ -18,7 +18,7 @@ from quant.errors import QuantError
 from quant.pipeline import quantize_checkpoint
 from test_eval_tasks import write_gpqa_csv
 
-FIXTURE = Path(__file__).parent / "fixtures" / "toy_arith"
+FIXTURE = Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model"
 LIMIT = 120
 # Non-inferiority margin for the toy: on 120 questions one or two flipped answers already put a 95% interval's
 # lower bound near -2 points; the broken export loses over 80 points. max_gen_toks 24 covers the longest answer.

@@ -18,7 +18,7 @@ from evals.server import Generator, serve
 from quant.errors import QuantError
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURE = REPO / "tests" / "fixtures" / "toy_arith"
+FIXTURE = REPO / "evals" / "data" / "toy_arith" / "model"
 LIMIT = 16
 START_TIMEOUT_S = 180
 

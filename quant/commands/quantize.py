@@ -15,9 +15,9 @@ def command(
     recipe: Optional[str] = typer.Option(None, help="experts-only (default) | all-linear | "
                                          "experts-mxfp4-attn-fp8 | a YAML file {base, roles, keep}"),
     scale_mode: str = typer.Option("even", help="MXFP4 scale rule: even | floor | rceil | search"),
-    devices: Optional[str] = typer.Option(None, help="Comma-separated torch devices, one worker each, "
-                                          "e.g. cuda:0,cuda:1 (default: cpu)"),
-    workers: int = typer.Option(1, help="CPU workers when --devices is not given"),
+    devices: str = typer.Option("auto", help="auto (one worker per visible GPU, else CPU workers) or "
+                                "comma-separated torch devices, one worker each, e.g. cuda:0,cuda:1 or cpu"),
+    workers: int = typer.Option(1, help="CPU workers when no GPU is used"),
     check_engines: str = typer.Option(
         "sglang==latest,vllm==latest",
         help="Engine releases the self-check must pass for ('' to skip; 'sglang' = its default releases, "

@@ -25,6 +25,7 @@ from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.errors import QuantError
 from quant.pipeline.files import sha256_file, write_atomic
+from quant.pipeline.model_card import CARD_FILE, render_card
 from quant.pipeline.progress import PROGRESS_DIR, ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
@@ -35,7 +36,7 @@ from quant.pipeline.source import resolve_source
 
 COMPLETE_MARKER = ".quant-complete"
 MANIFEST_FILE = "quant_manifest.json"
-OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER}
+OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER, CARD_FILE}
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
 
 
@@ -54,9 +55,25 @@ def check_paths(src: Path, out: Path) -> None:
                              f"choose an empty or new directory")
 
 
+def visible_accelerators() -> int:
+    """CUDA/ROCm devices torch can use. torch is imported only when the machine has an NVIDIA or AMD GPU device
+    node: its import costs a second that the CPU path spends hashing instead."""
+    dev = Path("/dev")
+    if not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def auto_devices(workers: int, accelerators: int) -> list[str]:
+    """`--devices auto`: one worker per visible GPU, else `workers` CPU workers."""
+    return [f"cuda:{i}" for i in range(accelerators)] if accelerators else ["cpu"] * max(1, workers)
+
+
 def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
-    if devices is None:
-        return ["cpu"] * max(1, workers)
+    if devices is None or devices == "auto":
+        return auto_devices(workers, visible_accelerators())
     import torch
 
     items = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
@@ -117,7 +134,7 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
 
 
 def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: list[ShardResult],
-                  source_ref: str) -> dict:
+                  source_ref: str, devices: list[str] | None = None) -> dict:
     weight_map = {name: r.file for r in results for name in r.tensors}
     total = sum(r.bytes for r in results)
     write_atomic(out / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
@@ -132,6 +149,7 @@ def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: l
         "output": {"shards": {r.file: {"sha256": r.sha256, "bytes": r.bytes} for r in results},
                    "copied_files": side},
         "mtp_layers": plan.mtp_layers,
+        "run": {"devices": list(devices or [])},
         "kept_bf16": plan.kept_modules,
         "exclude": config["quantization_config"].get("exclude",
                                                      config["quantization_config"].get("modules_to_not_convert")),
@@ -139,6 +157,10 @@ def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: l
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
     write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+    source_card = src / CARD_FILE
+    card = render_card(manifest, config, out.name, source_ref,
+                       source_card.read_text(errors="replace") if source_card.is_file() else None)
+    write_atomic(out / CARD_FILE, card)
     write_atomic(out / "config.json", json.dumps(config, indent=2))
     return manifest
 
@@ -211,7 +233,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     elapsed = time.perf_counter() - started
 
     ordered = [results[s.file] for s in plan.shards]
-    manifest = write_outputs(plan, ckpt.config, src_path, out, ordered, source_ref)
+    manifest = write_outputs(plan, ckpt.config, src_path, out, ordered, source_ref, device_list)
     if check_engines:
         self_check(out, list(check_engines))
     write_atomic(out / COMPLETE_MARKER, json.dumps({"plan_digest": digest, "version": __version__}))

@@ -1,0 +1,61 @@
+"""The model card every export carries, `quant eval --card`, and `--devices auto`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from evals import stats
+from evals.card import CARD_IMAGE, add_accuracy
+from quant.pipeline import auto_devices, quantize_checkpoint
+from quant.pipeline.model_card import ACCURACY_END, ACCURACY_START
+from quant.toy import build_toy
+
+SNAPSHOT = Path(__file__).parent / "data" / "model_card_glm5.md"
+
+
+def export(tmp_path: Path) -> Path:
+    src = build_toy("glm5", tmp_path / "glm5")
+    quantize_checkpoint(src, tmp_path / "glm5-mxfp4", log=lambda m: None)
+    return tmp_path / "glm5-mxfp4"
+
+
+def test_card_matches_the_snapshot(tmp_path):
+    """On an intended change, copy the card the failure prints over tests/data/model_card_glm5.md."""
+    card = (export(tmp_path) / "README.md").read_text()
+    assert card == SNAPSHOT.read_text(), card
+    assert str(tmp_path) not in card  # no machine paths leak into a published card
+
+
+def test_eval_card_replaces_the_accuracy_section(tmp_path):
+    out = export(tmp_path)
+    base = np.array([1] * 180 + [0] * 20, dtype=float)
+    cand = base.copy()
+    cand[:4] = 0
+    comparison = stats.compare(base, cand, margin=0.02).to_json()
+    report = {"verdict": comparison["verdict"], "margin_points": 2.0, "baseline": {"name": "glm5-fp8"},
+              "rows": [{"label": "GSM8K 5-shot", "primary": True, "comparison": comparison},
+                       {"label": "GSM8K 5-shot", "primary": False, "comparison": comparison}]}
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.png").write_bytes(b"\x89PNG fake")
+    for _ in range(2):  # idempotent: the second run replaces, not appends
+        add_accuracy(out, report, tmp_path / "report")
+    card = (out / "README.md").read_text()
+    assert card.count(ACCURACY_START) == card.count(ACCURACY_END) == 1
+    assert "| GSM8K 5-shot (200 questions) | 90.0% | 88.0% | -2.0 |" in card
+    assert f"![paired comparison]({CARD_IMAGE})" in card and (out / CARD_IMAGE).exists()
+    assert "Not evaluated yet" not in card and card.index("## Accuracy") < card.index("## Reproduce")
+
+
+def test_auto_devices_prefers_every_visible_gpu():
+    assert auto_devices(workers=1, accelerators=0) == ["cpu"]
+    assert auto_devices(workers=2, accelerators=0) == ["cpu", "cpu"]
+    assert auto_devices(workers=1, accelerators=2) == ["cuda:0", "cuda:1"]
+
+
+def test_the_manifest_records_the_devices_that_ran(tmp_path):
+    import json
+
+    out = export(tmp_path)
+    assert json.loads((out / "quant_manifest.json").read_text())["run"]["devices"] == ["cpu"]

