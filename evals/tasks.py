@@ -154,7 +154,7 @@ def write_task_files(task_dir: Path, specs: list[TaskSpec], *, gsm8k_dir: Path |
             files = gsm8k_data_files(data_dir)
         else:
             if gpqa_csv is None:
-                raise QuantError(f"--tasks {spec.name} needs the GPQA-Diamond CSV (--gpqa-csv)")
+                raise QuantError(f"--tasks {spec.name} needs --gpqa-csv (the GPQA-Diamond CSV)")
             config["dataset_path"] = "csv"
             files = {"train": gpqa_data_file(gpqa_csv)}  # the stock templates evaluate the train split
             config["process_docs"] = PROCESS_DOCS_TAG

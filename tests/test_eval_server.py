@@ -73,7 +73,7 @@ def responses(out: Path, arm: str) -> list[str]:
 
 def test_completions_server_matches_in_process_model(server_url, tmp_path):
     with urllib.request.urlopen(f"{server_url}/models", timeout=30) as r:
-        assert json.load(r)["data"][0]["id"] == "toy_arith"
+        assert json.load(r)["data"][0]["id"] == FIXTURE.name  # the directory name
     report = run(FIXTURE, server_url, tmp_path)
     row = next(r for r in report["rows"] if r["primary"])["comparison"]
     assert report["candidate"]["kind"] == "server" and report["baseline"]["kind"] == "transformers"

@@ -43,7 +43,7 @@ def test_eval_card_replaces_the_accuracy_section(tmp_path):
         add_accuracy(out, report, tmp_path / "report")
     card = (out / "README.md").read_text()
     assert card.count(ACCURACY_START) == card.count(ACCURACY_END) == 1
-    assert "| GSM8K 5-shot (200 questions) | 90.0% | 88.0% | -2.0 |" in card
+    assert "| GSM8K 5-shot (200 questions) | 90.0% | 88.0% | -2.0 |" in card, card
     assert f"![paired comparison]({CARD_IMAGE})" in card and (out / CARD_IMAGE).exists()
     assert "Not evaluated yet" not in card and card.index("## Accuracy") < card.index("## Reproduce")
 

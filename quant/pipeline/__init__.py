@@ -158,7 +158,7 @@ def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: l
     }
     write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
     source_card = src / CARD_FILE
-    card = render_card(manifest, config, out.name, source_ref,
+    card = render_card(manifest, config, source_ref,
                        source_card.read_text(errors="replace") if source_card.is_file() else None)
     write_atomic(out / CARD_FILE, card)
     write_atomic(out / "config.json", json.dumps(config, indent=2))

@@ -76,11 +76,13 @@ def _kept_table(tensors: dict) -> list[str]:
     return lines
 
 
-def render_card(manifest: dict, config: dict, out_name: str, source_ref: str, source_readme: str | None) -> str:
+def render_card(manifest: dict, config: dict, source_ref: str, source_readme: str | None) -> str:
     settings, recipe = manifest["settings"], manifest["recipe"]
     scheme = settings["scheme"]
     short, words = SCHEME_WORDS.get(scheme, (scheme, scheme))
     base = _source_name(source_ref)
+    # Named after the source and format, not the output directory: the card's bytes depend on the export only.
+    out_name = f"{base.split('/')[-1]}-{short}"
     source_meta = _front_matter(source_readme or "")
     meta = {"base_model": base, "library_name": "transformers",
             "tags": sorted({short.lower(), "quark", "moe", "moe-quant"})}
