@@ -42,8 +42,6 @@ def command(
     batch_size: int = typer.Option(16, help="In-process batch size"),
     device: Optional[str] = typer.Option(None, help="In-process torch device (default: cuda if available)"),
     dtype: str = typer.Option("bfloat16", help="In-process compute dtype: bfloat16 | float32"),
-    bootstrap_iterations: int = typer.Option(10_000, help="Paired bootstrap resamples"),
-    bootstrap_seed: int = typer.Option(0, help="Paired bootstrap seed"),
     baseline_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
     candidate_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
     card: Optional[Path] = typer.Option(None, help="Export directory whose model card (README.md) gets this "
@@ -61,8 +59,8 @@ def command(
         limit=limit or None, seeds=seeds, margin=margin, data_dir=data_dir, gpqa_csv=gpqa_csv,
         max_gen_toks=max_gen_toks, temperature=temperature, top_p=top_p, endpoint=endpoint,
         server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
-        batch_size=batch_size, device=device, dtype=dtype, bootstrap_iterations=bootstrap_iterations,
-        bootstrap_seed=bootstrap_seed, baseline_name=baseline_name, candidate_name=candidate_name,
+        batch_size=batch_size, device=device, dtype=dtype, baseline_name=baseline_name,
+        candidate_name=candidate_name,
     )
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
     from evals.report import print_table

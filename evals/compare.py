@@ -45,8 +45,6 @@ class EvalRequest:
     batch_size: int = 16
     device: str | None = None
     dtype: str = "bfloat16"
-    bootstrap_iterations: int = 10_000
-    bootstrap_seed: int = 0
     baseline_name: str | None = None
     candidate_name: str | None = None
     toy_data_dir: Path = EVAL_DATA_DIR / "toy_arith"
@@ -59,8 +57,6 @@ def _check(request: EvalRequest) -> None:
         raise QuantError(f"--seeds {request.seeds}: must be at least 1")
     if request.limit is not None and request.limit < 1:
         raise QuantError(f"--limit {request.limit}: must be positive (0 means all questions)")
-    if request.bootstrap_iterations < 100:
-        raise QuantError(f"--bootstrap-iterations {request.bootstrap_iterations}: use at least 100")
     if (request.baseline is None) == (request.baseline_run is None):
         raise QuantError("give exactly one of --baseline (checkpoint or URL) and --baseline-run (earlier output)")
     sources = [("candidate", request.candidate)] + ([("baseline", request.baseline)] if request.baseline else [])
@@ -111,8 +107,8 @@ def _settings(request: EvalRequest, specs) -> dict:
 
     return {"tasks": [s.name for s in specs], "limit": request.limit, "seeds": request.seeds,
             "max_gen_toks": request.max_gen_toks, "temperature": request.temperature, "top_p": request.top_p,
-            "endpoint": request.endpoint, "bootstrap_iterations": request.bootstrap_iterations,
-            "bootstrap_seed": request.bootstrap_seed, "ci_level": 0.95, "lm_eval_version": version("lm_eval")}
+            "endpoint": request.endpoint, "ci_level": 0.95, "ci_method": "tango-score",
+            "lm_eval_version": version("lm_eval")}
 
 
 def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict]]:
@@ -144,8 +140,7 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
         for filter_name in spec.filters:
             paired = pair_scores(baseline, candidate, spec.name, filter_name)
             comparison = stats.compare(paired.baseline, paired.candidate, margin=request.margin / 100.0,
-                                       samples_per_question=len(paired.seeds),
-                                       iterations=request.bootstrap_iterations, seed=request.bootstrap_seed)
+                                       samples_per_question=len(paired.seeds))
             rows.append({
                 "task": spec.name, "label": spec.label, "filter": filter_name,
                 "primary": filter_name == spec.primary_filter, "seeds": paired.seeds,

@@ -14,13 +14,19 @@ METHODS = {
     "accuracy_stderr": "lm-eval's standard error of the mean (sample sd with n-1 over sqrt(n)); for several seeds "
                        "computed over per-question seed means (clustered by question)",
     "difference": "candidate minus baseline, mean over questions of the paired per-question difference",
-    "ci": "95% percentile interval of a seeded paired bootstrap: questions resampled with replacement, both "
-          "arms together; with several seeds each question's score is first averaged over its seeds",
+    "ci": "95% Tango score interval for the difference of paired proportions (Tango 1998, Stat Med 17:891-908; "
+          "recommended by Newcombe 1998): the score test inverted with the nuisance cell at its constrained MLE. "
+          "It does not collapse when no question is discordant (bound 3.84/(n+3.84)) and keeps near-nominal "
+          "coverage at small n. With several seeds, x and y are the sums of the positive and negative parts of "
+          "the per-question seed-averaged differences, so the question stays the unit",
+    "n_to_pass": "the fewest questions that could pass at this margin if the observed discordance rates held "
+                 "(none when the observed difference is already below -margin)",
     "mcnemar": "exact two-sided McNemar test (binomial on the discordant pairs b, c). With several seeds: the exact "
                "sign test on the per-question seed-averaged differences (b = questions where the baseline's mean "
                "is higher, c = where the candidate's is higher, ties dropped), which equals McNemar for one seed "
                "and keeps the question as the unit, so seeds are not counted as independent questions",
-    "verdict": "non-inferiority against the margin: pass when the CI's lower bound > -margin, fail when the "
+    "verdict": "non-inferiority against the margin: pass when the CI's lower bound > -margin (equivalently "
+               "Tango's score test rejects delta <= -margin at 2.5%), fail when the "
                "whole CI is below -margin, inconclusive when the CI contains -margin. The overall verdict uses "
                "each task's primary filter (flexible-extract): fail if any fails, else inconclusive if any is",
     "failures": "requests that failed after all retries, and empty generations, are scored wrong and counted",
@@ -52,13 +58,14 @@ def table_rows(report: dict) -> list[list[str]]:
             f"[{_pt(c['ci_low'], True)}, {_pt(c['ci_high'], True)}]",
             f"{_p(c['mcnemar_p'])} (b={c['baseline_only_correct']}, c={c['candidate_only_correct']})",
             c["verdict"],
+            "-" if c.get("n_to_pass") is None else str(c["n_to_pass"]),
         ])
     return rows
 
 
 def table_header(report: dict) -> list[str]:
     return ["Eval", "n", f"{report['baseline']['name']} baseline", report["candidate"]["name"], "Δ (pt)",
-            "95% CI (pt)", "McNemar p", f"verdict (margin {report['margin_points']:g} pt)"]
+            "95% CI (pt)", "McNemar p", f"verdict (margin {report['margin_points']:g} pt)", "n to pass"]
 
 
 def markdown(report: dict) -> str:
@@ -101,7 +108,7 @@ def markdown(report: dict) -> str:
     lines += ["", "## Settings", "",
               f"- tasks: {', '.join(s['tasks'])}; limit {s['limit']}; seeds for sampled tasks {s['seeds']}; "
               f"max_gen_toks {s['max_gen_toks'] or 'task default'}",
-              f"- bootstrap: {s['bootstrap_iterations']} iterations, seed {s['bootstrap_seed']}; lm-eval "
+              f"- interval: {s.get('ci_method', 'tango-score')} at {s['ci_level']:.0%}; lm-eval "
               f"{s['lm_eval_version']}",
               "- samples per arm and task: `runs/<arm>/<task>/samples.jsonl`; lm-eval results next to them", ""]
     return "\n".join(lines)

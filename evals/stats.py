@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from evals.paired_interval import noninferiority_p, smallest_passing_n, tango_interval
+
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
 
@@ -36,24 +38,6 @@ def paired_stderr(baseline, candidate) -> float:
     return float(d.std(ddof=1) / np.sqrt(d.size))
 
 
-def paired_bootstrap_ci(baseline, candidate, *, iterations: int = 10_000, seed: int = 0,
-                        level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of mean(candidate - baseline), resampling questions with replacement (seeded)."""
-    d = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
-    if d.size == 0:
-        raise ValueError("paired_bootstrap_ci needs at least one question")
-    rng = np.random.default_rng(seed)
-    means = np.empty(iterations)
-    # Chunks keep the index matrix small for large n.
-    chunk = max(1, 2_000_000 // d.size)
-    for start in range(0, iterations, chunk):
-        stop = min(iterations, start + chunk)
-        means[start:stop] = d[rng.integers(0, d.size, size=(stop - start, d.size))].mean(axis=1)
-    alpha = (1.0 - level) / 2.0
-    low, high = np.quantile(means, [alpha, 1.0 - alpha])
-    return float(low), float(high)
-
-
 def discordant_counts(baseline, candidate) -> tuple[int, int]:
     """(b, c): questions where the baseline scored higher, and where the candidate scored higher.
 
@@ -76,7 +60,8 @@ def verdict(ci: tuple[float, float], margin: float) -> str:
     """Non-inferiority against `margin` (a fraction, 0.02 = 2 points) on the interval of candidate - baseline.
 
     pass: the whole interval lies above -margin; fail: the whole interval lies below -margin;
-    inconclusive: the interval contains -margin (more questions or seeds are needed to decide)."""
+    inconclusive: the interval contains -margin (more questions or seeds are needed to decide). With Tango's
+    score interval a pass is the score test rejecting delta <= -margin at level (1 - ci level) / 2."""
     low, high = ci
     if low > -margin:
         return PASS
@@ -115,19 +100,33 @@ class Comparison:
     mcnemar_p: float
     margin: float
     verdict: str
+    noninferiority_p: float  # one-sided score test of delta <= -margin
+    n_to_pass: int | None  # fewest questions that could pass at this margin with the observed discordance
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def compare(baseline, candidate, *, margin: float, samples_per_question: int = 1, iterations: int = 10_000,
-            seed: int = 0, level: float = 0.95) -> Comparison:
+def discordance(baseline, candidate) -> tuple[float, float]:
+    """(x, y): the discordance mass for the candidate and for the baseline. 0/1 scores: the discordant pair counts
+    (c, b). Seed-averaged scores: sums of the positive and negative parts of the per-question differences, so a
+    question contributes at most one unit (evals.paired_interval)."""
+    d = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
+    return float(np.clip(d, 0, None).sum()), float(np.clip(-d, 0, None).sum())
+
+
+def compare(baseline, candidate, *, margin: float, samples_per_question: int = 1, level: float = 0.95
+            ) -> Comparison:
     """Compare aligned per-question scores (seed-averaged when `samples_per_question` > 1)."""
     baseline = np.asarray(baseline, dtype=float)
     candidate = np.asarray(candidate, dtype=float)
     if baseline.shape != candidate.shape or baseline.ndim != 1:
         raise ValueError(f"score arrays must be 1-D and aligned, got {baseline.shape} and {candidate.shape}")
-    ci = paired_bootstrap_ci(baseline, candidate, iterations=iterations, seed=seed, level=level)
+    if baseline.size == 0:
+        raise ValueError("compare needs at least one question")
+    x, y = discordance(baseline, candidate)
+    n = float(baseline.size)
+    ci = tango_interval(round(x, 9), round(y, 9), n, level)
     b, c = discordant_counts(baseline, candidate)
     return Comparison(
         n_questions=int(baseline.size),
@@ -146,4 +145,6 @@ def compare(baseline, candidate, *, margin: float, samples_per_question: int = 1
         mcnemar_p=mcnemar_exact(b, c),
         margin=margin,
         verdict=verdict(ci, margin),
+        noninferiority_p=noninferiority_p(x, y, n, margin),
+        n_to_pass=smallest_passing_n(x, y, n, margin, level),
     )

@@ -18,6 +18,7 @@ from tests_engines.cases import (unsupported, cases, materialize, mean_abs_diff,
 
 # Mean |Δ log-probability| between two bf16 implementations of the same weights (toys built with a larger init).
 BF16_TOLERANCE = 0.15
+BF16_NOISE = 0.03  # measured: qwen3-moe and DeepSeek BF16 toys, vLLM vs transformers
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +44,7 @@ def test_vllm_agrees(case, work):
     assert result["outcome"] == "loaded", result.get("error")
     diff = mean_abs_diff(result["logprobs"], transformers_logprobs(reference, prompts))
     assert diff < BF16_TOLERANCE, diff
-    if reference != original and case.scheme.startswith("w_mxfp4"):
+    to_original = mean_abs_diff(result["logprobs"], transformers_logprobs(original, prompts))
+    if reference != original and case.scheme.startswith("w_mxfp4") and to_original > 4 * BF16_NOISE:
         # The quantization error is visible, and vLLM sits on the dequantized side of it.
-        assert diff < 0.5 * mean_abs_diff(result["logprobs"], transformers_logprobs(original, prompts))
+        assert diff < 0.5 * to_original

@@ -23,7 +23,8 @@ def _step(title: str) -> None:
 
 def command(
     out: Path = typer.Argument(Path("demo-out"), help="Directory for everything the demo writes (replaced)."),
-    limit: int = typer.Option(100, help="Questions per arm in the eval step (the toy test set has 200)."),
+    limit: int = typer.Option(200, help="Questions per arm in the eval step (the toy test set has 200; with no "
+                              "discordant answer a 2-point margin needs at least 189 to decide)."),
 ) -> None:
     """Run build → quantize → verify-manifest → eval → report on toy models."""
     from evals.compare import EvalRequest, evaluate
