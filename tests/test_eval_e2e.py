@@ -53,8 +53,7 @@ def quantize_exports(root: Path) -> dict[str, Path]:
 
 
 def run(baseline, candidate, out, **kw):
-    settings = {"tasks": "toy_arith", "limit": LIMIT, "max_gen_toks": 24, "batch_size": 40, "margin": MARGIN,
-                "bootstrap_iterations": 2000, **kw}
+    settings = {"tasks": "toy_arith", "limit": LIMIT, "max_gen_toks": 24, "batch_size": 40, "margin": MARGIN, **kw}
     request = EvalRequest(candidate=str(candidate), baseline=baseline and str(baseline), out=out, **settings)
     return evaluate(request, log=lambda m: None)
 
@@ -118,6 +117,8 @@ def test_gpqa_seeds_sample_differently_and_pair_per_question(tmp_path):
     assert [r["prompt_hash"] for r in seed0] == [r["prompt_hash"] for r in seed1], "same prompt for every seed"
     assert [r["response"] for r in seed0] != [r["response"] for r in seed1], "seeds must change the samples"
     assert [r["response"] for r in seed1] == [r["response"] for r in again], "a seed must reproduce its samples"
-    # Same model, same seeds: identical answers, so the paired difference is exactly zero.
-    assert (row["comparison"]["ci_low"], row["comparison"]["ci_high"]) == (0.0, 0.0)
-    assert report["verdict"] == "pass"
+    # Same model, same seeds: identical answers, so the paired difference is exactly zero; 6 questions are far
+    # too few to show non-inferiority, and the interval says so instead of collapsing to [0, 0].
+    comparison = row["comparison"]
+    assert comparison["difference"] == 0.0 and comparison["ci_low"] < -0.3 < 0.3 < comparison["ci_high"]
+    assert report["verdict"] == "inconclusive" and comparison["n_to_pass"] > 6
