@@ -57,15 +57,15 @@ def table_rows(report: dict) -> list[list[str]]:
             _pt(c["difference"], signed=True),
             f"[{_pt(c['ci_low'], True)}, {_pt(c['ci_high'], True)}]",
             f"{_p(c['mcnemar_p'])} (b={c['baseline_only_correct']}, c={c['candidate_only_correct']})",
-            c["verdict"],
             "-" if c.get("n_to_pass") is None else str(c["n_to_pass"]),
+            c["verdict"],
         ])
     return rows
 
 
 def table_header(report: dict) -> list[str]:
     return ["Eval", "n", f"{report['baseline']['name']} baseline", report["candidate"]["name"], "Δ (pt)",
-            "95% CI (pt)", "McNemar p", f"verdict (margin {report['margin_points']:g} pt)", "n to pass"]
+            "95% CI (pt)", "McNemar p", "n to pass", f"verdict (margin {report['margin_points']:g} pt)"]
 
 
 def markdown(report: dict) -> str:

@@ -77,7 +77,7 @@ def test_correct_mxfp4_export_passes_and_swapped_nibbles_fail(tmp_path):
     for name in (REPORT_JSON, REPORT_MD, REPORT_PNG):
         assert (first / name).stat().st_size > 0
     md = (first / REPORT_MD).read_text()
-    assert "| Eval | n | FP8 baseline | MXFP4 | Δ (pt) | 95% CI (pt) | McNemar p |" in md
+    assert "| Eval | n | FP8 baseline | MXFP4 | Δ (pt) | 95% CI (pt) | McNemar p | n to pass |" in md
     assert "activations are not quantized" in md
     assert json.loads((first / REPORT_JSON).read_text())["verdict"] == "pass"
     samples = (first / "runs" / "candidate" / "toy_arith" / "samples.jsonl").read_text().splitlines()
