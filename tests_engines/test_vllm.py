@@ -6,19 +6,24 @@ parsing, model construction and weight loaders; nothing of vLLM is patched.
   asserted as such, reasons in cases.UNSUPPORTED_ON_CPU);
 - every export loads, and its log-probabilities match transformers on the dequantized export far more closely
   than the unquantized toy: vLLM reads the packed values and scales exactly as we mean them;
-- deliberately broken exports: vLLM's outcome agrees with the preflight's prediction.
+- deliberately broken exports: the preflight predicts a failure and vLLM either refuses them or loads them into
+  wrong weights (its log-probabilities then differ from the intact export's).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests_engines.cases import (unsupported, cases, materialize, mean_abs_diff, prediction, run_vllm,
+from tests_engines.cases import (activation_quantized_linears, unsupported, cases, materialize, mean_abs_diff, prediction, run_vllm,
                                  token_ids, transformers_logprobs)
 
 # Mean |Δ log-probability| between two bf16 implementations of the same weights (toys built with a larger init).
 BF16_TOLERANCE = 0.15
 BF16_NOISE = 0.03  # measured: qwen3-moe and DeepSeek BF16 toys, vLLM vs transformers
+# With MXFP4 activations both sides quantize the linears' inputs, but in different places and orders of bf16
+# rounding (vLLM's fused qkv/gate_up inputs, its shim-free MoE kernel in BF16); measured 0.15 on qwen3-moe
+# all-linear against 0.53 for the unquantized toy.
+W4A4_TOLERANCE = 0.3
 
 
 @pytest.fixture(scope="session")
@@ -35,15 +40,21 @@ def test_vllm_agrees(case, work):
         assert result["outcome"] != "loaded", f"vLLM now runs {case.name} here: check its outcomes"
         return
     if case.kind == "broken":
+        # The preflight's exit 1 means "an engine would crash or load wrong weights": vLLM must do one of them.
         predicted, why = prediction(path)
         assert predicted == "error", f"preflight passes {case.name}"
-        assert result["outcome"] == "load-error", f"vLLM loads {case.name} although the preflight said: {why}"
+        if result["outcome"] == "loaded":
+            wrong = mean_abs_diff(result["logprobs"], transformers_logprobs(reference, prompts))
+            assert wrong > 2 * BF16_NOISE, f"vLLM loads {case.name} and computes like the intact export ({why})"
+        else:
+            assert result["outcome"] in ("load-error", "crash"), result
         return
     if case.kind == "export":
         assert prediction(path)[0] == "pass"
     assert result["outcome"] == "loaded", result.get("error")
-    diff = mean_abs_diff(result["logprobs"], transformers_logprobs(reference, prompts))
-    assert diff < BF16_TOLERANCE, diff
+    qdq = activation_quantized_linears(path) if case.kind == "export" else set()
+    diff = mean_abs_diff(result["logprobs"], transformers_logprobs(reference, prompts, qdq))
+    assert diff < (W4A4_TOLERANCE if qdq else BF16_TOLERANCE), diff
     to_original = mean_abs_diff(result["logprobs"], transformers_logprobs(original, prompts))
     if reference != original and case.scheme.startswith("w_mxfp4") and to_original > 4 * BF16_NOISE:
         # The quantization error is visible, and vLLM sits on the dequantized side of it.
