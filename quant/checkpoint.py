@@ -129,21 +129,24 @@ def read_shard_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, metadata_dir: str | Path | None = None) -> Checkpoint:
     """Read config.json, the index and every shard header. Raises UnreadableCheckpoint when there is no
-    checkpoint to speak of; collects every other integrity problem in `Checkpoint.problems`."""
+    checkpoint to speak of; collects every other integrity problem in `Checkpoint.problems`. `metadata_dir`
+    reads config.json and the index from elsewhere (the quantizer checks its staged files before publishing
+    them beside the shards)."""
     root = Path(path)
     if not root.is_dir():
         raise UnreadableCheckpoint(f"{root}: not a checkpoint directory")
-    config = read_json(root / "config.json")
+    meta = Path(metadata_dir) if metadata_dir is not None else root
+    config = read_json(meta / "config.json")
     problems: list[Problem] = []
     index = None
     expected: dict[str, str] = {}  # tensor -> file, from the index
-    if (root / INDEX_FILE).exists():
-        index = read_json(root / INDEX_FILE)
+    if (meta / INDEX_FILE).exists():
+        index = read_json(meta / INDEX_FILE)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
-            raise UnreadableCheckpoint(f"{root / INDEX_FILE}: no 'weight_map' object")
+            raise UnreadableCheckpoint(f"{meta / INDEX_FILE}: no 'weight_map' object")
         expected = {str(k): str(v) for k, v in weight_map.items()}
         files = sorted(set(expected.values()))
     elif (root / SINGLE_FILE).exists():

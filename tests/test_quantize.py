@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quant.checkpoint import open_checkpoint
+from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.pipeline import MANIFEST_FILE, COMPLETE_MARKER, quantize_checkpoint
 from quant.verify import verify_checkpoint
 
@@ -95,7 +95,14 @@ def test_weight_only_mxfp4_fails_the_sglang_self_check(toy_factory, tmp_path):
 
     with pytest.raises(QuantError, match="self-check failed"):
         quantize_checkpoint(toy_factory("glm5"), tmp_path / "q", scheme="w_mxfp4")
-    assert not (tmp_path / "q" / COMPLETE_MARKER).exists()
+    out = tmp_path / "q"
+    # Nothing that makes it look like a checkpoint: no marker, no config.json, index or card beside the shards.
+    assert not any((out / name).exists() for name in (COMPLETE_MARKER, "config.json", INDEX_FILE, "README.md"))
+    assert (out / ".quant-staging" / "config.json").exists()
+    # The same OUT resumes into a published, complete export once the check it must pass is one it can pass.
+    quantize_checkpoint(toy_factory("glm5"), out, scheme="w_mxfp4", check_engines=["vllm==0.32"])
+    assert (out / COMPLETE_MARKER).exists() and (out / "config.json").exists()
+    assert not (out / ".quant-staging").exists()
 
 
 def test_mtp_excludes_are_listed_under_every_engine_name(toy_factory, tmp_path):

@@ -1,9 +1,9 @@
 """`quantize_checkpoint`: read → plan → quantize → write → verify, streaming one shard at a time.
 
 Output layout: quantized shards, model.safetensors.index.json, config.json with the quantization_config,
-tokenizer/generation files, quant_manifest.json (per-tensor audit), and `.quant-complete`, written last.
-config.json and the marker appear only after every shard is written, so an interrupted output never looks
-like a finished checkpoint.
+tokenizer/generation files, quant_manifest.json (per-tensor audit), README.md (model card) and
+`.quant-complete`. The final files are staged and published only after every shard is written and the
+self-check passed, config.json last, so an interrupted or failed output never looks like a finished checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from quant.pipeline.schemes import get_scheme
 from quant.pipeline.source import resolve_source
 
 COMPLETE_MARKER = ".quant-complete"
+# config.json, index, manifest and card are written here first and moved beside the shards only after the
+# self-check passed, so an OUT that was interrupted or failed its check never holds a config.json.
+STAGING_DIR = ".quant-staging"
 MANIFEST_FILE = "quant_manifest.json"
 OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER, CARD_FILE}
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
@@ -135,9 +138,12 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
 
 def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: list[ShardResult],
                   source_ref: str, devices: list[str] | None = None) -> dict:
+    """Copy the side files into `out` and stage the final files in `out/STAGING_DIR` (see `publish`)."""
+    staging = out / STAGING_DIR
+    staging.mkdir(exist_ok=True)
     weight_map = {name: r.file for r in results for name in r.tensors}
     total = sum(r.bytes for r in results)
-    write_atomic(out / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+    write_atomic(staging / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
                                                "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     side = copy_side_files(src, out)
     config = {k: v for k, v in src_config.items() if k != "quantization_config"}
@@ -156,13 +162,24 @@ def write_outputs(plan: Plan, src_config: dict, src: Path, out: Path, results: l
         "summary": summarize(results),
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
-    write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+    write_atomic(staging / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
     source_card = src / CARD_FILE
     card = render_card(manifest, config, source_ref,
                        source_card.read_text(errors="replace") if source_card.is_file() else None)
-    write_atomic(out / CARD_FILE, card)
-    write_atomic(out / "config.json", json.dumps(config, indent=2))
+    write_atomic(staging / CARD_FILE, card)
+    write_atomic(staging / "config.json", json.dumps(config, indent=2))
     return manifest
+
+
+def publish(out: Path, marker: str) -> None:
+    """Move the staged final files beside the shards with config.json last; the completion marker goes just
+    before it, so at every instant OUT either lacks config.json (visibly unfinished) or is complete."""
+    staging = out / STAGING_DIR
+    for name in (INDEX_FILE, MANIFEST_FILE, CARD_FILE):
+        os.replace(staging / name, out / name)
+    write_atomic(out / COMPLETE_MARKER, marker)
+    os.replace(staging / "config.json", out / "config.json")
+    staging.rmdir()
 
 
 def summarize(results: list[ShardResult]) -> dict:
@@ -178,14 +195,15 @@ def summarize(results: list[ShardResult]) -> dict:
             else None, "output_bytes": sum(r.bytes for r in results)}
 
 
-def self_check(out: Path, engines: list[str]) -> None:
+def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) -> None:
     from quant.verify import verify_checkpoint
 
-    report = verify_checkpoint(out, engines=engines)
+    report = verify_checkpoint(out, engines=engines, metadata_dir=metadata_dir)
     if report.errors:
         first = report.errors[0]
-        raise QuantError(f"{out}: self-check failed, {len(report.errors)} engine load error(s); first: "
-                         f"[{first.engine}] {first.message} (run `quant verify-manifest {out}` for all)")
+        raise QuantError(f"{out}: self-check failed, {len(report.errors)} engine load error(s), nothing published "
+                         f"(the unpublished config is in {metadata_dir or out}); first: [{first.engine}] "
+                         f"{first.message}")
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
@@ -224,7 +242,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
         try:
             out.mkdir(parents=True, exist_ok=True)
-            (out / COMPLETE_MARKER).unlink(missing_ok=True)
+            # A re-run starts visibly incomplete: an earlier run's final files go until this one publishes.
+            for name in (COMPLETE_MARKER, "config.json", INDEX_FILE, MANIFEST_FILE, CARD_FILE):
+                (out / name).unlink(missing_ok=True)
             (out / PROGRESS_DIR).mkdir(exist_ok=True)
             _run_shards(plan, digest, todo, ckpt, out, device_list, hashes, timing, results, progress)
         finally:
@@ -235,8 +255,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     ordered = [results[s.file] for s in plan.shards]
     manifest = write_outputs(plan, ckpt.config, src_path, out, ordered, source_ref, device_list)
     if check_engines:
-        self_check(out, list(check_engines))
-    write_atomic(out / COMPLETE_MARKER, json.dumps({"plan_digest": digest, "version": __version__}))
+        self_check(out, list(check_engines), out / STAGING_DIR)
+    publish(out, json.dumps({"plan_digest": digest, "version": __version__}))
     manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
                           **{k: round(v, 3) for k, v in timing.items()}}
     return manifest
