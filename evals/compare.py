@@ -51,8 +51,17 @@ class EvalRequest:
 
 
 def _check(request: EvalRequest) -> None:
-    if request.margin <= 0:
+    import math
+
+    if not math.isfinite(request.margin) or request.margin <= 0:
         raise QuantError(f"--margin {request.margin:g}: must be a positive number of points")
+    if request.max_gen_toks is not None and request.max_gen_toks < 1:
+        raise QuantError(f"--max-gen-toks {request.max_gen_toks}: must be a positive number of tokens")
+    for flag, value in (("--temperature", request.temperature), ("--top-p", request.top_p)):
+        if not math.isfinite(value) or value < 0 or (flag == "--top-p" and not 0 < value <= 1):
+            raise QuantError(f"{flag} {value:g}: out of range")
+    if request.device is not None:
+        _check_device(request.device)
     if request.seeds < 1:
         raise QuantError(f"--seeds {request.seeds}: must be at least 1")
     if request.limit is not None and request.limit < 1:
@@ -68,6 +77,19 @@ def _check(request: EvalRequest) -> None:
             raise QuantError(f"--{label} {source}: not a checkpoint directory or an http(s):// server URL")
         if out == Path(source).resolve() or Path(source).resolve() in out.parents:
             raise QuantError(f"--out {request.out}: must not be inside the checkpoint {source}")
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise QuantError(f"--device {device!r}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise QuantError(f"--device {device}: CUDA is not available on this machine")
+    if kind not in ("cpu", "cuda", "mps", "xpu"):
+        raise QuantError(f"--device {device}: the in-process backend runs on cpu or cuda")
 
 
 def _prepare_out(out: Path) -> None:

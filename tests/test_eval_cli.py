@@ -29,3 +29,16 @@ def test_bad_input_is_one_error_line(tmp_path):
                    "--margin", "0", "--out", str(tmp_path / "out"))
     assert result.returncode == 1 and "error: --margin 0: must be a positive number of points" in result.stderr
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_bad_numbers_and_devices_are_refused_before_any_work(tmp_path):
+    base = ["eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:9/v1",
+            "--out", str(tmp_path / "out")]
+    for extra, message in ((["--margin", "nan"], "error: --margin nan: must be a positive number of points"),
+                           (["--max-gen-toks", "-5"], "error: --max-gen-toks -5: must be a positive number of tokens"),
+                           (["--device", "tpu9"], "error: --device 'tpu9': not a torch device"),
+                           (["--top-p", "1.5"], "error: --top-p 1.5: out of range")):
+        result = quant(*base, *extra)
+        assert result.returncode == 1, (extra, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, (extra, result.stderr)
+    assert not (tmp_path / "out").exists()

@@ -266,3 +266,22 @@ def test_several_workers_write_the_same_bytes_as_one(sharded, tmp_path):
     manifests = [json.loads((d / "quant_manifest.json").read_text()) for d in (one, two)]
     assert [m.pop("run") for m in manifests] == [{"devices": ["cpu"]}, {"devices": ["cpu", "cpu"]}]
     assert manifests[0] == manifests[1]
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(sharded, tmp_path):
+    from quant.errors import QuantError
+    from quant.pipeline.files import OutputLock
+
+    out = tmp_path / "q"
+    (out / ".quant-progress").mkdir(parents=True)  # a first run under way has its progress records started
+    with OutputLock(out):  # and holds the lock
+        with pytest.raises(QuantError, match="another quant quantize is writing into this directory"):
+            quantize_checkpoint(sharded, out, check_engines=None)
+    quantize_checkpoint(sharded, out, check_engines=None)  # free again: runs
+
+
+def test_shards_are_readable_like_every_other_file(sharded, tmp_path):
+    out = tmp_path / "q"
+    quantize_checkpoint(sharded, out, check_engines=None)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert len(set(modes.values())) == 1, modes

@@ -24,7 +24,7 @@ from pathlib import Path
 from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.errors import QuantError
-from quant.pipeline.files import sha256_file, write_atomic
+from quant.pipeline.files import OutputLock, sha256_file, write_atomic
 from quant.pipeline.model_card import CARD_FILE, render_card
 from quant.pipeline.progress import PROGRESS_DIR, ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
@@ -223,6 +223,15 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
     digest = plan.digest()
 
+    out.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out):
+        return _quantize_into(out, plan, digest, ckpt, src_path, source_ref, device_list, check_engines, progress,
+                              log)
+
+
+def _quantize_into(out: Path, plan: Plan, digest: str, ckpt, src_path: Path, source_ref: str,
+                   device_list: list[str], check_engines, progress: bool, log) -> dict:
+    """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
     results: dict[str, ShardResult] = {}
     todo = []
     for shard in plan.shards:
@@ -241,7 +250,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:
         hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
         try:
-            out.mkdir(parents=True, exist_ok=True)
             # A re-run starts visibly incomplete: an earlier run's final files go until this one publishes.
             for name in (COMPLETE_MARKER, "config.json", INDEX_FILE, MANIFEST_FILE, CARD_FILE):
                 (out / name).unlink(missing_ok=True)

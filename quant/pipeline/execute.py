@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from quant.checkpoint import Checkpoint, safetensors_dtype
 from quant.errors import QuantError
 from quant.numerics import fp8
-from quant.pipeline.files import sha256_file, write_atomic
+from quant.pipeline.files import share_like_other_files, sha256_file, write_atomic
 from quant.pipeline.progress import PROGRESS_DIR, ShardResult, progress_path
 from quant.pipeline.plan import Plan, ShardJob, Source, TensorJob
 from quant.pipeline.schemes import SCHEMES
@@ -170,6 +170,7 @@ def write_shard(digest: str, shard: ShardJob, out: Path, tensors: dict[str, torc
     target = out / shard.file
     tmp = target.with_name(target.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    share_like_other_files(tmp)
     os.replace(tmp, target)
     t1 = time.perf_counter()
     out_sha = sha256_file(target)
