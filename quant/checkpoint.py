@@ -192,6 +192,9 @@ def open_checkpoint(path: str | Path, metadata_dir: str | Path | None = None) ->
             if name not in expected:
                 problems.append(Problem("extra-tensor", info.file, name,
                                         f"{root / info.file}: tensor {name} is not in {INDEX_FILE}"))
+    from quant.validate import validate_config
+
+    validate_config(config, meta / "config.json", tensors)
     return Checkpoint(root=root, config=config, tensors=tensors, files=files, index=index, problems=problems)
 
 
