@@ -47,6 +47,10 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.secho("interrupted", err=True)
         code = 130
+    except OSError as e:  # read-only output, disk full, permission: the path and the system's reason
+        where = e.filename or "?"
+        typer.secho(f"error: {where}: {e.strerror or e}", fg=typer.colors.RED, err=True)
+        code = 1
     _exit(code)
 
 

@@ -285,3 +285,33 @@ def test_shards_are_readable_like_every_other_file(sharded, tmp_path):
     quantize_checkpoint(sharded, out, check_engines=None)
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file() and not p.name.startswith(".")}
     assert len(set(modes.values())) == 1, modes
+
+
+def test_a_foreign_directory_with_an_empty_progress_dir_is_not_taken(sharded, tmp_path):
+    from quant.errors import QuantError
+
+    out = tmp_path / "mine"
+    (out / ".quant-progress").mkdir(parents=True)
+    (out / "notes.txt").write_text("a user's file")
+    with pytest.raises(QuantError, match="not an earlier quant output"):
+        quantize_checkpoint(sharded, out, check_engines=None)
+    assert (out / "notes.txt").read_text() == "a user's file"
+
+
+def test_a_resumed_run_removes_temporaries_an_interrupted_write_left(sharded, tmp_path):
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    quantize_checkpoint(sharded, clean, check_engines=None)
+    quantize_checkpoint(sharded, out, check_engines=None)
+    (out / ".tmpAb12Cd").write_bytes(b"x" * 1000)  # what a SIGKILL during safetensors' write leaves
+    (out / "model-00001-of-00002.safetensors.tmp").write_bytes(b"y")
+    quantize_checkpoint(sharded, out, check_engines=None)
+    assert tree_hashes(out) == tree_hashes(clean)
+
+
+def test_os_errors_are_one_line(sharded, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(QUANT + ["quantize", str(sharded), str(blocker / "out"), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: ") and str(blocker) in proc.stderr

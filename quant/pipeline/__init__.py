@@ -38,6 +38,7 @@ COMPLETE_MARKER = ".quant-complete"
 # config.json, index, manifest and card are written here first and moved beside the shards only after the
 # self-check passed, so an OUT that was interrupted or failed its check never holds a config.json.
 STAGING_DIR = ".quant-staging"
+STALE_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
 MANIFEST_FILE = "quant_manifest.json"
 OWN_FILES = {"config.json", INDEX_FILE, MANIFEST_FILE, COMPLETE_MARKER, CARD_FILE}
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
@@ -51,11 +52,33 @@ def check_paths(src: Path, out: Path) -> None:
         raise QuantError(f"{out}: the output must not contain the source checkpoint ({src})")
     if o.exists() and not o.is_dir():
         raise QuantError(f"{out}: exists and is not a directory")
-    if o.is_dir() and any(o.iterdir()):
-        ours = (o / PROGRESS_DIR).is_dir() or (o / COMPLETE_MARKER).exists()
-        if not ours:
-            raise QuantError(f"{out}: directory is not empty and is not an earlier quant output; "
-                             f"choose an empty or new directory")
+    if o.is_dir() and any(o.iterdir()) and not is_earlier_output(o):
+        raise QuantError(f"{out}: directory is not empty and is not an earlier quant output; "
+                         f"choose an empty or new directory")
+
+
+def is_earlier_output(out: Path) -> bool:
+    """An earlier (or running) quantize's output: finished (marker), with shard progress records of ours, or
+    holding nothing but our own bookkeeping. A foreign directory with an empty `.quant-progress/` is not."""
+    if (out / COMPLETE_MARKER).exists():
+        return True
+    progress = out / PROGRESS_DIR
+    for record in progress.glob("*.json") if progress.is_dir() else ():
+        try:
+            if "plan_digest" in json.loads(record.read_text()):
+                return True
+        except (OSError, ValueError):
+            continue
+    return all(p.name in (PROGRESS_DIR, STAGING_DIR, OutputLock.NAME) for p in out.iterdir())
+
+
+def remove_stale_temporaries(out: Path) -> list[str]:
+    """Temporary files an interrupted run of ours left in `out` (our `<shard>.tmp`, the `.tmpXXXXXX` files a
+    killed safetensors write leaves); called under the output lock, so no live run owns them."""
+    stale = [p for p in out.iterdir() if p.is_file() and (p.name.endswith(".tmp") or STALE_TMP.match(p.name))]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return [p.name for p in stale]
 
 
 def visible_accelerators() -> int:
@@ -232,6 +255,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
 def _quantize_into(out: Path, plan: Plan, digest: str, ckpt, src_path: Path, source_ref: str,
                    device_list: list[str], check_engines, progress: bool, log) -> dict:
     """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
+    stale = remove_stale_temporaries(out)
+    if stale:
+        log(f"removed {len(stale)} temporary file(s) an interrupted run left: {', '.join(stale[:3])}")
     results: dict[str, ShardResult] = {}
     todo = []
     for shard in plan.shards:
