@@ -77,6 +77,10 @@ def _check(request: EvalRequest) -> None:
             raise QuantError(f"--{label} {source}: not a checkpoint directory or an http(s):// server URL")
         if out == Path(source).resolve() or Path(source).resolve() in out.parents:
             raise QuantError(f"--out {request.out}: must not be inside the checkpoint {source}")
+        # Headers and config only (seconds on any size): a broken candidate is found before the baseline runs.
+        from quant.checkpoint import open_checkpoint
+
+        open_checkpoint(source).require_intact()
 
 
 def _check_device(device: str) -> None:

@@ -42,3 +42,20 @@ def test_bad_numbers_and_devices_are_refused_before_any_work(tmp_path):
         assert result.returncode == 1, (extra, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, (extra, result.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_broken_candidate_is_found_before_the_baseline_runs(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    broken = tmp_path / "cand"
+    shutil.copytree(Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model", broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] = "two"
+    (broken / "config.json").write_text(json.dumps(config))
+    result = quant("eval", "--candidate", str(broken), "--baseline", "http://127.0.0.1:9/v1", "--tasks",
+                   "toy_arith", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "'num_hidden_layers' must be an integer" in result.stderr
+    assert not (tmp_path / "out").exists()
