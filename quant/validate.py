@@ -39,6 +39,39 @@ def _check_counts(section: dict, where: str) -> None:
             raise UnreadableCheckpoint(f"{where}: '{key}' must be at least {least}, got {value}")
 
 
+TENSOR_SPECS = ("input_tensors", "output_tensors", "weight", "bias")
+
+
+def _check_layer_config(layer: object, where: str) -> None:
+    """A Quark QLayerConfig: each tensor spec is null, an object or a list of objects (two-stage schemes)."""
+    if not isinstance(layer, dict):
+        raise UnreadableCheckpoint(f"{where} must be an object, got {layer!r:.40}")
+    for key in TENSOR_SPECS:
+        spec = layer.get(key)
+        specs = spec if isinstance(spec, list) else [spec]
+        if not all(s is None or isinstance(s, dict) for s in specs):
+            raise UnreadableCheckpoint(f"{where}.{key} must be null, an object or a list of objects, "
+                                       f"got {spec!r:.40}")
+
+
+def _check_quark(q: dict, where: str) -> None:
+    if q.get("quant_method") != "quark":
+        return
+    exclude = q.get("exclude")
+    if exclude is not None and not (isinstance(exclude, list) and all(isinstance(e, str) for e in exclude)):
+        raise UnreadableCheckpoint(f"{where}.exclude must be a list of module names, got {exclude!r:.40}")
+    if q.get("global_quant_config") is not None:
+        _check_layer_config(q["global_quant_config"], f"{where}.global_quant_config")
+    for key in ("layer_quant_config", "layer_type_quant_config"):
+        table = q.get(key)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise UnreadableCheckpoint(f"{where}.{key} must be an object, got {table!r:.40}")
+        for name, layer in table.items():
+            _check_layer_config(layer, f"{where}.{key}[{name!r}]")
+
+
 def validate_config(config: dict, path: Path, tensor_names=()) -> None:
     """Raise UnreadableCheckpoint for the first key of `config` (read from `path`) with a wrong type or range."""
     where = str(path)
@@ -52,6 +85,8 @@ def validate_config(config: dict, path: Path, tensor_names=()) -> None:
     for key in ("quantization_config", "text_config"):
         if key in config and config[key] is not None and not isinstance(config[key], dict):
             raise UnreadableCheckpoint(f"{where}: '{key}' must be an object, got {config[key]!r:.40}")
+    if isinstance(config.get("quantization_config"), dict):
+        _check_quark(config["quantization_config"], f"{where}: quantization_config")
     _check_counts(config, where)
     text = config.get("text_config")
     if isinstance(text, dict):
