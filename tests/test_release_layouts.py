@@ -148,3 +148,28 @@ def test_qwen35_partly_quantized_mtp_head_fails_sglang(toy_factory, tmp_path, mo
     sglang = errors(report, "sglang")
     assert sglang and "builds the whole mtp.* draft unquantized" in sglang[0].message
     assert not errors(report, "vllm")
+
+
+def test_a_deleted_expert_is_an_error(mxfp4_export, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(mxfp4_export, broken)
+    rewrite(broken, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.1.mlp.experts.5.")])
+    index = broken / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items()
+                              if not k.startswith("model.layers.1.mlp.experts.5.")}
+        index.write_text(json.dumps(data))
+    report = verify_checkpoint(broken, engines=["vllm==0.32"])
+    assert any(f.tensor == "model.layers.1.mlp.experts.5.down_proj.weight" and "has 7 of the 8" in f.message
+               for f in report.errors), [f.message for f in report.errors]
+
+
+@pytest.mark.parametrize("shape", [(64,), (2, 160, 64), (0, 64)])
+def test_an_expert_weight_that_is_not_2d_is_an_error(mxfp4_export, tmp_path, shape):
+    broken = tmp_path / "broken"
+    shutil.copytree(mxfp4_export, broken)
+    rewrite(broken, lambda t: t.update({EXPERT + ".weight": torch.zeros(shape, dtype=torch.uint8)}))
+    report = verify_checkpoint(broken, engines=["vllm==0.32"])
+    assert any(f.tensor == EXPERT + ".weight" and "2-D weight" in f.message for f in report.errors), \
+        [f.message for f in report.errors]

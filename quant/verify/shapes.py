@@ -62,3 +62,42 @@ def config_shapes(config: dict) -> ShapeOf:
         return None
 
     return shape_of
+
+
+def layout_findings(ckpt, shape_of: ShapeOf) -> list:
+    """Tensors the engines cannot take whatever the scheme: a weight with a config shape rule that is not a
+    non-empty 2-D tensor, and routed experts missing from a MoE layer that config.json sizes for all of them
+    (engines allocate every expert and copy each by name; one never copied keeps uninitialised memory)."""
+    import re as _re
+
+    from quant.verify.report import Finding
+
+    out = []
+    for name, info in sorted(ckpt.tensors.items()):
+        if name.endswith(".weight") and shape_of(name[: -len(".weight")]) and \
+                (len(info.shape) != 2 or 0 in info.shape):
+            out.append(Finding("error", "all", (), name, f"{name} is {info.dtype} {list(info.shape)}, but every "
+                               "engine allocates a 2-D weight for it from config.json",
+                               "re-export the module as a 2-D weight", "tensor layout"))
+    cfg = text_config(ckpt.config)
+    experts = next((cfg[k] for k in ("n_routed_experts", "num_experts", "num_local_experts")
+                    if isinstance(cfg.get(k), int)), None)
+    if not experts:
+        return out
+    leaf = _re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+    seen: dict[tuple[str, str], set[int]] = {}
+    for name in ckpt.tensors:
+        m = leaf.match(name)
+        if m:
+            seen.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    for (coarse, proj), indices in sorted(seen.items()):
+        present = sum(1 for i in indices if i < experts)
+        if present < experts:
+            # Bounded by the tensors present, not by the (possibly huge) declared count.
+            missing = [i for i in range(len(indices) + 5) if i not in indices and i < experts][:5]
+            out.append(Finding("error", "all", (), f"{coarse}.{missing[0]}.{proj}.weight",
+                               f"{coarse} has {present} of the {experts} {proj} experts config.json declares "
+                               f"(missing: {', '.join(map(str, missing))}{' ...' if experts - present > 5 else ''}); "
+                               "the engines build all of them and leave the missing ones uninitialised",
+                               "export every expert", "tensor layout"))
+    return out
