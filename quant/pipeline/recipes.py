@@ -42,8 +42,9 @@ class Family:
     roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
     mtp: dict | None
     fused_experts: dict | None
-    # (module regex, (out expression, in expression)): how engines size each linear from config.json
-    shapes: list[tuple[re.Pattern, tuple]] = field(default_factory=list)
+    # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
+    # 3-D expert tensor) from config.json
+    shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
 
     def role_of(self, module: str) -> str | None:
         for role, patterns in self.roles.items():
@@ -86,8 +87,10 @@ def load_family(name: str) -> Family:
         roles=roles,
         mtp=data.get("mtp", parent.mtp if parent else None),
         fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
-        # A family's own formulas go before the inherited ones.
-        shapes=[(re.compile(p), tuple(v)) for p, v in (data.get("shapes") or {}).items()]
+        # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
+        # (quant/verify/shapes.py picks the config's model_type, else "default").
+        shapes=[(re.compile(p), {k: tuple(d) for k, d in v.items()} if isinstance(v, dict) else tuple(v))
+                for p, v in (data.get("shapes") or {}).items()]
         + (parent.shapes if parent else []),
     )
 

@@ -1,9 +1,15 @@
 """The tensors a module must have on disk for the scheme an engine builds it with (loader-contract §3).
 
+[out, in] is what the engine allocates from config.json (quant/verify/shapes.py), not what is stored:
 MXFP4: `weight` U8 [out, in/2] + `weight_scale` U8 [out, in/32], in % 32 == 0, no `input_scale` (dynamic MX
-activations; static ones need a scalar F32 `input_scale`). FP8: `weight` F8_E4M3 [out, in] + `weight_scale` F32
-[] (per_tensor) or [out] (per_channel), `input_scale` F32 scalar iff the input is static. Unquantized: `weight`
-in BF16/F16/F32 and no scale tensors.
+activations; static ones need a scalar F32 `input_scale`). Sources: vLLM quark_ocp_mx.py QuarkOCP_MX.create_weights
+(PackedvLLMParameter [out, in // 2], GroupQuantScaleParameter [out, in // 32]; ValueError when in/TP % 32),
+quark_moe.py QuarkOCP_MX_MoEMethod.create_weights (w13 [E, 2*I/TP, H/2] + [E, 2*I/TP, H/32], w2 [E, H, I/TP/2] +
+[E, H, I/TP/32]); SGLang quark_w4a4_mxfp4.py QuarkW4A4MXFP4.create_weights (same per-linear shapes).
+FP8: `weight` F8_E4M3 [out, in] + `weight_scale` F32 [] (per_tensor) or [out] (per_channel), `input_scale` F32
+scalar iff the input is static. Unquantized: `weight` in BF16/F16/F32 and no scale tensors.
+When the stored weight differs from the engine's parameter the weight itself is the finding (an MXFP4 weight
+left unpacked, or packed along the output dimension, would otherwise look like a wrong scale).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 
 from quant.checkpoint import FLOAT_DTYPES, TensorInfo
 from quant.verify.modules import Module
+from quant.verify.shapes import MX_GROUP, MX_PACK, mx_scale, mx_weight
 
 MX_KINDS = ("mxfp4", "mxfp4_weight_only", "mxfp4_static_input", "w4a8_mxfp4_fp8")
 FP8_KINDS = ("fp8", "fp8_weight_only")
@@ -37,12 +44,13 @@ def stored_family(mod: Module) -> str:
 
 
 def logical_shape(mod: Module) -> tuple[int, int] | None:
-    """[out, in] of the original linear, read back from whatever dtype the weight is stored in."""
+    """[out, in] of the original linear, read back from whatever dtype the weight is stored in (the fallback for
+    a module no config.json formula covers)."""
     w = mod.weight
     if w is None or len(w.shape) != 2:
         return None
     out_f, cols = w.shape
-    return (out_f, cols * 2) if w.dtype == "U8" else (out_f, cols)
+    return (out_f, cols * MX_PACK) if w.dtype == "U8" else (out_f, cols)
 
 
 def describe(info: TensorInfo | None) -> str:
@@ -53,7 +61,7 @@ def expected_weight(kind: str | None, shape: tuple[int, int]) -> str:
     o, i = shape
     fam = family(kind)
     if fam == "mxfp4":
-        return f"U8 [{o}, {i // 2}] + weight_scale U8 [{o}, {i // 32}]"
+        return f"U8 {list(mx_weight(shape))} + weight_scale U8 {list(mx_scale(shape))}"
     if fam == "fp8":
         return f"F8_E4M3 [{o}, {i}] + weight_scale F32"
     return f"BF16 [{o}, {i}] and no scale tensors"
@@ -69,8 +77,7 @@ class TensorIssue:
 
 def stored_weight_shape(kind: str | None, shape: tuple[int, int]) -> tuple[int, int]:
     """The weight tensor's shape on disk for a linear of logical [out, in] under `kind`."""
-    o, i = shape
-    return (o, i // 2) if family(kind) == "mxfp4" else (o, i)
+    return mx_weight(shape) if family(kind) == "mxfp4" else tuple(shape)
 
 
 def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_parallel_tp: int | None = None,
@@ -95,7 +102,7 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
         # wrong, whatever its scales say (e.g. MXFP4 left unpacked, or packed along the output dimension).
         so, si = stored_weight_shape(kind, shape)
         packing = " (two FP4 values per byte along the input dimension)" if want == "mxfp4" else ""
-        return [TensorIssue(f"{name}.weight", describe(w),
+        return [TensorIssue(f"{name}.weight", describe(w) + _layout_hint(want, tuple(w.shape), shape),
                             f"{w.dtype} [{so}, {si}]{packing}, as sized from config.json ([out, in] = [{o}, {i}])",
                             False)]
 
@@ -113,14 +120,18 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
     act = (layer_cfg or {}).get("input_tensors") if isinstance(layer_cfg, dict) else None
     static_input = isinstance(act, dict) and act.get("is_dynamic") is False
     if want == "mxfp4":
-        if i % 32:
+        if i % MX_GROUP:
             issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
-                                      "an input dimension divisible by 32 (MX blocks)", False))
+                                      f"an input dimension divisible by {MX_GROUP} (MX blocks)", False))
         else:
-            need("weight_scale", "U8", [(o, i // 32)], f"U8 [{o}, {i // 32}] (E8M0, one byte per 32 inputs)")
-        if row_parallel_tp and (i % row_parallel_tp or (i // row_parallel_tp) % 32):
+            need("weight_scale", "U8", [mx_scale(shape)],
+                 f"U8 {list(mx_scale(shape))} (E8M0, one byte per {MX_GROUP} inputs)")
+        # vLLM QuarkOCP_MX.create_weights raises ValueError("OCP MX linear layer ... input size per partition ...
+        # must be divisible by the OCP MX group size 32"); FusedMoE w2 takes I/TP // 32 scale columns.
+        if row_parallel_tp and (i % row_parallel_tp or (i // row_parallel_tp) % MX_GROUP):
             issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
-                                      f"in/TP = {i}/{row_parallel_tp} divisible by 32 (row-parallel split)", False))
+                                      f"in/TP = {i}/{row_parallel_tp} divisible by {MX_GROUP} (row-parallel split)",
+                                      False))
         if static_input:
             need("input_scale", "F32", [(), (1,)], "F32 scalar (static activations)")
         else:
@@ -140,3 +151,17 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
     else:
         forbid(*SCALE_SUFFIXES)
     return issues
+
+
+def _layout_hint(want: str, stored: tuple[int, ...], shape: tuple[int, int]) -> str:
+    """What a mis-stored MXFP4 weight most likely is, by comparing its shape with the config's [out, in]."""
+    if want != "mxfp4" or len(stored) != 2:
+        return ""
+    o, i = shape
+    if stored == (o, i):
+        return " (one FP4 code per byte: not packed)"
+    if stored == (o // MX_PACK, i):
+        return " (packed along the output dimension)"
+    if stored == (i // MX_PACK, o) or stored == (i, o // MX_PACK):
+        return " (transposed)"
+    return ""
