@@ -55,6 +55,11 @@ class TensorInfo:
         return self.numel * DTYPE_BYTES.get(self.dtype, 1)
 
 
+# Integrity problems that leave the checkpoint unreadable (exit 2) rather than loadable with wrong or missing
+# tensors (exit 1).
+UNREADABLE_PROBLEMS = ("missing-file", "unsafe-path", "corrupt-shard")
+
+
 @dataclass(frozen=True)
 class Problem:
     """An integrity problem: `kind` is one of missing-file, unsafe-path, missing-tensor, extra-tensor,
@@ -80,8 +85,11 @@ class Checkpoint:
         return self.config.get("quantization_config")
 
     def require_intact(self) -> None:
-        if self.problems:
-            raise QuantError(self.problems[0].message)
+        """Raise the first integrity problem: UnreadableCheckpoint (exit 2) for a shard that is missing, outside
+        the directory or unreadable, QuantError (exit 1) for tensors the index and the headers disagree on."""
+        for problem in sorted(self.problems, key=lambda p: p.kind not in UNREADABLE_PROBLEMS):
+            error = UnreadableCheckpoint if problem.kind in UNREADABLE_PROBLEMS else QuantError
+            raise error(problem.message)
 
     def shard_tensors(self, file: str) -> list[TensorInfo]:
         return [t for t in self.tensors.values() if t.file == file]

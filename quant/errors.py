@@ -18,3 +18,9 @@ class UnreadableCheckpoint(QuantError):
     """The checkpoint cannot be read at all (no config.json, corrupt header, ...)."""
 
     exit_code = 2
+
+
+class Interrupted(QuantError):
+    """The user stopped the command (Ctrl-C / SIGINT); the message says what was kept."""
+
+    exit_code = 130

@@ -43,18 +43,18 @@ def test_resume_after_a_crash_gives_identical_bytes(sharded, tmp_path, monkeypat
         return real(*args, **kwargs)
 
     resumed = tmp_path / "resumed"
-    monkeypatch.setattr("quant.pipeline.run_shard", crash_on_third)
+    monkeypatch.setattr("quant.pipeline.run.run_shard", crash_on_third)
     with pytest.raises(RuntimeError):
         quantize_checkpoint(sharded, resumed)
     assert not (resumed / COMPLETE_MARKER).exists() and not (resumed / "config.json").exists()
-    monkeypatch.setattr("quant.pipeline.run_shard", real)
+    monkeypatch.setattr("quant.pipeline.run.run_shard", real)
 
     done_before = {p.name: p.stat().st_mtime_ns for p in resumed.glob("*.safetensors")}
     assert len(done_before) == 2
     stray = resumed / (sorted(clean.glob("model-*.safetensors"))[2].name + ".tmp")
     stray.write_bytes(b"half-written garbage")  # what a kill during save leaves behind
     redo = []
-    monkeypatch.setattr("quant.pipeline.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
+    monkeypatch.setattr("quant.pipeline.run.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
     quantize_checkpoint(sharded, resumed)
     assert not set(redo) & set(done_before), "finished shards must be skipped"
     assert not stray.exists()
@@ -71,7 +71,7 @@ def test_resume_redoes_a_shard_whose_bytes_changed(sharded, tmp_path, monkeypatc
     victim.write_bytes(bytes(data))
     redo = []
     real = execute.run_shard
-    monkeypatch.setattr("quant.pipeline.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
+    monkeypatch.setattr("quant.pipeline.run.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
     quantize_checkpoint(sharded, out)
     assert redo == [victim.name]
     assert tree_hashes(out) == reference

@@ -75,7 +75,7 @@ def test_qwen35_partly_quantized_mtp_head_fails_sglang(toy_factory, tmp_path, mo
     """Quantizing the MTP experts while mtp.fc stays BF16 (the family data without its whole-head keep rule):
     vLLM can build that, SGLang builds the whole draft unquantized as soon as any mtp.* entry is excluded, so
     the MXFP4 experts cannot load there."""
-    import quant.pipeline as pipeline
+    import quant.pipeline.run as pipeline
     from quant.pipeline.recipes import load_family
 
     out = tmp_path / "q"

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -20,11 +21,10 @@ from quant.checkpoint import Checkpoint, safetensors_dtype
 from quant.errors import QuantError
 from quant.numerics import fp8
 from quant.pipeline.files import share_like_other_files, sha256_file, write_atomic
-from quant.pipeline.progress import PROGRESS_DIR, ShardResult, progress_path
+from quant.pipeline.output import TMP_DIR
+from quant.pipeline.progress import ShardResult, progress_path
 from quant.pipeline.plan import Plan, ShardJob, Source, TensorJob
 from quant.pipeline.schemes import SCHEMES
-
-
 
 ERROR_SAMPLE_ROWS = 128  # rows on which a large weight's error is measured; smaller weights: every row
 
@@ -168,8 +168,10 @@ def write_shard(digest: str, shard: ShardJob, out: Path, tensors: dict[str, torc
     or write it past the page cache) costs as much again in fresh memory."""
     t0 = time.perf_counter()
     target = out / shard.file
-    tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    # The temporary lives in the run's own .quant-tmp/, and so does the `.tmpXXXXXX` safetensors writes first:
+    # whatever a kill leaves there is ours to delete on resume, and OUT never shows a half-written shard.
+    tmp = out / TMP_DIR / target.name
+    save_shard(tensors, tmp)
     share_like_other_files(tmp)
     os.replace(tmp, target)
     t1 = time.perf_counter()
@@ -182,7 +184,20 @@ def write_shard(digest: str, shard: ShardJob, out: Path, tensors: dict[str, torc
     result = ShardResult(file=shard.file, sha256=out_sha, bytes=target.stat().st_size,
                          source_file=shard.source_file, source_sha256=source_sha,
                          tensors={n: _tensor_record(t) for n, t in sorted(tensors.items())}, records=records)
-    (out / PROGRESS_DIR).mkdir(exist_ok=True)
     write_atomic(progress_path(out, shard),
-                 json.dumps({"plan_digest": digest, "result": result.__dict__}, sort_keys=True))
+                 json.dumps({"plan_digest": digest, "result": result.__dict__}, sort_keys=True), out / TMP_DIR)
     return result
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, its I/O errors (disk full, read-only, permission) raised as the OSError they are
+    (safetensors reports them as its own error type, with the errno in the text)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as e:  # SafetensorError: "Error while serializing: I/O error: ... (os error 28)"
+        code = re.search(r"os error (\d+)", str(e))
+        if code:
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+        raise QuantError(f"{path}: cannot write the shard ({str(e).splitlines()[0]})") from None

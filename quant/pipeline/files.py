@@ -22,15 +22,15 @@ def sha256_file(path: Path, window: int = 1 << 26) -> str:
     return h.hexdigest()
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def write_atomic(path: Path, data: bytes | str, tmp_dir: Path | None = None) -> None:
+    """Write `path` through a temporary (`<name>.tmp` in `tmp_dir`, by default beside it) renamed into place."""
+    tmp = Path(tmp_dir or path.parent) / (path.name + ".tmp")
     mode = "wb" if isinstance(data, bytes) else "w"
     with open(tmp, mode) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
 
 
 def _umask() -> int:

@@ -128,6 +128,8 @@ class Planner:
         where = f"{self.ckpt.root / self.ckpt.tensors[name].file}: tensor {name}"
         if dtype not in FLOAT_DTYPES and dtype != "F8_E4M3":
             raise QuantError(f"{where} has dtype {dtype}, expected BF16, F16, F32 or F8_E4M3")
+        if scheme is not None and 0 in shape:
+            raise QuantError(f"{where} has shape {list(shape)}: an empty weight cannot be quantized")
         if scheme is not None and shape[-1] % scheme.k_multiple:
             raise QuantError(f"{where} has input dim {shape[-1]}, not a multiple of {scheme.k_multiple} "
                              f"({scheme.name} blocks run along the input dim); keep it BF16 with a recipe")

@@ -18,7 +18,8 @@ from quant.verify.modules import inventory
 from quant.verify.report import Finding, Report, merge_versions
 from quant.verify.resolve import ProfileChecker, build_contexts
 from quant.verify.schema import config_problems, profile_config_problems
-from quant.verify.shapes import config_shapes, layout_findings
+from quant.verify.shapes import config_shapes
+from quant.validate import consistency_findings
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 
@@ -31,7 +32,7 @@ def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: in
     profiles = select_profiles(engines)
     findings = hygiene.integrity_findings(ckpt)
     shape_of = config_shapes(ckpt.config)
-    findings += layout_findings(ckpt, shape_of)
+    findings += consistency_findings(ckpt, shape_of)
     if is_block_fp8(ckpt.config):
         findings += block_fp8_findings(ckpt, profiles, shape_of, tp)
         is_quark = False

@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from quant.checkpoint import UNREADABLE_PROBLEMS
+
 SEVERITIES = ("error", "warning")
+# The rules of integrity findings whose shard cannot be read (hygiene.integrity_findings).
+UNREADABLE_RULES = tuple(f"integrity: {kind}" for kind in UNREADABLE_PROBLEMS)
 _LAYER_NUM = re.compile(r"(?<=layers\.)\d+")
 _EXPERT_NUM = re.compile(r"(?<=experts\.)\d+")
 
@@ -99,6 +103,9 @@ class Report:
 
     @property
     def exit_code(self) -> int:
+        """0: no error; 1: an engine would fail or load wrong weights; 2: a shard cannot be read at all."""
+        if any(f.rule in UNREADABLE_RULES for f in self.errors):
+            return 2
         return 1 if self.errors else 0
 
     def groups(self) -> list[Group]:

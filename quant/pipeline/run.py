@@ -1,0 +1,329 @@
+"""`quantize_checkpoint`: read → validate → plan → quantize → write → stage → self-check → publish, streaming
+one shard at a time.
+
+Output layout: quantized shards, model.safetensors.index.json, config.json with the quantization_config,
+tokenizer/generation files, quant_manifest.json (per-tensor audit), README.md (model card) and
+`.quant-complete`. How OUT is held, staged and published (so an interrupted or failed output never looks like a
+finished checkpoint) is `quant.pipeline.output`; this module decides what goes into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import itertools
+import json
+import re
+import shutil
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from quant import __version__
+from quant.checkpoint import INDEX_FILE, open_checkpoint
+from quant.validate import require_valid
+from quant.errors import QuantError
+from quant.pipeline.files import sha256_file
+from quant.pipeline.model_card import CARD_FILE, render_card
+from quant.pipeline.output import MANIFEST_FILE, OWN_FILES, Output, check_paths
+from quant.pipeline.progress import ShardResult, completed
+from quant.pipeline.plan import Plan, make_plan
+from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
+from quant.pipeline.recipes import family_for_config, load_recipe
+from quant.numerics import SCALE_MODES
+from quant.pipeline.schemes import get_scheme
+from quant.pipeline.source import resolve_source
+from quant.process import cpu_threads, frozen_imports, set_threads
+
+LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
+
+
+def visible_accelerators() -> int:
+    """CUDA/ROCm devices torch can use. torch is imported only when the machine has an NVIDIA or AMD GPU device
+    node: its import costs a second that the CPU path spends hashing instead."""
+    dev = Path("/dev")
+    if not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def auto_devices(workers: int, accelerators: int) -> list[str]:
+    """`--devices auto`: one worker per visible GPU, else `workers` CPU workers."""
+    return [f"cuda:{i}" for i in range(accelerators)] if accelerators else ["cpu"] * max(1, workers)
+
+
+def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
+    if devices is None or devices == "auto":
+        return auto_devices(workers, visible_accelerators())
+    import torch
+
+    items = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
+    for d in items:
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            raise QuantError(f"--devices {d}: CUDA is not available on this machine")
+        try:
+            torch.device(d)
+        except RuntimeError:
+            raise QuantError(f"--devices: {d!r} is not a torch device") from None
+    return items
+
+
+def secondary_patterns(plan: Plan) -> dict[str, str]:
+    """Glob patterns for modules whose scheme differs from the primary one (layer_quant_config keys).
+    A pattern drops the layer prefix ("*self_attn.o_proj") so it also matches SGLang's MTP runtime names."""
+    patterns = {}
+    for module, scheme in plan.quantized.items():
+        if scheme != plan.scheme.name:
+            patterns["*" + LAYER_PREFIX.sub("", module)] = scheme
+    for module, scheme in plan.quantized.items():
+        if scheme == plan.scheme.name:
+            hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p)), None)
+            if hit:
+                raise QuantError(f"recipe {plan.recipe['name']!r}: {module} is {scheme} but pattern {hit} "
+                                 f"puts modules of the same name in other layers in {patterns[hit]}")
+    return patterns
+
+
+def render_exclude(plan: Plan, config: dict) -> list[str]:
+    from quant.engines import exclude_aliases
+
+    entries: list[str] = []
+    seen = set()
+    for module in plan.kept_modules:
+        for name in exclude_aliases(module, config):
+            if name not in seen:
+                seen.add(name)
+                entries.append(name)
+    return entries
+
+
+def quantization_config(plan: Plan, config: dict) -> dict:
+    if plan.scheme.output_format == "fp8-official":
+        return official_fp8_config(sorted(plan.kept_modules))
+    return quark_quantization_config(plan.scheme.name, plan.scale_mode, render_exclude(plan, config),
+                                     secondary_patterns(plan))
+
+
+def copy_side_files(src: Path, out: Path) -> list[str]:
+    """Tokenizer, generation config, chat template...: every top-level file that is not weights or ours."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in OWN_FILES and not f.name.startswith("."):
+            shutil.copy2(f, out / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, results: list[ShardResult],
+                  source_ref: str, devices: list[str] | None = None) -> dict:
+    """Copy the side files into OUT and stage the final files (index, manifest, model card, config.json); they
+    are published only after the self-check (`Output.publish`). Returns the manifest."""
+    weight_map = {name: r.file for r in results for name in r.tensors}
+    total = sum(r.bytes for r in results)
+    output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+                                         "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    side = copy_side_files(src, output.root)
+    config = {k: v for k, v in src_config.items() if k != "quantization_config"}
+    config["quantization_config"] = quantization_config(plan, src_config)
+    manifest = {
+        "tool": "moe-quant", "version": __version__, "settings": plan.settings, "recipe": plan.recipe,
+        "source": {"checkpoint": source_ref, "format": plan.source_format,
+                   "shards": {r.source_file: {"sha256": r.source_sha256} for r in results}},
+        "output": {"shards": {r.file: {"sha256": r.sha256, "bytes": r.bytes} for r in results},
+                   "copied_files": side},
+        "mtp_layers": plan.mtp_layers,
+        "run": {"devices": list(devices or [])},
+        "kept_bf16": plan.kept_modules,
+        "exclude": config["quantization_config"].get("exclude",
+                                                     config["quantization_config"].get("modules_to_not_convert")),
+        "summary": summarize(results),
+        "tensors": {name: rec for r in results for name, rec in r.records.items()},
+    }
+    output.stage(MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+    source_card = src / CARD_FILE
+    output.stage(CARD_FILE, render_card(manifest, config, source_ref,
+                                        source_card.read_text(errors="replace") if source_card.is_file() else None))
+    output.stage("config.json", json.dumps(config, indent=2))
+    return manifest
+
+
+def summarize(results: list[ShardResult]) -> dict:
+    counts: dict[str, int] = {}
+    worst = None
+    for r in results:
+        for name, rec in r.records.items():
+            key = rec.get("scheme") or rec["action"]
+            counts[key] = counts.get(key, 0) + 1
+            if "rel_mse" in rec and (worst is None or rec["rel_mse"] > worst[1]):
+                worst = (name, rec["rel_mse"])
+    return {"modules_by_treatment": counts, "worst_rel_mse": {"module": worst[0], "rel_mse": worst[1]} if worst
+            else None, "output_bytes": sum(r.bytes for r in results)}
+
+
+def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) -> None:
+    from quant.verify import verify_checkpoint
+
+    report = verify_checkpoint(out, engines=engines, metadata_dir=metadata_dir)
+    if report.errors:
+        first = report.errors[0]
+        raise QuantError(f"{out}: self-check failed, {len(report.errors)} engine load error(s), nothing published "
+                         f"(the unpublished config is in {metadata_dir or out}); first: [{first.engine}] "
+                         f"{first.message}")
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
+                        recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
+                        workers: int = 1, check_engines: list[str] | None = ("sglang==latest", "vllm==latest"),
+                        progress: bool = False, log=print) -> dict:
+    """Quantize checkpoint `src` into directory `out` (new, empty, or an earlier run's output to resume or
+    redo); returns the manifest, with `timing` added. Every input is checked (headers and config only) before
+    OUT is created."""
+    scheme_obj = get_scheme(scheme)
+    if scale_mode not in SCALE_MODES:
+        raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
+    src_path, source_ref = resolve_source(src)
+    out = Path(out)
+    check_paths(src_path, out)
+    device_list = parse_devices(devices, workers)
+
+    ckpt = open_checkpoint(src_path)
+    require_valid(ckpt)
+    family = family_for_config(ckpt.config, src_path / "config.json")
+    plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
+
+    with Output(out) as output:
+        return _quantize_into(output, plan, ckpt, src_path, source_ref, device_list, check_engines, progress, log)
+
+
+def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref: str, device_list: list[str],
+                   check_engines, progress: bool, log) -> dict:
+    """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
+    out, digest = output.root, plan.digest()
+    stale = output.begin()
+    if stale:
+        log(f"removed {len(stale)} temporary file(s) an interrupted run left: {', '.join(stale[:3])}")
+    results: dict[str, ShardResult] = {}
+    todo = []
+    for shard in plan.shards:
+        done = completed(out, shard, digest)
+        if done:
+            results[shard.file] = done
+        else:
+            todo.append(shard)
+    if results:
+        log(f"resuming: {len(results)} of {len(plan.shards)} shards already complete and verified")
+
+    started = time.perf_counter()
+    timing = Counter()
+    # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
+    # shard order, from before torch loads to beside the quantizing workers.
+    with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:
+        hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
+        try:
+            _run_shards(plan, digest, todo, ckpt, out, device_list, hashes, timing, results, progress)
+        finally:
+            for future in hashes.values():
+                future.cancel()  # after a failure, shards never started need no hash
+    elapsed = time.perf_counter() - started
+
+    ordered = [results[s.file] for s in plan.shards]
+    manifest = stage_outputs(output, plan, ckpt.config, src_path, ordered, source_ref, device_list)
+    if check_engines:
+        self_check(out, list(check_engines), output.staging_dir)
+    output.publish(json.dumps({"plan_digest": digest, "version": __version__}))
+    manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
+                          **{k: round(v, 3) for k, v in timing.items()}}
+    return manifest
+
+
+def run_shard(*args, **kwargs):
+    """`execute.run_shard` (a ShardResult, or with defer_write the write to run), imported on first use because
+    it loads torch."""
+    from quant.pipeline import execute
+
+    return execute.run_shard(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _compute_runtime(device_list: list[str]):
+    """Load torch for the run (its import overlaps the source hashing; `process.frozen_imports`), and give CPU
+    workers their share of the cores (`process.cpu_threads`); the caller's thread count comes back after."""
+
+    def imports():
+        import torch  # noqa: F401
+
+        from quant.pipeline import execute  # noqa: F401  (the rest of the heavy imports: numerics, safetensors)
+
+    with frozen_imports(imports):
+        import torch
+
+        before = threads = torch.get_num_threads()
+        if all(torch.device(d).type == "cpu" for d in device_list):
+            threads = cpu_threads(len(device_list))
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(before)
+
+
+def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
+                timing: Counter, results: dict[str, ShardResult], progress: bool) -> None:
+    """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
+    start. Finished results go into `results`.
+
+    A single worker hands each quantized shard to this thread, which writes it while the worker goes on with the
+    next one (a pool of writer threads measured slower on two cores: one more thread competing for them).
+    Several workers write their own shards, so writing keeps pace with the devices."""
+    write_here = len(device_list) == 1
+    with _progress(progress, plan, todo) as advance, _compute_runtime(device_list) as threads:
+        def work(i_shard):
+            i, shard = i_shard
+            set_threads(threads)  # OpenMP keeps a thread count per thread: the compiled kernels read this one
+            return shard, run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
+                                    hashes[shard.file], timing, defer_write=write_here)
+
+        queue = iter(enumerate(todo))
+        with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
+            running = {pool.submit(work, item) for item in itertools.islice(queue, len(device_list))}
+            while running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    shard, done = future.result()
+                    running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
+                    result = done() if write_here else done
+                    results[result.file] = result
+                    advance(shard.source_bytes)
+
+
+class _progress:
+    """A rich progress bar over source bytes (GB/s and ETA), or nothing."""
+
+    def __init__(self, enabled: bool, plan: Plan, todo):
+        self.enabled, self.plan, self.todo = enabled, plan, todo
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.bar = Progress(TextColumn("[bold]quantize"), BarColumn(), TextColumn("{task.fields[shards]} shards"),
+                            TransferSpeedColumn(), TimeRemainingColumn())
+        self.bar.__enter__()
+        self.done = 0
+        self.task = self.bar.add_task("quantize", total=sum(s.source_bytes for s in self.todo) or 1,
+                                      shards=f"0/{len(self.todo)}")
+
+        def advance(nbytes: int):
+            self.done += 1
+            self.bar.update(self.task, advance=nbytes, shards=f"{self.done}/{len(self.todo)}")
+
+        return advance
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False
