@@ -21,6 +21,8 @@ app = typer.Typer(
 
 # An unexpected exception (a bug, not the input): distinct from 1 ("an engine would fail") and 2 ("unreadable").
 INTERNAL_ERROR = 70
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+IO_ERROR = 74  # sysexits EX_IOERR: the machine failed us (disk full, read-only, permission), not the input
 
 
 def _register() -> None:
@@ -44,15 +46,17 @@ def main() -> None:
         code = 0
     except SystemExit as e:
         code = e.code
+        if code == INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
+            _interrupted()
     except QuantError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         code = e.exit_code
     except KeyboardInterrupt:
-        typer.secho("error: interrupted", fg=typer.colors.RED, err=True)
-        code = 130
+        _interrupted()
+        code = INTERRUPTED
     except OSError as e:  # read-only output, disk full, permission: the path and the system's reason
         typer.secho(f"error: {os_error_line(e)}", fg=typer.colors.RED, err=True)
-        code = 1
+        code = IO_ERROR
     except Exception as e:  # a bug of ours: one line and its own exit code, never read as a verdict
         if os.environ.get("QUANT_DEBUG"):
             traceback.print_exc()
@@ -61,6 +65,11 @@ def main() -> None:
                     f"(QUANT_DEBUG=1 prints the traceback)", fg=typer.colors.RED, err=True)
         code = INTERNAL_ERROR
     exit_now(code)
+
+
+def _interrupted() -> None:
+    typer.secho("error: interrupted; nothing unfinished was published (quantize: the same command resumes from "
+                "the finished shards)", fg=typer.colors.RED, err=True)
 
 
 def os_error_line(e: OSError) -> str:

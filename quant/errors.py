@@ -19,8 +19,3 @@ class UnreadableCheckpoint(QuantError):
 
     exit_code = 2
 
-
-class Interrupted(QuantError):
-    """The user stopped the command (Ctrl-C / SIGINT); the message says what was kept."""
-
-    exit_code = 130

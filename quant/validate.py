@@ -137,14 +137,14 @@ def validate_config(config: dict, path: Path, tensor_names=()) -> None:
     """Raise UnreadableCheckpoint for the first value of `config` (read from `path`) with a wrong type or range,
     or a count beyond what `tensor_names` can hold."""
     where = str(path)
+    for key in ("quantization_config", "text_config"):
+        if key in config and config[key] is not None and not isinstance(config[key], dict):
+            raise UnreadableCheckpoint(f"{where}: '{key}' must be an object, got {_short(config[key])}")
     _check_model_type(config, where)
     archs = config.get("architectures")
     if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise UnreadableCheckpoint(f"{where}: 'architectures' must be a non-empty list of class names, "
                                    f"got {_short(archs)}")
-    for key in ("quantization_config", "text_config"):
-        if key in config and config[key] is not None and not isinstance(config[key], dict):
-            raise UnreadableCheckpoint(f"{where}: '{key}' must be an object, got {_short(config[key])}")
     if isinstance(config.get("quantization_config"), dict):
         _check_quantization_config(config["quantization_config"], f"{where}: quantization_config")
     _check_counts(config, where)

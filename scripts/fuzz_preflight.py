@@ -1,11 +1,14 @@
 """Seeded fuzzing of the checkpoint readers: mutate a small quantized export's config.json, Quark config,
 index and shard headers, and run quantize's planning and the preflight on each mutant.
 
-    python scripts/fuzz_preflight.py [--cases 10000] [--seed 0] [--timeout 20]
+    python scripts/fuzz_preflight.py [--cases 10000] [--seed 0] [--timeout 20] [--memory-mb 1024] [--cli-every 100]
 
-A case passes when the tool answers with a result or a QuantError (one line, exit 2 for an unreadable
-checkpoint, 1 otherwise) within the time limit; anything else (another exception, a hang) is a crash, printed
-with the mutation that caused it. tests/test_fuzz.py runs a few hundred cases.
+A case passes when the tool answers with a result or a QuantError within the time limit and the memory bound
+(the address space may grow by at most --memory-mb while the case runs: a config value must not size the work);
+anything else (another exception, a hang, MemoryError) is a crash, printed with the mutation that caused it.
+Every --cli-every-th case also runs `quant verify-manifest` as a user would and checks its exit code against the
+README (0 pass, 1 an engine would fail, 2 cannot be read) and against the in-process outcome, with at most one
+`error:` line and no traceback. tests/test_fuzz.py runs a few hundred cases.
 """
 
 from __future__ import annotations
@@ -141,8 +144,9 @@ class Hang(Exception):
     pass
 
 
-def check(work: Path) -> None:
-    """The tool's readers on one mutant: the preflight for every engine, then quantize's planning."""
+def check(work: Path) -> int:
+    """The tool's readers on one mutant: the preflight for every engine, then quantize's planning. Returns the
+    exit code `quant verify-manifest` must give for it."""
     from quant.checkpoint import open_checkpoint
     from quant.errors import QuantError
     from quant.pipeline.plan import make_plan
@@ -151,14 +155,56 @@ def check(work: Path) -> None:
     from quant.verify import verify_checkpoint
 
     try:
-        verify_checkpoint(work, engines=["all"])
-    except QuantError:
-        pass
+        code = verify_checkpoint(work, engines=["all"]).exit_code
+    except QuantError as e:
+        code = e.exit_code
     try:
         ckpt = open_checkpoint(work)
         make_plan(ckpt, family_for_config(ckpt.config), load_recipe(None), get_scheme("w_mxfp4_a_mxfp4"), "even")
     except QuantError:
         pass
+    return code
+
+
+def check_cli(work: Path, expected: int) -> str | None:
+    """What is wrong with `quant verify-manifest` on the mutant, as a user runs it; None when nothing is."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "quant.cli", "verify-manifest", str(work), "--engine", "all"],
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if "Traceback" in proc.stderr or len(errors) > 1:
+        return f"cli printed more than one error line: {proc.stderr[-300:]!r}"
+    if proc.returncode != expected or proc.returncode not in (0, 1, 2):
+        return f"cli exit {proc.returncode}, expected {expected} ({(errors or [''])[0][:200]})"
+    return None
+
+
+class _AddressSpace:
+    """Cap the address space at its current size plus `extra_mb` for the cases (MemoryError beyond it), and
+    give the old limit back afterwards. Linux only; elsewhere no cap."""
+
+    def __init__(self, extra_mb: int):
+        self.extra = extra_mb << 20
+
+    def __enter__(self):
+        try:
+            import resource
+
+            self.resource = resource
+            self.old = resource.getrlimit(resource.RLIMIT_AS)
+            with open("/proc/self/statm") as f:
+                size = int(f.read().split()[0]) * resource.getpagesize()
+            cap = size + self.extra
+            if self.old[1] == resource.RLIM_INFINITY or cap < self.old[1]:
+                resource.setrlimit(resource.RLIMIT_AS, (cap, self.old[1]))
+        except (ImportError, OSError, ValueError):
+            self.resource = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.resource:
+            self.resource.setrlimit(self.resource.RLIMIT_AS, self.old)
 
 
 def build_base(root: Path) -> Path:
@@ -170,10 +216,13 @@ def build_base(root: Path) -> Path:
     return root / "base"
 
 
-def fuzz(cases: int, seed: int, timeout: float, log=print) -> dict:
+def fuzz(cases: int, seed: int, timeout: float, memory_mb: int = 1024, cli_every: int = 0, log=print) -> dict:
+    import resource
+
     rng = random.Random(seed)
     crashes = []
     started = time.perf_counter()
+    cli_runs = 0
 
     def alarm(*_):
         raise Hang()
@@ -181,18 +230,33 @@ def fuzz(cases: int, seed: int, timeout: float, log=print) -> dict:
     signal.signal(signal.SIGALRM, alarm)
     with tempfile.TemporaryDirectory() as tmp:
         base = build_base(Path(tmp))
-        for i in range(cases):
-            what = run_case(base, Path(tmp) / "case", rng)
-            signal.setitimer(signal.ITIMER_REAL, timeout)
-            try:
-                check(Path(tmp) / "case")
-            except Hang:
-                crashes.append((i, what, "hang"))
-            except Exception as e:  # the finding: anything but a one-line QuantError
-                crashes.append((i, what, "".join(traceback.format_exception_only(type(e), e)).strip()))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-    return {"cases": cases, "crashes": crashes, "seconds": time.perf_counter() - started}
+        check(base)  # warm the imports before the address space is capped
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with _AddressSpace(memory_mb):
+            for i in range(cases):
+                what = run_case(base, Path(tmp) / "case", rng)
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                try:
+                    expected = check(Path(tmp) / "case")
+                except Hang:
+                    crashes.append((i, what, "hang"))
+                    continue
+                except MemoryError:
+                    crashes.append((i, what, f"MemoryError: more than {memory_mb} MB"))
+                    continue
+                except Exception as e:  # the finding: anything but a one-line QuantError
+                    crashes.append((i, what, "".join(traceback.format_exception_only(type(e), e)).strip()))
+                    continue
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                if cli_every and i % cli_every == 0:
+                    cli_runs += 1
+                    problem = check_cli(Path(tmp) / "case", expected)
+                    if problem:
+                        crashes.append((i, what, problem))
+        peak_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    return {"cases": cases, "crashes": crashes, "seconds": time.perf_counter() - started, "cli_runs": cli_runs,
+            "peak_rss_growth_mb": peak_growth}
 
 
 def main() -> int:
@@ -200,11 +264,14 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds a case may take before it is a hang")
+    parser.add_argument("--memory-mb", type=int, default=1024, help="address space a case may add")
+    parser.add_argument("--cli-every", type=int, default=100, help="run the CLI on every N-th case (0: never)")
     args = parser.parse_args()
-    result = fuzz(args.cases, args.seed, args.timeout)
+    result = fuzz(args.cases, args.seed, args.timeout, args.memory_mb, args.cli_every)
     for i, what, error in result["crashes"][:50]:
         print(f"case {i}: {what}\n    {error}")
-    print(f"{result['cases']} cases, {len(result['crashes'])} crashes, {result['seconds']:.0f} s")
+    print(f"{result['cases']} cases ({result['cli_runs']} also through the CLI), {len(result['crashes'])} crashes, "
+          f"peak RSS +{result['peak_rss_growth_mb']:.0f} MB, {result['seconds']:.0f} s")
     return 1 if result["crashes"] else 0
 
 

@@ -445,7 +445,7 @@ def test_integrity_problems(tmp_path):
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     code, data = cli_json(ckpt)
     kinds = {f["rule"] for f in data["findings"] if f["engine"] == "all"}
-    assert code == 1 and {"integrity: missing-tensor", "integrity: unsafe-path"} <= kinds
+    assert code == 2 and {"integrity: missing-tensor", "integrity: unsafe-path"} <= kinds  # unsafe path: unreadable
 
 
 def test_unreadable_checkpoint_exit_code(tmp_path):

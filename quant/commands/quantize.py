@@ -26,8 +26,9 @@ def command(
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
     from quant.pipeline import quantize_checkpoint
+    from quant.process import reuse_freed_memory
 
-    _reuse_freed_memory()
+    reuse_freed_memory()
 
     engines = [e for e in check_engines.split(",") if e.strip()]
     manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
@@ -42,24 +43,3 @@ def command(
                f"{len(manifest['exclude'] or [])} exclude entries"
                + (f"; worst relative MSE {worst['rel_mse']:.3%} in {worst['module']}" if worst else "") + ")")
 
-
-def _reuse_freed_memory() -> None:
-    """Have glibc keep freed memory for reuse instead of returning it to the kernel.
-
-    Each shard allocates and frees hundreds of MB of same-sized tensors. By default glibc maps every block of more
-    than a few MB afresh and unmaps it on free, so each shard's tensors land on new pages the kernel must zero (on a
-    VM, pages the host may have to back again): 15% of the CPU time of a 2-core run. Blocks up to 32 MB now come
-    from the heap and stay there. glibc only; elsewhere nothing changes.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
-    mallopt(m_trim_threshold, 1 << 30)
-    mallopt(m_top_pad, 256 << 20)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,7 @@ MANIFEST_FILE = "quant_manifest.json"
 # final file (written with `Output.stage`) goes here, before config.json.
 FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, CARD_FILE, "config.json")
 OWN_FILES = set(FINAL_FILES) | {COMPLETE_MARKER}
+LEGACY_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
 BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, OutputLock.NAME}
 
 
@@ -112,6 +114,11 @@ class Output:
         (config.json first). Returns the names of the temporaries removed. Runs under the lock, so no live run
         owns them."""
         stale = sorted(p.name for p in self.tmp_dir.iterdir()) if self.tmp_dir.is_dir() else []
+        # Earlier versions wrote temporaries beside the shards: `<name>.tmp` and safetensors' `.tmpXXXXXX`.
+        for p in self.root.iterdir():
+            if p.is_file() and (p.name.endswith(".tmp") or LEGACY_TMP.match(p.name)):
+                p.unlink()
+                stale.append(p.name)
         for name in ("config.json", COMPLETE_MARKER) + FINAL_FILES[:-1]:
             (self.root / name).unlink(missing_ok=True)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
