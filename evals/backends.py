@@ -41,6 +41,7 @@ class BackendOptions:
     batch_size: int = 16              # in process
     device: str | None = None         # in process; None: cuda if available, else cpu
     dtype: str = "bfloat16"           # in process
+    mtp: bool = True                  # measure MTP draft acceptance (in process: build the draft; servers: read it)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Backend:
     chat: bool = False
     description: str = ""      # e.g. "transformers on cpu (BF16 51, MXFP4 30 weight tensors, dequantized ...)"
     notes: list[str] = field(default_factory=list)
+    draft: object = None       # in process: the checkpoint's MTP draft (evals.mtp_draft.MtpDraft), if it has one
+    draft_note: str = ""       # why there is no draft, when there is none
 
     def seed_gen_kwargs(self, seed: int) -> dict:
         """Extra generation kwargs that make sampling follow `seed`. Servers take it in the request payload;
@@ -207,9 +210,11 @@ def _torch_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16", device: str | None = None):
-    """(model, tokenizer, description, notes) for a checkpoint directory; a quantized one is dequantized into
-    `work_dir` first (deleted again once loaded)."""
+def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16", device: str | None = None,
+                          with_draft: bool = False):
+    """(model, tokenizer, description, notes[, draft]) for a checkpoint directory; a quantized one is dequantized
+    into `work_dir` first (deleted again once loaded). With `with_draft`, also the checkpoint's MTP draft
+    (evals.mtp_draft; None when it has no MTP layers), read from the same (dequantized) tensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -237,6 +242,11 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
     try:
         model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(load_dir)
+        draft = None
+        if with_draft:
+            from evals.mtp_draft import load_draft
+
+            draft = load_draft(load_dir, dtype=getattr(torch, dtype), device=_torch_device(device))
     except (OSError, ValueError) as e:
         raise QuantError(f"{path}: transformers cannot load the checkpoint ({e})")
     finally:
@@ -246,14 +256,18 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
     device = _torch_device(device)
     model = model.to(device).eval()
     description = f"transformers on {device} ({weights}{', dequantized to ' + dtype if quantized else ''})"
+    if with_draft:
+        return model, tokenizer, description, notes, draft
     return model, tokenizer, description, notes
 
 
 def _transformers_backend(path: Path, label: str, options: BackendOptions, work_dir: Path) -> Backend:
     from lm_eval.models.huggingface import HFLM
 
-    model, tokenizer, description, notes = load_checkpoint_model(path, work_dir / label, dtype=options.dtype,
-                                                                 device=options.device)
+    model, tokenizer, description, notes, draft = load_checkpoint_model(
+        path, work_dir / label, dtype=options.dtype, device=options.device, with_draft=options.mtp)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
+    note = "" if draft is not None else ("MTP not measured (--mtp off)" if not options.mtp
+                                         else "the checkpoint has no MTP layers")
     return Backend(label=label, source=str(path), kind="transformers", lm=lm, description=description,
-                   notes=notes)
+                   notes=notes, draft=draft, draft_note=note)

@@ -1,7 +1,8 @@
 """`quant eval --candidate CKPT_OR_URL --baseline CKPT_OR_URL`: is the candidate as accurate as the baseline?
 
 Runs lm-eval's GSM8K and GPQA-Diamond (from the hub through `datasets`, or from local files) on both models, pairs the answers question by
-question and decides non-inferiority against a margin. Exit code: 0 pass, 1 fail, 3 inconclusive.
+question and decides non-inferiority against a margin; where both arms have an MTP draft, its acceptance too
+(its own margin). Exit code: 0 pass, 1 fail, 3 inconclusive.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def command(
     dtype: str = typer.Option("bfloat16", help="In-process compute dtype: bfloat16 | float32"),
     baseline_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
     candidate_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
+    mtp: bool = typer.Option(True, help="Measure MTP draft acceptance: in process from the checkpoint's MTP "
+                             "layers, from servers that speculate (see README)"),
+    mtp_depth: int = typer.Option(3, help="Draft tokens per verification round for the in-process acceptance "
+                                  "(the engines' speculative_num_steps)"),
+    mtp_margin: float = typer.Option(5.0, help="Non-inferiority margin on depth-1 draft acceptance, in points"),
     card: Optional[Path] = typer.Option(None, help="Export directory whose model card (README.md) gets this "
                                         "accuracy section (replaced on every run; report.png is copied beside)"),
 ) -> None:
@@ -60,7 +66,7 @@ def command(
         max_gen_toks=max_gen_toks, temperature=temperature, top_p=top_p, endpoint=endpoint,
         server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
         batch_size=batch_size, device=device, dtype=dtype, baseline_name=baseline_name,
-        candidate_name=candidate_name,
+        candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin,
     )
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
     from evals.report import print_table

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from evals import stats
 from evals.backends import Backend, BackendOptions, is_url, open_backend
-from evals.pairing import generation_counts, pair_scores
+from evals.acceptance import compare_acceptance
+from evals.pairing import generation_counts, pair_acceptance, pair_scores
 from evals.report import METHODS, REPORT_JSON, write_report
 from evals.run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
 from evals.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
@@ -47,6 +48,9 @@ class EvalRequest:
     dtype: str = "bfloat16"
     baseline_name: str | None = None
     candidate_name: str | None = None
+    mtp: bool = True                    # measure MTP draft acceptance where an arm has a draft
+    mtp_depth: int = 3                  # draft tokens per verification round (speculative_num_steps)
+    mtp_margin: float = 5.0             # non-inferiority margin on depth-1 acceptance, in points
     toy_data_dir: Path = EVAL_DATA_DIR / "toy_arith"
 
 
@@ -62,6 +66,10 @@ def _check(request: EvalRequest) -> None:
             raise QuantError(f"{flag} {value:g}: out of range")
     if request.device is not None:
         _check_device(request.device)
+    if not math.isfinite(request.mtp_margin) or not 0 < request.mtp_margin <= 100:
+        raise QuantError(f"--mtp-margin {request.mtp_margin:g}: must be a number of points in (0, 100]")
+    if not 1 <= request.mtp_depth <= 16:
+        raise QuantError(f"--mtp-depth {request.mtp_depth}: must be 1 to 16 draft tokens")
     if request.seeds < 1:
         raise QuantError(f"--seeds {request.seeds}: must be at least 1")
     if request.limit is not None and request.limit < 1:
@@ -125,7 +133,7 @@ def _release(backend: Backend) -> None:
         pass
 
 
-RUN_SETTINGS = ("limit", "seeds", "max_gen_toks", "temperature", "top_p")
+RUN_SETTINGS = ("limit", "seeds", "max_gen_toks", "temperature", "top_p", "mtp_depth")
 
 
 def _settings(request: EvalRequest, specs) -> dict:
@@ -133,6 +141,7 @@ def _settings(request: EvalRequest, specs) -> dict:
 
     return {"tasks": [s.name for s in specs], "limit": request.limit, "seeds": request.seeds,
             "max_gen_toks": request.max_gen_toks, "temperature": request.temperature, "top_p": request.top_p,
+            "mtp": request.mtp, "mtp_depth": request.mtp_depth, "mtp_margin_points": request.mtp_margin,
             "endpoint": request.endpoint, "ci_level": 0.95, "ci_method": "tango-score",
             "lm_eval_version": version("lm_eval")}
 
@@ -167,10 +176,14 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
             paired = pair_scores(baseline, candidate, spec.name, filter_name)
             comparison = stats.compare(paired.baseline, paired.candidate, margin=request.margin / 100.0,
                                        samples_per_question=len(paired.seeds))
+            primary = filter_name == spec.primary_filter
+            acceptance = pair_acceptance(baseline, candidate, spec.name, filter_name) if primary else None
             rows.append({
                 "task": spec.name, "label": spec.label, "filter": filter_name,
-                "primary": filter_name == spec.primary_filter, "seeds": paired.seeds,
+                "primary": primary, "seeds": paired.seeds,
                 "comparison": comparison.to_json(),
+                "acceptance": compare_acceptance(*acceptance, margin=request.mtp_margin / 100.0)
+                if acceptance else None,
                 "baseline_generations": generation_counts(baseline, spec.name, filter_name).to_json(),
                 "candidate_generations": generation_counts(candidate, spec.name, filter_name).to_json(),
             })
@@ -178,15 +191,33 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
 
 
 def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: Path, settings: RunSettings,
-         options: BackendOptions, log) -> tuple[dict, list[dict]]:
+         options: BackendOptions, depth: int, log) -> tuple[dict, list[dict]]:
     log(f"{label}: loading {source}")
     backend = open_backend(source, label, options, out / "work")
     log(f"{label}: {backend.description}")
     records = run_arm(backend, specs, task_dir, out / "runs" / label, settings, log=log)
     arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
-           "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures()}
+           "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures(),
+           "mtp": _measure_mtp(backend, records, depth, log)}
+    write_records(out / "runs" / label, specs, records)
     _release(backend)
     return arm, records
+
+
+def _measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict:
+    """Attach each generation's MTP acceptance to its records (every filter of it); what was measured, or why
+    nothing was."""
+    if backend.draft is None:
+        return {"measured": False, "why": backend.draft_note or "no MTP draft"}
+    from evals.mtp_measure import measure_records
+
+    log(f"  {backend.label}: MTP draft acceptance (depth {depth}, {len(backend.draft.layers)} MTP layer(s))")
+    measured = measure_records(backend.lm, backend.draft, records, depth, log=log)
+    for r in records:
+        q = measured.get((r["task"], r["seed"], r["doc_id"]))
+        r["mtp"] = q.to_json() if q else None
+    return {"measured": True, "source": "in-process draft (evals/mtp_draft.py), greedy verification",
+            "depth": depth, "layers": len(backend.draft.layers)}
 
 
 def evaluate(request: EvalRequest, log=print) -> dict:
@@ -207,7 +238,8 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     options = BackendOptions(endpoint=request.endpoint, server_model=request.server_model,
                              concurrency=request.concurrency, max_retries=request.max_retries,
                              timeout=request.timeout, max_gen_toks=request.max_gen_toks or 512,
-                             batch_size=request.batch_size, device=request.device, dtype=request.dtype)
+                             batch_size=request.batch_size, device=request.device, dtype=request.dtype,
+                             mtp=request.mtp)
     if earlier:
         baseline_arm, baseline = earlier
         baseline_arm = {**baseline_arm, "reused_from": str(request.baseline_run)}
@@ -215,15 +247,17 @@ def evaluate(request: EvalRequest, log=print) -> dict:
         log(f"baseline: reusing the samples of {request.baseline_run}")
     else:
         baseline_arm, baseline = _run("baseline", request.baseline, request.baseline_name, specs, task_dir, out,
-                                      run_settings, options, log)
+                                      run_settings, options, request.mtp_depth, log)
     candidate_arm, candidate = _run("candidate", request.candidate, request.candidate_name, specs, task_dir, out,
-                                    run_settings, options, log)
+                                    run_settings, options, request.mtp_depth, log)
     for scratch in ("work", "hf_datasets_cache"):
         shutil.rmtree(out / scratch, ignore_errors=True)
 
     rows = compare_records(baseline, candidate, specs, request)
-    verdict = stats.combine_verdicts(r["comparison"]["verdict"] for r in rows if r["primary"])
+    verdict = stats.combine_verdicts([r["comparison"]["verdict"] for r in rows if r["primary"]]
+                                     + [r["acceptance"]["verdict"] for r in rows if r.get("acceptance")])
     report = {"verdict": verdict, "exit_code": EXIT_CODES[verdict], "margin_points": request.margin,
+              "mtp_margin_points": request.mtp_margin,
               "baseline": baseline_arm, "candidate": candidate_arm, "settings": settings, "rows": rows,
               "methods": METHODS}
     write_report(report, out)

@@ -86,3 +86,22 @@ def generation_counts(records: list[dict], task: str, filter_name: str) -> Gener
     rows = [r for r in records if r["task"] == task and r["filter"] == filter_name]
     return GenerationCounts(generations=len(rows), failed=sum(r["failed"] for r in rows),
                             empty=sum(r["empty"] and not r["failed"] for r in rows))
+
+
+ACCEPTANCE_COUNTS = ("positions", "accepted_depth1", "rounds", "tokens")
+
+
+def pair_acceptance(baseline: list[dict], candidate: list[dict], task: str, filter_name: str
+                    ) -> tuple[list[dict], list[dict]] | None:
+    """Aligned per-question MTP acceptance counts of both arms (summed over seeds, so the question stays the
+    unit), or None when either arm's records carry none. Call after `pair_scores` has checked the pairing."""
+    base = _index(baseline, task, filter_name, "baseline")
+    cand = _index(candidate, task, filter_name, "candidate")
+    if not base or any(r.get("mtp") is None for r in (*base.values(), *cand.values())):
+        return None
+    arms = ([], [])
+    for doc in sorted({d for _, d in base}):
+        for out, index in zip(arms, (base, cand)):
+            rows = [r["mtp"] for (s, d), r in index.items() if d == doc]
+            out.append({**{k: sum(r[k] for r in rows) for k in ACCEPTANCE_COUNTS}, "depth": rows[0]["depth"]})
+    return arms

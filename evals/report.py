@@ -29,6 +29,14 @@ METHODS = {
                "Tango's score test rejects delta <= -margin at 2.5%), fail when the "
                "whole CI is below -margin, inconclusive when the CI contains -margin. The overall verdict uses "
                "each task's primary filter (flexible-extract): fail if any fails, else inconclusive if any is",
+    "mtp_acceptance": "each arm's MTP draft on that arm's own generations (in process: evals/mtp_draft.py, the "
+                      "engines' MTP forward; servers: the engine's own counters, README). Depth-1 acceptance = "
+                      "share of generated positions where the draft's greedy token equals the target's next greedy "
+                      "token; mean accepted length = tokens per verification round of a greedy speculative decode "
+                      "with `mtp_depth` draft tokens (SGLang's accept length, vLLM's mean acceptance length). "
+                      "Intervals: paired percentile bootstrap over questions (10,000 resamples, pooled ratios); "
+                      "verdict: non-inferiority of depth-1 acceptance against the MTP margin, combined with the "
+                      "accuracy verdicts. An arm without a draft is reported as not measured, never as zero",
     "failures": "requests that failed after all retries, and empty generations, are scored wrong and counted",
     "exit_code": "0 pass, 1 fail, 3 inconclusive (errors: 'error: ...' on stderr with exit code 1 or 2)",
 }
@@ -68,6 +76,42 @@ def table_header(report: dict) -> list[str]:
             "95% CI (pt)", "McNemar p", "n to pass", f"verdict (margin {report['margin_points']:g} pt)"]
 
 
+def acceptance_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for r in report["rows"]:
+        a = r.get("acceptance")
+        if not a:
+            continue
+        ci = lambda pair, signed=False: f"[{_pt(pair[0], signed)}, {_pt(pair[1], signed)}]"  # noqa: E731
+        rows.append([
+            r["label"], str(a["n_questions"]),
+            f"{_pt(a['baseline_rate'])} {ci(a['baseline_rate_ci'])}",
+            f"{_pt(a['candidate_rate'])} {ci(a['candidate_rate_ci'])}",
+            f"{_pt(a['rate_difference'], True)} {ci((a['rate_ci_low'], a['rate_ci_high']), True)}",
+            f"{a['baseline_length']:.2f} → {a['candidate_length']:.2f} "
+            f"(Δ {a['length_difference']:+.2f} [{a['length_ci'][0]:+.2f}, {a['length_ci'][1]:+.2f}])",
+            a["verdict"],
+        ])
+    return rows
+
+
+def acceptance_header(report: dict) -> list[str]:
+    depth = report["settings"].get("mtp_depth")
+    return ["Eval", "n", f"{report['baseline']['name']} depth-1 acc. (%)", f"{report['candidate']['name']} (%)",
+            "Δ (pt), 95% CI", f"mean accepted length at depth {depth}",
+            f"verdict (margin {report.get('mtp_margin_points', 5.0):g} pt)"]
+
+
+def mtp_status(report: dict) -> list[str]:
+    """One line per arm saying what was measured, or why not."""
+    lines = []
+    for arm in ("baseline", "candidate"):
+        m = report[arm].get("mtp") or {"measured": False, "why": "not measured"}
+        lines.append(f"- {arm}: " + (m.get("source", "measured") + (f", depth {m['depth']}" if m.get("depth") else "")
+                                     if m.get("measured") else f"not measured ({m.get('why')})"))
+    return lines
+
+
 def markdown(report: dict) -> str:
     header = table_header(report)
     lines = [
@@ -86,6 +130,13 @@ def markdown(report: dict) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += ["", "Accuracies in percent ± 1 standard error; Δ = candidate − baseline in points.", ""]
+    lines += ["## MTP draft acceptance (speculative decoding)", ""] + mtp_status(report) + [""]
+    acc = acceptance_rows(report)
+    if acc:
+        header = acceptance_header(report)
+        lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in acc]
+        lines += ["", "Depth-1 acceptance in percent with its 95% bootstrap interval; Δ = candidate − baseline.", ""]
     lines.append("## Generations that failed or came back empty (scored wrong)")
     lines.append("")
     lines.append("| Eval | arm | generations | failed | empty |")
@@ -124,7 +175,14 @@ def plot(report: dict, path: Path) -> None:
 
     rows = report["rows"]
     labels = [f"{r['label']}\n{r['filter']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(7.5, 1.0 + 0.7 * len(rows)))
+    accepted = [r for r in rows if r.get("acceptance")]
+    height = 1.0 + 0.7 * len(rows)
+    if accepted:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7.5, height + 1.2 + 0.7 * len(accepted)),
+                                      gridspec_kw={"height_ratios": [len(rows) + 1, len(accepted) + 1]})
+        _plot_acceptance(ax2, report, accepted)
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, height))
     for i, r in enumerate(rows):
         c = r["comparison"]
         color = VERDICT_STYLE.get(c["verdict"], "gray")
@@ -150,6 +208,27 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_acceptance(ax, report: dict, rows: list[dict]) -> None:
+    margin = report.get("mtp_margin_points", 5.0)
+    for i, r in enumerate(rows):
+        a = r["acceptance"]
+        color = {"pass": "tab:green", "fail": "tab:red"}.get(a["verdict"], "tab:orange")
+        d, lo, hi = (100 * a[k] for k in ("rate_difference", "rate_ci_low", "rate_ci_high"))
+        ax.errorbar(d, i, xerr=[[d - lo], [hi - d]], fmt="s", color=color, capsize=4)
+        ax.annotate(f"{_pt(a['baseline_rate'])} → {_pt(a['candidate_rate'])}; length {a['baseline_length']:.2f} → "
+                    f"{a['candidate_length']:.2f}  ({a['verdict']})", (hi, i), textcoords="offset points",
+                    xytext=(6, -3), fontsize=8)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.axvline(-margin, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(rows)), [f"{r['label']}\nMTP acceptance" for r in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("candidate − baseline depth-1 draft acceptance (points), 95% paired bootstrap CI")
+    lows = [100 * r["acceptance"]["rate_ci_low"] for r in rows] + [-margin]
+    highs = [100 * r["acceptance"]["rate_ci_high"] for r in rows] + [0.0]
+    span = max(highs) - min(lows) or 1.0
+    ax.set_xlim(min(lows) - 0.15 * span, max(highs) + 0.9 * span)
+
+
 def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -161,7 +240,18 @@ def print_table(report: dict) -> None:
         table.add_column(escape(name))
     for row in table_rows(report):
         table.add_row(*map(escape, row[:-1]), f"[{VERDICT_STYLE[row[-1]]}]{row[-1]}[/]")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    acc = acceptance_rows(report)
+    if acc:
+        table = Table(title="MTP draft acceptance")
+        for name in acceptance_header(report):
+            table.add_column(escape(name))
+        for row in acc:
+            table.add_row(*map(escape, row[:-1]), f"[{VERDICT_STYLE[row[-1]]}]{row[-1]}[/]")
+        console.print(table)
+    for line in mtp_status(report):
+        console.print(escape("MTP " + line[2:]))
 
 
 def write_report(report: dict, out_dir: Path) -> dict[str, Path]:

@@ -85,6 +85,8 @@ def _light_provenance():
 def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
     """The part of one lm-eval sample the comparison needs, JSON-ready."""
     response = sample["resps"][0][0] if sample["resps"] and sample["resps"][0] else ""
+    arguments = sample.get("arguments") or [[None]]
+    prompt = arguments[0][0] if arguments and arguments[0] else None
     extracted = sample["filtered_resps"][0] if sample["filtered_resps"] else ""
     return {
         "task": spec.name,
@@ -94,6 +96,7 @@ def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
         "doc_hash": sample["doc_hash"],
         "prompt_hash": sample["prompt_hash"],
         "target": str(sample["target"]),
+        "prompt": prompt if isinstance(prompt, str) else None,  # the context lm-eval generated from
         "response": str(response),
         "extracted": str(extracted),
         "score": float(sample["exact_match"]),

@@ -16,11 +16,18 @@ experts) is replaced on half of the steps by its MXFP4 quantize-dequantize (stra
 weight decay throughout, so the correct MXFP4 export keeps the accuracy while a broken one (swapped nibbles,
 wrong scales) does not. The 200 test questions are held out from training.
 
-Writes evals/data/toy_arith/{train,test}.jsonl and the checkpoint (BF16 safetensors, config, tokenizer; the MTP
-layer keeps its seeded random weights: transformers never runs it). Then scores the checkpoint through the eval
-stage's own lm-eval pipeline and prints the greedy accuracy.
+Then the MTP layer (model.layers.2, which transformers never runs) is trained with the main model frozen: the
+draft head of evals/mtp_draft.py (the engines' MTP forward) on the target's own hidden states, cross-entropy on
+x[t+2] over the answer tokens (DeepSeek-V3's MTP loss at depth 1), the embedding and output head shared with the
+target and frozen, as in the engines. `--mtp-only` runs just this stage on the existing checkpoint (its main
+weights stay byte-identical).
 
-    python scripts/train_toy_arith.py      # about 2.5-4 minutes on 2 CPU cores; byte-identical reruns
+Writes evals/data/toy_arith/{train,test}.jsonl and the checkpoint (BF16 safetensors, config, tokenizer). Then
+scores it through the eval stage's own lm-eval pipeline: greedy accuracy, and the MTP draft's acceptance on the
+held-out questions (evals/acceptance.py).
+
+    python scripts/train_toy_arith.py              # about 4-5 minutes on 2 CPU cores; byte-identical reruns
+    python scripts/train_toy_arith.py --mtp-only   # retrain only the MTP layer of the existing checkpoint
 """
 
 from __future__ import annotations
@@ -196,9 +203,80 @@ def train(model, tokenizer, train_rows: list[dict], *, steps: int, examples: int
     model.eval()
 
 
+def train_mtp(model, tokenizer, draft, train_rows: list[dict], *, steps: int, examples: int, lr: float, seed: int,
+              log=print) -> None:
+    """Train the MTP draft's layer on the frozen target's hidden states: predict x[t+2] from (h[t], x[t+1])."""
+    import torch
+
+    rng = random.Random(seed + 1)
+    torch.manual_seed(seed + 1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layer = draft.layers[0]
+    for p in (*layer.decoder.embed_tokens.parameters(), *layer.head.parameters()):
+        p.requires_grad_(False)  # shared with the target in the engines
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    pad = tokenizer.pad_token_id
+    warmup = max(1, steps // 50)
+    draft.train()
+    start = time.time()
+    for step in range(steps):
+        shots = rng.randint(1, 6)
+        n_rows = max(1, -(-examples // shots))
+        rows = [training_row(rng.sample(train_rows, shots), tokenizer) for _ in range(n_rows)]
+        width = max(len(ids) for ids, _ in rows)
+        x = torch.full((n_rows, width), pad, dtype=torch.long)
+        y = torch.full((n_rows, width), -100, dtype=torch.long)
+        for i, (ids, mask) in enumerate(rows):
+            x[i, :len(ids)] = torch.tensor(ids)
+            y[i, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+        with torch.no_grad():
+            hidden = model.get_decoder()(input_ids=x, attention_mask=(x != pad).long()).last_hidden_state
+        positions = torch.arange(width - 1)[None].expand(n_rows, width - 1)
+        _, logits = draft(0, x[:, 1:], hidden[:, :-1], positions)
+        # the output at position t drafts x[t+2]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                 y[:, 2:].reshape(-1), ignore_index=-100)
+        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr * max(scale, 0.05)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % 50 == 0 or step == 0:
+            log(f"MTP step {step + 1}/{steps}  rows {n_rows}x{shots}  loss {loss.item():.4f}  "
+                f"{time.time() - start:.0f}s")
+    draft.eval()
+
+
+def mtp_tensors(draft, checkpoint: Path) -> dict:
+    """The trained MTP layer's tensors under the checkpoint's names and dtypes."""
+    from safetensors.torch import load_file
+
+    from evals.mtp_draft import block_tensors, draft_layers
+
+    stored = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        stored.update(load_file(shard))
+    config = json.loads((checkpoint / "config.json").read_text())
+    names = draft_layers(config, stored)[0]
+    layer = draft.layers[0]
+    block = {n: t for n, t in stored.items() if n.startswith(names.block)
+             and n[len(names.block):].split(".")[0] not in names.glue}
+    state = {k: v.detach() for k, v in layer.decoder.state_dict().items()}
+    out = block_tensors(state, names, block)
+    out[names.final_norm + ".weight"] = state["norm.weight"]
+    for module, name in ((layer.embed_norm, names.embed_norm), (layer.hidden_norm, names.hidden_norm),
+                         (layer.proj, names.proj)):
+        out[name + ".weight"] = module.weight.detach()
+    return {n: t.to(stored[n].dtype).contiguous() for n, t in out.items()}
+
+
 def save_checkpoint(model, toy_dir: Path, out: Path) -> None:
-    """The toy checkpoint with the trained weights: every tensor transformers holds is replaced, the MTP layer
-    (which transformers does not build) is kept as the toy wrote it."""
+    """The toy checkpoint with the trained weights: every tensor transformers holds is replaced; the MTP layer
+    (which transformers does not build) is trained afterwards (`mtp_stage`)."""
     from safetensors.torch import load_file
 
     from quant.toy import write_safetensors
@@ -224,9 +302,12 @@ def save_checkpoint(model, toy_dir: Path, out: Path) -> None:
     staging.rename(out)
 
 
-def score(checkpoint: Path, limit: int, log=print) -> float:
-    """Greedy 5-shot accuracy (flexible-extract) through the eval stage's own lm-eval pipeline."""
+def score(checkpoint: Path, limit: int, depth: int = 3, log=print) -> tuple[float, tuple[float, float] | None]:
+    """Greedy 5-shot accuracy (flexible-extract) through the eval stage's own lm-eval pipeline, and the MTP draft's
+    (depth-1 acceptance, mean accepted length at `depth`) on the same generations."""
+    from evals.acceptance import rates
     from evals.backends import BackendOptions, open_backend
+    from evals.mtp_measure import measure_records
     from evals.run import RunSettings, go_offline, run_arm
     from evals.tasks import TASKS, write_task_files
 
@@ -239,8 +320,49 @@ def score(checkpoint: Path, limit: int, log=print) -> float:
         backend = open_backend(str(checkpoint), "trained", BackendOptions(batch_size=32), tmp / "work")
         records = run_arm(backend, [spec], task_dir, tmp / "runs", RunSettings(limit=limit, max_gen_toks=24, seeds=1),
                           log=log)
-    scores = [r["score"] for r in records if r["filter"] == spec.primary_filter]
-    return sum(scores) / len(scores)
+    primary = [r for r in records if r["filter"] == spec.primary_filter]
+    acceptance = None
+    if backend.draft is not None:
+        measured = measure_records(backend.lm, backend.draft, primary, depth)
+        acceptance = rates([q.to_json() for q in measured.values()])
+    return sum(r["score"] for r in primary) / len(primary), acceptance
+
+
+def replace_tensors(checkpoint: Path, replace: dict) -> None:
+    """Rewrite the checkpoint's safetensors with `replace` swapped in (same names, dtypes and order)."""
+    from safetensors.torch import load_file
+
+    from quant.toy import write_safetensors
+
+    tensors = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    for name, value in replace.items():
+        if name not in tensors or tensors[name].shape != value.shape:
+            raise SystemExit(f"{checkpoint}: cannot replace {name}")
+        tensors[name] = value
+    staging = checkpoint.with_name(checkpoint.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(checkpoint, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    write_safetensors(tensors, staging, None)
+    shutil.rmtree(checkpoint)
+    staging.rename(checkpoint)
+
+
+def mtp_stage(checkpoint: Path, train_rows: list[dict], args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evals.mtp_draft import load_draft
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    draft = load_draft(checkpoint, dtype=torch.float32)
+    start = time.time()
+    train_mtp(model, tokenizer, draft, train_rows, steps=args.mtp_steps, examples=args.examples, lr=args.mtp_lr,
+              seed=args.seed, log=lambda m: print(m, flush=True))
+    print(f"MTP layer trained in {time.time() - start:.0f}s", flush=True)
+    replace_tensors(checkpoint, mtp_tensors(draft, checkpoint))
 
 
 def main(argv=None) -> int:
@@ -256,6 +378,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-limit", type=int, default=200)
+    parser.add_argument("--mtp-steps", type=int, default=600)
+    parser.add_argument("--mtp-lr", type=float, default=2e-3)
+    parser.add_argument("--mtp-only", action="store_true", help="train only the MTP layer of the checkpoint in --out")
     args = parser.parse_args(argv)
 
     import torch
@@ -267,6 +392,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()  # the MTP layer's tensors are "UNEXPECTED" to transformers, as always
     train_rows, _ = write_data(args.data_dir, args.seed)
+    if args.mtp_only:
+        mtp_stage(args.out, train_rows, args)
+        return report(args)
     with tempfile.TemporaryDirectory() as tmp:
         toy_dir = build_toy("glm5", Path(tmp) / "toy", seed=args.seed, overrides=MODEL_OVERRIDES)
         tokenizer = AutoTokenizer.from_pretrained(toy_dir)
@@ -279,10 +407,18 @@ def main(argv=None) -> int:
               log=lambda m: print(m, flush=True))
         print(f"trained in {time.time() - start:.0f}s", flush=True)
         save_checkpoint(model, toy_dir, args.out)
+    mtp_stage(args.out, train_rows, args)
+    return report(args)
+
+
+def report(args) -> int:
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"wrote {args.out} ({size / 1e6:.2f} MB)", flush=True)
-    accuracy = score(args.out, args.eval_limit, log=lambda m: None)
+    accuracy, acceptance = score(args.out, args.eval_limit, log=lambda m: None)
     print(f"greedy 5-shot accuracy (flexible-extract) on {args.eval_limit} test questions: {accuracy:.3f}", flush=True)
+    if acceptance:
+        print(f"MTP draft on the same generations: depth-1 acceptance {acceptance[0]:.3f}, mean accepted length "
+              f"{acceptance[1]:.2f} at depth 3", flush=True)
     return 0
 
 

@@ -42,6 +42,7 @@ class Family:
     roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
     mtp: dict | None
     fused_experts: dict | None
+    mtp_draft: dict | None = None  # how the engines run the MTP draft (evals/mtp_draft.py)
     # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
     # 3-D expert tensor) from config.json
     shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
@@ -87,6 +88,7 @@ def load_family(name: str) -> Family:
         roles=roles,
         mtp=data.get("mtp", parent.mtp if parent else None),
         fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
+        mtp_draft=data.get("mtp_draft", parent.mtp_draft if parent else None),
         # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
         # (quant/verify/shapes.py picks the config's model_type, else "default").
         shapes=[(re.compile(p), {k: tuple(d) for k, d in v.items()} if isinstance(v, dict) else tuple(v))
