@@ -1,6 +1,7 @@
 """End to end on the trained toy (evals/data/toy_arith/model, GLM-5 layout with its MTP layer): quantize it to
 block FP8 (baseline) and MXFP4 (candidate), score both in process through lm-eval's GSM8K pipeline, and check the
-verdicts: the correct MXFP4 export passes, an export with swapped nibbles fails. Also GPQA's seeded sampling path
+verdicts: the correct MXFP4 export passes, an export with swapped nibbles fails, and exports whose MTP layer alone
+is damaged pass on accuracy and fail on draft acceptance. Also GPQA's seeded sampling path
 on a synthetic CSV."""
 
 import json
@@ -44,12 +45,55 @@ def swap_nibbles(src: Path, out: Path) -> Path:
     return out
 
 
+MTP_PREFIX = "model.layers.2."  # the trained toy's MTP layer (num_hidden_layers 2)
+
+
+def damage_mtp(src: Path, out: Path, how: str) -> Path:
+    """A copy of an MXFP4 export whose MTP layer alone is damaged, the main model byte-identical:
+    "dropped": every MTP tensor re-drawn at random (an engine that never loads them runs its random init;
+    vllm#37667), "zero-scales": every E8M0 scale of the MTP layer zeroed (its routed and shared experts),
+    "swapped-nibbles": the packed codes of every MXFP4 weight of the MTP layer (its routed and shared experts)
+    exchanged within each byte. (Damaging the routed experts alone costs this toy's draft about 5 points of
+    depth-1 acceptance: its MTP layer leans on attention and the shared expert.)"""
+    shutil.copytree(src, out)
+    ckpt = open_checkpoint(out)
+    generator = torch.Generator().manual_seed(0)
+    changed = 0
+    for file in ckpt.files:
+        tensors = load_file(out / file)
+        for name, t in tensors.items():
+            if not name.startswith(MTP_PREFIX):
+                continue
+            if how == "dropped":
+                if t.dtype == torch.uint8 and name.endswith(".weight"):
+                    tensors[name] = torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator)
+                elif t.dtype != torch.uint8:
+                    norm = "norm" in name
+                    fresh = torch.ones(t.shape) if norm else 0.02 * torch.randn(t.shape, generator=generator)
+                    tensors[name] = fresh.to(t.dtype)
+                else:
+                    continue
+            elif how == "zero-scales" and name.endswith(".weight_scale"):
+                tensors[name] = torch.zeros_like(t)
+            elif how == "swapped-nibbles" and t.dtype == torch.uint8 and name.endswith(".weight"):
+                tensors[name] = ((t & 0x0F) << 4) | (t >> 4)
+            else:
+                continue
+            changed += 1
+        save_file(tensors, out / file, metadata={"format": "pt"})
+    assert changed > 0, how
+    return out
+
+
 def quantize_exports(root: Path) -> dict[str, Path]:
     fp8 = root / "fp8-block"
     mxfp4 = root / "mxfp4"
     quantize_checkpoint(FIXTURE, fp8, scheme="fp8-block", check_engines=None, log=lambda m: None)
     quantize_checkpoint(FIXTURE, mxfp4, scheme="w_mxfp4_a_mxfp4", check_engines=None, log=lambda m: None)
-    return {"fp8": fp8, "mxfp4": mxfp4, "broken": swap_nibbles(mxfp4, root / "mxfp4-swapped-nibbles")}
+    exports = {"fp8": fp8, "mxfp4": mxfp4, "broken": swap_nibbles(mxfp4, root / "mxfp4-swapped-nibbles")}
+    for how in ("dropped", "zero-scales", "swapped-nibbles"):
+        exports[f"mtp-{how}"] = damage_mtp(mxfp4, root / f"mxfp4-mtp-{how}", how)
+    return exports
 
 
 def run(baseline, candidate, out, **kw):
@@ -82,6 +126,20 @@ def test_correct_mxfp4_export_passes_and_swapped_nibbles_fail(tmp_path):
     assert json.loads((first / REPORT_JSON).read_text())["verdict"] == "pass"
     samples = (first / "runs" / "candidate" / "toy_arith" / "samples.jsonl").read_text().splitlines()
     assert len(samples) == 2 * LIMIT  # one record per question per filter
+    # The trained MTP head drafts well in both arms, and quantizing its experts costs no acceptance.
+    acceptance = primary(report)["acceptance"]
+    assert acceptance["baseline_rate"] >= 0.9 and acceptance["candidate_rate"] >= 0.9, acceptance
+    assert acceptance["candidate_length"] > 3.0 and acceptance["verdict"] == "pass", acceptance
+    assert "## MTP draft acceptance" in md and "mean accepted length at depth 3" in md
+
+    # Exports whose MTP layer alone is damaged: every answer is the correct export's, the accuracy verdict still
+    # passes, and only the acceptance check fails.
+    for how in ("dropped", "zero-scales", "swapped-nibbles"):
+        report = run(None, exports[f"mtp-{how}"], tmp_path / f"fp8-vs-mtp-{how}", baseline_run=first)
+        row, acceptance = primary(report)["comparison"], primary(report)["acceptance"]
+        assert row["verdict"] == "pass", (how, row)
+        assert acceptance["verdict"] == "fail" and report["verdict"] == "fail", (how, json.dumps(acceptance))
+        assert acceptance["rate_ci_high"] < -0.1 and acceptance["candidate_length"] < 3.0, (how, json.dumps(acceptance))
 
     # The broken export against the same FP8 answers, reused from the first run (--baseline-run).
     report = run(None, exports["broken"], tmp_path / "fp8-vs-broken", baseline_run=first)
