@@ -101,7 +101,15 @@ def compare_acceptance(baseline, candidate, *, margin: float, resamples: int = 1
 
     br, bl = rates(baseline)
     cr, cl = rates(candidate)
-    low, high = interval(d_rate)
+    if b[:, 0].sum() and c[:, 0].sum():
+        measure = "depth-1 acceptance (points)"
+        low, high = interval(d_rate)
+    else:
+        # A server arm that only reports rounds and tokens (SGLang): the relative change of the mean accepted
+        # length decides, against the same margin as a fraction.
+        measure = "mean accepted length (relative)"
+        with np.errstate(invalid="ignore", divide="ignore"):
+            low, high = interval(c_len / b_len - 1)
     verdict = PASS if low > -margin else FAIL if high < -margin else INCONCLUSIVE
     per_question = (c[:, 1] / np.maximum(c[:, 0], 1)) - (b[:, 1] / np.maximum(b[:, 0], 1))
     return {
@@ -110,8 +118,8 @@ def compare_acceptance(baseline, candidate, *, margin: float, resamples: int = 1
         "candidate_rate": cr, "candidate_rate_ci": interval(c_rate),
         "baseline_length": bl, "baseline_length_ci": interval(b_len),
         "candidate_length": cl, "candidate_length_ci": interval(c_len),
-        "rate_difference": cr - br, "rate_ci_low": low, "rate_ci_high": high,
+        "rate_difference": cr - br, "rate_ci_low": low, "rate_ci_high": high,  # of the verdict's measure
         "length_difference": cl - bl, "length_ci": interval(d_len),
         "questions_worse": int((per_question < 0).sum()), "questions_better": int((per_question > 0).sum()),
-        "ci_level": level, "resamples": resamples, "margin": margin, "verdict": verdict,
+        "ci_level": level, "resamples": resamples, "margin": margin, "verdict_on": measure, "verdict": verdict,
     }

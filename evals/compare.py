@@ -195,13 +195,56 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: 
     log(f"{label}: loading {source}")
     backend = open_backend(source, label, options, out / "work")
     log(f"{label}: {backend.description}")
+    server_spec = None
+    if backend.kind == "server" and options.mtp:
+        from evals.server_spec import probe
+
+        server_spec = probe(source)  # vLLM: the counters before this arm's requests
     records = run_arm(backend, specs, task_dir, out / "runs" / label, settings, log=log)
+    if backend.kind == "server":
+        mtp = _server_mtp(server_spec, records, specs, settings, options, log) if server_spec else \
+            {"measured": False, "why": "MTP not measured (--mtp off)"}
+    else:
+        mtp = _measure_mtp(backend, records, depth, log)
     arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
            "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures(),
-           "mtp": _measure_mtp(backend, records, depth, log)}
+           "mtp": mtp}
     write_records(out / "runs" / label, specs, records)
     _release(backend)
     return arm, records
+
+
+def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options: BackendOptions, log) -> dict:
+    """A server arm's acceptance (evals/server_spec.py): vLLM's counters over the run, or SGLang's per-request
+    meta_info from a greedy /generate replay of every greedy generation (attached to its records)."""
+    from evals import server_spec
+
+    if spec.kind is None:
+        return {"measured": False, "why": spec.why}
+    if spec.kind == "vllm":
+        return server_spec.vllm_arm(spec)
+    greedy = {s.name: s for s in specs if not s.sampled}
+    replayed: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["task"], r["seed"], r["doc_id"])
+        if r["task"] not in greedy or key in replayed or r.get("prompt") is None:
+            continue
+        max_new = settings.gen_kwargs(greedy[r["task"]])["max_gen_toks"]
+        counts = server_spec.sglang_replay(spec, r["prompt"], max_new, r.get("until") or [], options.timeout)
+        replayed[key] = {"positions": 0, "accepted_depth1": 0, **counts, "depth": None}
+    for r in records:
+        r["mtp"] = replayed.get((r["task"], r["seed"], r["doc_id"]))
+    if not replayed:
+        return {"measured": False, "why": "no greedy task to replay through SGLang's /generate"}
+    rounds = sum(q["rounds"] for q in replayed.values())
+    tokens = sum(q["tokens"] for q in replayed.values())
+    log(f"  {records[0]['task'] if records else ''}: SGLang accept length {tokens / max(rounds, 1):.2f} over "
+        f"{len(replayed)} replayed generations")
+    return {"measured": True, "source": "SGLang /generate meta_info (completion_tokens / spec_verify_ct), greedy "
+                                        "replay of each generation", "generations": len(replayed),
+            "mean_accepted_length": tokens / rounds if rounds else None,
+            "speculative_algorithm": (spec.info or {}).get("speculative_algorithm"),
+            "depth": (spec.info or {}).get("speculative_num_steps")}
 
 
 def _measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict:

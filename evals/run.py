@@ -87,6 +87,7 @@ def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
     response = sample["resps"][0][0] if sample["resps"] and sample["resps"][0] else ""
     arguments = sample.get("arguments") or [[None]]
     prompt = arguments[0][0] if arguments and arguments[0] else None
+    gen_args = arguments[0][1] if arguments and len(arguments[0]) > 1 and isinstance(arguments[0][1], dict) else {}
     extracted = sample["filtered_resps"][0] if sample["filtered_resps"] else ""
     return {
         "task": spec.name,
@@ -97,6 +98,7 @@ def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
         "prompt_hash": sample["prompt_hash"],
         "target": str(sample["target"]),
         "prompt": prompt if isinstance(prompt, str) else None,  # the context lm-eval generated from
+        "until": [u for u in gen_args.get("until") or [] if isinstance(u, str)],  # its stop strings
         "response": str(response),
         "extracted": str(extracted),
         "score": float(sample["exact_match"]),

@@ -113,7 +113,8 @@ class Planner:
 
     def treatment(self, module: str) -> tuple[str | None, Scheme | None]:
         """(role, scheme) for a module; scheme None = stays BF16."""
-        if _layer_of(module) in self.mtp_layers and any(p.search(module) for p in self.mtp_keep):
+        if _layer_of(module) in self.mtp_layers and (self.recipe.mtp_layer == "bf16"
+                                                     or any(p.search(module) for p in self.mtp_keep)):
             return "mtp_keep", None
         role = self.family.role_of(module)
         treatment = self.recipe.treatment(role, module)

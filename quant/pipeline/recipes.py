@@ -120,6 +120,7 @@ class Recipe:
     description: str
     roles: dict[str, str]  # role -> "scheme" | "fp8" | "bf16"
     keep: list[re.Pattern] = field(default_factory=list)  # user-pinned BF16 modules
+    mtp_layer: str = "as-main"  # "as-main": MTP layers quantized like the main layers; "bf16": kept whole in BF16
 
     def treatment(self, role: str | None, module: str) -> str:
         if role in (None, KEEP) or any(p.search(module) for p in self.keep):
@@ -128,7 +129,10 @@ class Recipe:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "roles": dict(sorted(self.roles.items())),
-                "keep": [p.pattern for p in self.keep]}
+                "keep": [p.pattern for p in self.keep], "mtp_layer": self.mtp_layer}
+
+
+MTP_LAYER_CHOICES = ("as-main", "bf16")
 
 
 def _recipe_from(data: dict, name: str, where: str) -> Recipe:
@@ -140,7 +144,12 @@ def _recipe_from(data: dict, name: str, where: str) -> Recipe:
         keep = [re.compile(p) for p in data.get("keep") or []]
     except re.error as e:
         raise QuantError(f"{where}: recipe {name!r} has an invalid keep regex ({e})") from None
-    return Recipe(name=name, description=data.get("description", ""), roles=dict(roles), keep=keep)
+    mtp_layer = data.get("mtp_layer", "as-main")
+    if mtp_layer not in MTP_LAYER_CHOICES:
+        raise QuantError(f"{where}: recipe {name!r} has mtp_layer {mtp_layer!r}; use "
+                         f"{' or '.join(MTP_LAYER_CHOICES)}")
+    return Recipe(name=name, description=data.get("description", ""), roles=dict(roles), keep=keep,
+                  mtp_layer=mtp_layer)
 
 
 def builtin_recipes() -> dict:
@@ -165,4 +174,5 @@ def load_recipe(name_or_path: str | None) -> Recipe:
     base = _recipe_from(recipes[base_name], base_name, str(MANIFESTS_DIR / "recipes.yaml"))
     override = _recipe_from(user, str(path), str(path))
     return Recipe(name=f"{path.name} (base {base_name})", description=user.get("description", base.description),
-                  roles={**base.roles, **override.roles}, keep=base.keep + override.keep)
+                  roles={**base.roles, **override.roles}, keep=base.keep + override.keep,
+                  mtp_layer=user.get("mtp_layer", base.mtp_layer))
