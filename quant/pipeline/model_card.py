@@ -154,6 +154,19 @@ def accuracy_section(report: dict, image: str | None) -> str:
                     f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | {c['verdict']} |")
     text = [f"Against `{report['baseline'].get('name', 'baseline')}` (margin {report['margin_points']:g} points, "
             f"overall verdict **{report['verdict']}**):", "", *rows]
+    accepted = [row for row in report["rows"] if row.get("acceptance")]
+    if accepted:
+        depth = report.get("settings", {}).get("mtp_depth")
+        text += ["", f"MTP draft acceptance (speculative decoding, margin {report.get('mtp_margin_points', 5):g} "
+                     f"points of depth-1 acceptance; accepted length at depth {depth}):", "",
+                 "| task | baseline | candidate | Δ (points) | 95% CI | accepted length | verdict |",
+                 "|---|---|---|---|---|---|---|"]
+        for row in accepted:
+            a = row["acceptance"]
+            text.append(f"| {row['label']} | {a['baseline_rate']:.1%} | {a['candidate_rate']:.1%} | "
+                        f"{100 * a['rate_difference']:+.1f} | [{100 * a['rate_ci_low']:+.1f}, "
+                        f"{100 * a['rate_ci_high']:+.1f}] | {a['baseline_length']:.2f} → {a['candidate_length']:.2f} "
+                        f"| {a['verdict']} |")
     if image:
         text += ["", f"![paired comparison]({image})"]
     return "\n".join(text)
