@@ -51,7 +51,8 @@ def main() -> None:
         cases["torchao to_mx FLOOR"] = lambda: torchao(x)
 
     print(f"bf16 [{args.rows}, {args.cols}] = {nbytes / 1e6:.1f} MB, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()} "
+          "(inductor's vector ISA; ATEN_CPU_CAPABILITY=avx2 forces AVX2)")
     firsts = []
     for name, fn in cases.items():
         t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """Benchmark: `quant quantize` vs AMD Quark's file-to-file MXFP4 path on a synthetic GLM-5-shaped checkpoint.
 
 Both run as whole processes on the same input, one after the other. Reported: wall time and its ratio, peak RSS
-of each, the share of our time spent quantizing (the rest is reading, hashing and writing files), and whether
-the dequantized weights are identical (both use the `even` scale rule).
+of each, the share of our time spent quantizing (the rest is reading, hashing and writing files), whether the
+dequantized weights are identical (both use the `even` scale rule), the CPU capability the kernels ran with, and
+our time as a multiple of the I/O floor measured in the same run (`io_floor`).
 
     .venv/bin/python scripts/bench_quantize.py [--gb 6] [--shards 8] [--runs 3] [--peer-runs 1] [--keep DIR]
 
@@ -41,11 +42,12 @@ def build_synthetic(root: Path, gb: float, shards: int) -> Path:
         layer = s
         p = f"model.layers.{layer}."
         tensors[p + "input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-        tensors[p + "mlp.gate.weight"] = (torch.randn(per_shard, HIDDEN, generator=gen) * 0.02).bfloat16()
+        # one shared expert and per_shard - 1 routed experts 0.. (as many router rows as config.json declares)
+        tensors[p + "mlp.gate.weight"] = (torch.randn(per_shard - 1, HIDDEN, generator=gen) * 0.02).bfloat16()
         for e in range(per_shard):
             for proj, shape in (("gate_proj", (MOE_INTER, HIDDEN)), ("up_proj", (MOE_INTER, HIDDEN)),
                                 ("down_proj", (HIDDEN, MOE_INTER))):
-                name = f"{p}mlp.experts.{e}.{proj}.weight" if e else f"{p}mlp.shared_experts.{proj}.weight"
+                name = f"{p}mlp.experts.{e - 1}.{proj}.weight" if e else f"{p}mlp.shared_experts.{proj}.weight"
                 tensors[name] = (torch.randn(*shape, generator=gen) * 0.02).bfloat16()
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file(tensors, str(root / file), metadata={"format": "pt"})
@@ -116,6 +118,38 @@ def compare(ours: Path, quark: Path) -> tuple[int, int]:
     return len(a), differ
 
 
+def io_floor(src: Path, out: Path, work: Path, window: int = 1 << 24) -> float:
+    """Seconds this machine needs for the I/O every quantizer of these bytes must do: read each source shard (from
+    the page cache, where the runs left it), sha256 over the source and over an output of the same size (the
+    manifest's hashes), and write that many bytes into a new file. One thread, median of three."""
+    import hashlib
+
+    sources = sorted(src.glob("*.safetensors"))
+    out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        buffer = bytearray(window)
+        view = memoryview(buffer)
+        for f in sources:
+            digest = hashlib.sha256()
+            with open(f, "rb", buffering=0) as fh:
+                while n := fh.readinto(buffer):
+                    digest.update(view[:n])
+        sink = work / "floor.bin"
+        digest = hashlib.sha256()
+        with open(sink, "wb", buffering=0) as fh:
+            left = out_bytes
+            while left:
+                n = min(left, window)
+                digest.update(view[:n])
+                fh.write(view[:n])
+                left -= n
+        sink.unlink()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 6 GB: both tools' start-up (torch import; Quark's ~25 s of setup) weighs less than at 3 GB, closer to the
@@ -131,7 +165,9 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     src = build_synthetic(work / "src", args.gb, args.shards) if not (work / "src").exists() else work / "src"
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    print(f"source: {size / 1e9:.2f} GB in {args.shards} shards, expert shapes [2048, 6144] / [6144, 2048]")
+    print(f"source: {size / 1e9:.2f} GB in {args.shards} shards, expert shapes [2048, 6144] / [6144, 2048]; "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY picks it), "
+          f"{os.cpu_count()} cores")
 
     build = time.perf_counter()
     kernels = subprocess.run([sys.executable, "-m", "quant.cli", "kernels", "build"], capture_output=True, text=True,
@@ -152,6 +188,9 @@ def main() -> None:
     print(f"quant quantize : {t_ours:7.2f} s  {size / t_ours / 1e9:6.2f} GB/s  peak RSS {rss_ours / 1e9:.2f} GB  "
           f"(median of {len(runs)}: {', '.join(f'{r[0]:.2f}' for r in runs)} s; quantize {parts.get('quantize', 0):.2f}"
           f" s = {share:.0%} of wall; {timing[6:]})")
+    floor = io_floor(src, ours, work)
+    print(f"I/O floor      : {floor:7.2f} s  (read the source from page cache, sha256 of source and output, write "
+          f"the output's size, one thread); quant quantize = {t_ours / floor:.2f}x the floor")
     if args.cold:
         shutil.rmtree(ours, ignore_errors=True)
         t_cold, _, _ = timed(quant, src, env={**os.environ, "QUANT_NO_AOT": "1"})

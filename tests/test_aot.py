@@ -47,6 +47,11 @@ def test_package_gives_eager_bits_without_loading_dynamo(built_cache):
     env = {**_env(), "QUANT_CACHE_DIR": str(built_cache)}
     out = subprocess.run([sys.executable, "-c", PROBE], check=True, env=env, capture_output=True, text=True)
     assert json.loads(out.stdout.splitlines()[-1]) == {"dynamo": False, "equal": True}
+    # Each package records the vector width kept (on AVX-512 machines the faster of 512 and 256 bits); the probe
+    # above checked that whichever was kept gives the eager bits.
+    packages = list(built_cache.rglob("*.pt2"))
+    assert len(packages) == 2
+    assert {_aot.package_simdlen(p) for p in packages} <= {"native", "256"}
 
 
 def test_kernels_status_reports_built_and_missing(built_cache):

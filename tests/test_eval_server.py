@@ -76,6 +76,11 @@ def test_completions_server_matches_in_process_model(server_url, tmp_path):
     report = run(FIXTURE, server_url, tmp_path)
     row = next(r for r in report["rows"] if r["primary"])["comparison"]
     assert report["candidate"]["kind"] == "server" and report["baseline"]["kind"] == "transformers"
+    # evals.server does not speculate: the arm says so (and why) instead of reporting zero acceptance
+    assert report["candidate"]["mtp"]["measured"] is False
+    assert "neither SGLang's /get_server_info nor vLLM's /metrics" in report["candidate"]["mtp"]["why"]
+    assert report["baseline"]["mtp"]["measured"] is True  # the in-process toy has its MTP layer
+    assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None
     assert row["candidate_accuracy"] >= 0.8
     served, local = responses(tmp_path, "candidate"), responses(tmp_path, "baseline")
     # Same weights and prompts; the in-process arm pads batches, so allow an occasional bf16 tie-break.

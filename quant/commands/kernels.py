@@ -34,8 +34,11 @@ def status() -> None:
 
 @app.command("build")
 def build(force: bool = typer.Option(False, help="Rebuild packages that already exist")) -> None:
-    """Compile every kernel for this machine (about 10 s each, once; later runs skip built ones)."""
+    """Compile every kernel for this machine (about 10 s each, once; later runs skip built ones). On AVX-512
+    machines each kernel is built with 512- and 256-bit vectors and the faster one on this machine is kept."""
     import warnings
+
+    from quant.numerics._aot import package_simdlen
 
     warnings.filterwarnings("ignore")  # export's deprecation chatter is not the user's concern
     built = 0
@@ -44,6 +47,7 @@ def build(force: bool = typer.Option(False, help="Rebuild packages that already 
         for path, new in k.build_aot(force=force):
             built += new
             typer.echo(f"{'built' if new else 'up to date'}: {path.name}"
-                       + (f" ({time.perf_counter() - start:.1f} s)" if new else ""), err=True)
+                       + (f" ({time.perf_counter() - start:.1f} s, vectors {package_simdlen(path)})" if new else ""),
+                       err=True)
             start = time.perf_counter()
     typer.echo(f"{built} kernel package(s) built", err=True)
