@@ -112,6 +112,19 @@ def training_row(examples: list[dict], tokenizer) -> tuple[list[int], list[int]]
     return ids, mask
 
 
+def batch(rows: list[tuple[list[int], list[int]]], pad: int):
+    """(input ids, labels) [rows, width] of `training_row`s: right-padded, labels -100 where the mask is 0."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    x = torch.full((len(rows), width), pad, dtype=torch.long)
+    y = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (ids, mask) in enumerate(rows):
+        x[i, :len(ids)] = torch.tensor(ids)
+        y[i, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+    return x, y
+
+
 class FakeMXFP4:
     """Parametrization: the weight as its MXFP4 quantize-dequantize in the forward pass, identity gradient."""
 
@@ -178,13 +191,7 @@ def train(model, tokenizer, train_rows: list[dict], *, steps: int, examples: int
     start = time.time()
     for step in range(steps):
         shots, n_rows = step_shape(step, steps, examples, short_fraction, rng)
-        rows = [training_row(rng.sample(train_rows, shots), tokenizer) for _ in range(n_rows)]
-        width = max(len(ids) for ids, _ in rows)
-        x = torch.full((n_rows, width), pad, dtype=torch.long)
-        y = torch.full((n_rows, width), -100, dtype=torch.long)
-        for i, (ids, mask) in enumerate(rows):
-            x[i, :len(ids)] = torch.tensor(ids)
-            y[i, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+        x, y = batch([training_row(rng.sample(train_rows, shots), tokenizer) for _ in range(n_rows)], pad)
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = lr * max(scale, 0.05)
@@ -224,16 +231,10 @@ def train_mtp(model, tokenizer, draft, train_rows: list[dict], *, steps: int, ex
     for step in range(steps):
         shots = rng.randint(1, 6)
         n_rows = max(1, -(-examples // shots))
-        rows = [training_row(rng.sample(train_rows, shots), tokenizer) for _ in range(n_rows)]
-        width = max(len(ids) for ids, _ in rows)
-        x = torch.full((n_rows, width), pad, dtype=torch.long)
-        y = torch.full((n_rows, width), -100, dtype=torch.long)
-        for i, (ids, mask) in enumerate(rows):
-            x[i, :len(ids)] = torch.tensor(ids)
-            y[i, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+        x, y = batch([training_row(rng.sample(train_rows, shots), tokenizer) for _ in range(n_rows)], pad)
         with torch.no_grad():
             hidden = model.get_decoder()(input_ids=x, attention_mask=(x != pad).long()).last_hidden_state
-        positions = torch.arange(width - 1)[None].expand(n_rows, width - 1)
+        positions = torch.arange(x.shape[1] - 1)[None].expand(n_rows, -1)
         _, logits = draft(0, x[:, 1:], hidden[:, :-1], positions)
         # the output at position t drafts x[t+2]
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
