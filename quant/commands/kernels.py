@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import typer
@@ -29,6 +30,12 @@ def status() -> None:
             path = package_path(k.eager, k.name, signature(args))
             missing += not path.is_file()
             typer.echo(f"{'built  ' if path.is_file() else 'missing'}  {k.name}({signature(args)})")
+    from quant.numerics import _native
+
+    if _native._isa() is not None:
+        path = _native.library_path()
+        missing += not path.is_file()
+        typer.echo(f"{'built  ' if path.is_file() else 'missing'}  native MXFP4/FP8 kernels ({path.name})")
     typer.echo(f"cache: {cache_dir()}" + (f"; {missing} missing: run `quant kernels build`" if missing else ""))
 
 
@@ -50,4 +57,17 @@ def build(force: bool = typer.Option(False, help="Rebuild packages that already 
                        + (f" ({time.perf_counter() - start:.1f} s, vectors {package_simdlen(path)})" if new else ""),
                        err=True)
             start = time.perf_counter()
+    from quant.numerics import _native
+
+    start = time.perf_counter()
+    try:
+        native = _native.build(force=force)
+    except (OSError, subprocess.CalledProcessError) as e:  # no working C++ compiler: the torch kernels remain
+        typer.echo(f"native kernels not built ({getattr(e, 'stderr', '') or e}); the torch kernels are used", err=True)
+        native = None
+    if native is not None:
+        path, new = native
+        built += new
+        typer.echo(f"{'built' if new else 'up to date'}: {path.name}"
+                   + (f" ({time.perf_counter() - start:.1f} s)" if new else ""), err=True)
     typer.echo(f"{built} kernel package(s) built", err=True)

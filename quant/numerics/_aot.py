@@ -52,10 +52,15 @@ def signature(args: Sequence) -> str:
 BUILD_RULE = "t1"
 
 
-def package_path(fn: Callable, name: str, sig: str) -> Path:
+def machine_dir() -> Path:
+    """Where this torch build's kernels for this CPU architecture and vector ISA live."""
     machine = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}".lower()
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{machine}"
+
+
+def package_path(fn: Callable, name: str, sig: str) -> Path:
     key = f"{name}-{sig}-{_source_digest(inspect.getsourcefile(fn))}{BUILD_RULE}"
-    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{machine}" / f"{key}.pt2"
+    return machine_dir() / f"{key}.pt2"
 
 
 class _Runner:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from quant.errors import QuantError
-from quant.numerics import SCALE_MODES  # noqa: F401  (re-exported: mxfp4.SCALE_MODES)
+from quant.numerics import SCALE_MODES, _native  # noqa: F401  (re-exported: mxfp4.SCALE_MODES)
 from quant.numerics._compile import Kernel, wants_compiled
 
 BLOCK = 32
@@ -259,6 +259,11 @@ def _run(kernel, w: torch.Tensor, *args, compiled: bool | None) -> tuple[torch.T
     return packed, byte, bool(torch.stack(flags).any())
 
 
+def _uses_native(w: torch.Tensor, compiled: bool | None) -> bool:
+    """Whether compiled kernels are wanted (forced, or a built one may be used) and the native library is built."""
+    return wants_compiled(w.numel() * 2, compiled) is not False and _native.library() is not None
+
+
 def _check_input(x: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise QuantError(f"MXFP4 quantization needs a bf16/fp16/fp32 tensor, got {x.dtype}")
@@ -287,7 +292,12 @@ def quantize_mxfp4(x: torch.Tensor, mode: str = "even", *, compiled: bool | None
     else:
         round_up_from = torch.tensor(_ROUND_UP_FROM[mode], dtype=torch.int32, device=x.device)
         fast_bf16 = x.dtype == torch.bfloat16
-        packed, byte, special = _run(_encode_bf16 if fast_bf16 else _encode, w, round_up_from, compiled=compiled)
+        if fast_bf16 and x.device.type == "cpu" and _uses_native(w, compiled):
+            # the same integer kernels, vectorised by hand for AVX2 / AVX-512 (see _native)
+            packed, byte, special = _native.mxfp4_bf16(x, _ROUND_UP_FROM[mode])
+        else:
+            packed, byte, special = _run(_encode_bf16 if fast_bf16 else _encode, w, round_up_from,
+                                         compiled=compiled)
         if special and fast_bf16:
             redo = (byte < _BF16_MIN_EXACT_BYTE).nonzero().view(-1)
             if redo.numel():
