@@ -15,7 +15,10 @@ choices from text, logprobs and finish_reason only); the native POST /generate a
 length as completion_tokens / spec_verify_ct (python/sglang/test/kits, SpecCorrectnessKit.test_acc_length). So after
 the arm's run each greedy generation is replayed through /generate with the same prompt, max_new_tokens and stop
 strings (greedy speculative decoding is lossless, so it is the same generation), giving per question `rounds` and
-`tokens`: the SGLang arm pairs per question on the mean accepted length. GET /get_server_info tells whether the
+`tokens`: the SGLang arm pairs per question on the mean accepted length. Where meta_info also carries the
+accepted draft count (spec_num_correct_drafts, or its older names), tokens = rounds + accepted drafts, i.e. vLLM's
+1 + accepted / rounds; completion_tokens / spec_verify_ct, SGLang's own spec_accept_length, also counts the token
+the prefill produced (+1/rounds) and is the fallback for releases without the count. GET /get_server_info tells whether the
 server speculates (`speculative_algorithm`).
 """
 
@@ -35,6 +38,10 @@ VLLM_COUNTERS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
 }
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# SGLang's per-request count of accepted draft tokens, by release: spec_num_correct_drafts (current),
+# spec_accepted_drafts (intermediate), spec_accept_token_num (older); tokenizer_manager.py
+# _calculate_spec_decoding_metrics.
+CORRECT_DRAFT_FIELDS = ("spec_num_correct_drafts", "spec_accepted_drafts", "spec_accept_token_num")
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _POSITION = re.compile(r'position="(\d+)"')
 
@@ -135,7 +142,8 @@ def vllm_arm(spec: ServerSpec, timeout: float = 30.0) -> dict:
         return {"measured": False, "why": f"{spec.root}/metrics lost its speculative counters during the run"}
     figures = vllm_figures(spec.before, after)
     if not figures["drafts"]:
-        return {"measured": False, "why": "the vLLM server made no drafts during the run"}
+        return {"measured": False, "why": "the vLLM server made no drafts during the run (started with "
+                                          "--disable-log-stats? its counters then stay at 0)"}
     return {"measured": True, "source": "vLLM /metrics spec_decode counters (difference over the arm's run; "
                                         "no per-question pairing)", **figures}
 
@@ -149,4 +157,9 @@ def sglang_replay(spec: ServerSpec, prompt: str, max_new_tokens: int, stop: list
     with urllib.request.urlopen(request, timeout=timeout) as response:
         meta = json.load(response)["meta_info"]
     rounds = int(meta.get("spec_verify_ct") or 0)
+    correct = next((meta[k] for k in CORRECT_DRAFT_FIELDS if meta.get(k) is not None), None)
+    if correct is not None and rounds:
+        # each verification round yields its accepted drafts plus the target's own token; completion_tokens
+        # would also count the prefill's token, which no round produced
+        return {"rounds": rounds, "tokens": rounds + int(correct)}
     return {"rounds": rounds, "tokens": int(meta["completion_tokens"])}

@@ -40,6 +40,7 @@ def test_vllm_scrape_to_arm_figures():
 
 class _Handler(BaseHTTPRequestHandler):
     speculative = "EAGLE"
+    correct_field = None
     requests: list = []
 
     def log_message(self, *args):
@@ -63,7 +64,10 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).requests.append(body)
         n = len(body["text"])  # a made-up, deterministic generation: tokens and rounds from the prompt length
-        self._json({"text": "x", "meta_info": {"completion_tokens": n, "spec_verify_ct": max(1, n // 3)}})
+        meta = {"completion_tokens": n, "spec_verify_ct": max(1, n // 3)}
+        if type(self).correct_field:
+            meta[type(self).correct_field] = n - 1 - max(1, n // 3)  # the prefill token is not from a round
+        self._json({"text": "x", "meta_info": meta})
 
 
 @pytest.fixture
@@ -82,6 +86,13 @@ def test_sglang_probe_and_replay(sglang_like):
     assert counts == {"tokens": 24, "rounds": 8}
     sent = _Handler.requests[-1]
     assert sent["sampling_params"] == {"temperature": 0, "max_new_tokens": 24, "stop": ["Question:"]}
+
+
+@pytest.mark.parametrize("field", ["spec_num_correct_drafts", "spec_accepted_drafts", "spec_accept_token_num"])
+def test_sglang_accepted_draft_count_excludes_the_prefill_token(sglang_like, monkeypatch, field):
+    monkeypatch.setattr(_Handler, "correct_field", field)
+    counts = sglang_replay(probe(sglang_like), "Question: 1 + 1?\nAnswer:", 24, [], 30)
+    assert counts == {"rounds": 8, "tokens": 8 + (24 - 1 - 8)}
 
 
 def test_a_server_that_does_not_speculate_says_so(sglang_like, monkeypatch):
