@@ -209,7 +209,8 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: 
     arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
            "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures(),
            "mtp": mtp}
-    write_records(out / "runs" / label, specs, records)
+    if any("mtp" in r for r in records):  # run_arm wrote the samples before the acceptance was attached
+        write_records(out / "runs" / label, specs, records)
     _release(backend)
     return arm, records
 
@@ -238,8 +239,7 @@ def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options
         return {"measured": False, "why": "no greedy task to replay through SGLang's /generate"}
     rounds = sum(q["rounds"] for q in replayed.values())
     tokens = sum(q["tokens"] for q in replayed.values())
-    log(f"  {records[0]['task'] if records else ''}: SGLang accept length {tokens / max(rounds, 1):.2f} over "
-        f"{len(replayed)} replayed generations")
+    log(f"  SGLang accepted length {tokens / max(rounds, 1):.2f} over {len(replayed)} replayed generations")
     return {"measured": True, "source": "SGLang /generate meta_info (completion_tokens / spec_verify_ct), greedy "
                                         "replay of each generation", "generations": len(replayed),
             "mean_accepted_length": tokens / rounds if rounds else None,

@@ -50,10 +50,10 @@ def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
     from quant.checkpoint import text_config
     from quant.pipeline.recipes import family_for_config
 
-    spec = family_for_config(config).mtp_draft
+    family = family_for_config(config)
+    spec = family.mtp_draft
     if not spec:
         return []
-    family = family_for_config(config)
     text = text_config(config)
     count_key = spec.get("count_key") or (family.mtp or {}).get("count_key")
     count = text.get(count_key) or 0 if count_key else 0
