@@ -7,7 +7,8 @@ our time as a multiple of the I/O floor measured in the same run (`io_floor`).
 
     .venv/bin/python scripts/bench_quantize.py [--gb 6] [--shards 8] [--runs 3] [--peer-runs 1] [--keep DIR]
 
-Quark is measured only when `amd-quark` is installed (`pip install amd-quark==0.13`).
+Quark is measured only when `amd-quark` is importable by the peer's interpreter (`--peer-python`, default this one;
+`make .venv-engines/.installed` gives one: `--peer-python .venv-engines/bin/python`).
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="measure only `quant quantize` (quick iterations)")
     ap.add_argument("--runs", type=int, default=3, help="runs of `quant quantize` (the median is reported)")
     ap.add_argument("--peer-runs", type=int, default=1, help="runs of Quark (the median is reported; ~80 s each)")
+    ap.add_argument("--peer-python", default=sys.executable,
+                    help="interpreter that has amd-quark==0.13 (e.g. .venv-engines/bin/python)")
     ap.add_argument("--cold", action="store_true", help="also time one run without the compiled-kernel cache")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
@@ -198,16 +201,14 @@ def main() -> None:
 
     if args.no_peer:
         return
-    try:
-        import quark  # noqa: F401
-    except ImportError:
-        print("amd-quark not installed: no peer measured (pip install amd-quark==0.13)")
+    if subprocess.run([args.peer_python, "-c", "import quark"], capture_output=True).returncode != 0:
+        print(f"amd-quark not importable by {args.peer_python}: no peer measured (pip install amd-quark==0.13)")
         return
     qdir = work / "quark"
     peer = []
     for _ in range(args.peer_runs):
         shutil.rmtree(qdir, ignore_errors=True)
-        peer.append(timed([sys.executable, "-c", QUARK_SCRIPT, str(src), str(qdir)], src))
+        peer.append(timed([args.peer_python, "-c", QUARK_SCRIPT, str(src), str(qdir)], src))
     t_q, rss_q, _ = sorted(peer)[len(peer) // 2]
     print(f"amd-quark 0.13 : {t_q:7.2f} s  {size / t_q / 1e9:6.2f} GB/s  peak RSS {rss_q / 1e9:.2f} GB  "
           f"(median of {len(peer)}: {', '.join(f'{r[0]:.2f}' for r in peer)} s)")
