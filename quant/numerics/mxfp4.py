@@ -390,3 +390,22 @@ def quantization_error(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     sums = ERROR_SUMS(x.contiguous(), packed.contiguous(), scales.contiguous(),
                       compiled=wants_compiled(x.numel(), compiled))
     return float(sums[0]), float(sums[1])
+
+
+def round_with_scales(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., n] (fp32) on the MXFP4 grid of the given scale bytes [..., 1] (or broadcastable): the value
+    `quantize_mxfp4` would store for each element under that scale, by the same rule (`e2m1_code`: nearest, ties to
+    even, saturating at 6, the sign of x kept). For callers that choose scales first and round afterwards (GPTQ)."""
+    inv = _pow2_neg_e(scales.to(torch.int32))
+    y = x.abs() * inv
+    return torch.copysign(e2m1_round(y) * scale_values(scales), x)
+
+
+def encode_with_scales(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes (uint8 [..., K/2]) of x [..., K] under the given scale bytes [..., K/32] (uint8): the
+    element kernel of `quantize_mxfp4` with the scales supplied instead of derived from x."""
+    _check_input(x)
+    lead, k = x.shape[:-1], x.shape[-1]
+    words = _as_pair_words(x.to(torch.float32).contiguous())
+    packed = _codes(words, scales.reshape(-1, 1))
+    return packed.view(*lead, k // 2)
