@@ -46,6 +46,9 @@ class Family:
     # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
     # 3-D expert tensor) from config.json
     shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
+    # What transformers' decoder layer returns after the hidden states, each fed to the next layer as the keyword
+    # argument of that name (quant/gptq/layers.py runs the layers one at a time)
+    layer_returns: list[str] = field(default_factory=lambda: ["hidden_states"])
 
     def role_of(self, module: str) -> str | None:
         for role, patterns in self.roles.items():
@@ -94,6 +97,8 @@ def load_family(name: str) -> Family:
         shapes=[(re.compile(p), {k: tuple(d) for k, d in v.items()} if isinstance(v, dict) else tuple(v))
                 for p, v in (data.get("shapes") or {}).items()]
         + (parent.shapes if parent else []),
+        layer_returns=list((data.get("decoder_layer") or {}).get("returns")
+                           or (parent.layer_returns if parent else ["hidden_states"])),
     )
 
 

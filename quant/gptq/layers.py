@@ -1,0 +1,176 @@
+"""The checkpoint's decoder stack, one layer at a time, as transformers builds it from config.json.
+
+`DecoderStack` builds the family's model on the meta device (no memory), keeps the embedding (loaded from the
+source) and replaces every decoder layer by a recorder. One pass of the model's own forward over the calibration
+windows then yields the first layer's inputs and the keyword arguments the model hands each layer (attention
+masks of each layer's type, rotary embeddings, position ids), so masks and positions are made by transformers'
+code, not ours. `load_layer(i)` then materialises the real layer i alone, from the source shards.
+
+What a layer returns besides its hidden states, and which argument of the next layer that feeds, is family data
+(`decoder_layer.returns` in quant/manifests/families/*.yaml).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quant.checkpoint import Checkpoint
+from quant.errors import QuantError
+from quant.pipeline.plan import SCALE_INV, Source
+
+PER_EXPERT = re.compile(r"^(?P<experts>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def text_prefix(tensor_names) -> str:
+    """Tensor-name prefix of the language model's layers ("model.language_model." in the VL releases)."""
+    return "model.language_model." if any(n.startswith("model.language_model.") for n in tensor_names) else "model."
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint weight lives in the transformers layer: parameter `key` (relative to the layer), and
+    for fused 3-D expert parameters the expert and row range."""
+
+    key: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for decoder layer `index` during the capture pass: keeps what the model passes it."""
+
+    def __init__(self, index: int, returns: list[str], stack: "DecoderStack"):
+        super().__init__()
+        self.index, self.returns, self.stack = index, returns, [stack]
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            raise QuantError(f"decoder layer {self.index}: positional arguments besides the hidden states are not "
+                             f"supported ({len(args)} given)")
+        self.stack[0].record(self.index, hidden_states, kwargs)
+        if len(self.returns) == 1:
+            return hidden_states
+        return (hidden_states, *(kwargs.get(name) for name in self.returns[1:]))
+
+
+class DecoderStack:
+    """The decoder layers of `ckpt`, built by transformers from its config.json, run one at a time."""
+
+    def __init__(self, root: Path, ckpt: Checkpoint, returns: list[str], device: str, dtype: torch.dtype):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from quant.pipeline.execute import SourceReader
+
+        self.ckpt, self.device, self.dtype, self.returns = ckpt, device, dtype, returns
+        self.reader = SourceReader(ckpt, device)
+        self.prefix = text_prefix(ckpt.tensors)
+        try:
+            config = AutoConfig.from_pretrained(root)
+        except Exception as e:
+            raise QuantError(f"{root / 'config.json'}: transformers cannot build a config from it "
+                             f"({str(e).splitlines()[0][:160]})") from None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.text = model.get_decoder()
+        self.layers = list(self.text.layers)
+        self.text.layers = torch.nn.ModuleList(_Recorder(i, returns, self) for i in range(len(self.layers)))
+        self.text.to_empty(device=device)
+        for name, module in list(self.text.named_modules()):
+            if name.endswith("rotary_emb"):  # buffers computed in __init__, lost on the meta device
+                parent = self.text.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.text
+                setattr(parent, name.rsplit(".", 1)[-1], type(module)(module.config).to(device))
+        with torch.no_grad():
+            for key, param in self.text.named_parameters():
+                param.copy_(self.read(self.prefix + key))
+        self.first_inputs: list[torch.Tensor] = []
+        self.kwargs: dict[int, dict[int, dict]] = {}  # layer -> batch size -> kwargs
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise QuantError(f"{self.ckpt.root}: tensor {name} is missing (the decoder layer transformers builds "
+                             f"from config.json needs it)")
+        scale = name + SCALE_INV
+        scale_info = self.ckpt.tensors.get(scale) if info.dtype == "F8_E4M3" else None
+        src = Source(name, info.file, scale if scale_info else None, scale_info.file if scale_info else None)
+        return self.reader.load(src)
+
+    # -- the capture pass ------------------------------------------------------------------------------------
+    def record(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:
+        if index == 0:
+            self.first_inputs.append(hidden.detach())
+        self.kwargs.setdefault(index, {}).setdefault(hidden.shape[0], {
+            k: v for k, v in kwargs.items() if k not in self.returns[1:]})
+
+    @torch.no_grad()
+    def capture(self, tokens: torch.Tensor, batch: int) -> list[torch.Tensor]:
+        """Run the model's forward over the windows [N, L] in batches; returns the first layer's inputs."""
+        for b in range(0, tokens.shape[0], batch):
+            self.text(input_ids=tokens[b:b + batch].to(self.device), use_cache=False)
+        inputs, self.first_inputs = self.first_inputs, []
+        return inputs
+
+    def layer_kwargs(self, index: int, batch_size: int) -> dict:
+        return self.kwargs[index][batch_size]
+
+    # -- one layer -------------------------------------------------------------------------------------------
+    def slot(self, index: int, tensor: str, expert: int | None, rows: tuple[int, int] | None) -> Slot:
+        """Where checkpoint tensor `tensor` (optionally a fused slice) of layer `index` sits in the layer."""
+        rest = tensor[len(f"{self.prefix}layers.{index}."):]
+        if expert is not None:
+            return Slot(rest, expert, rows)
+        m = PER_EXPERT.match(rest)
+        if not m:
+            return Slot(rest)
+        proj = m.group("proj")
+        key = f"{m.group('experts')}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        try:
+            height = self.layers[index].get_parameter(key).shape[1]
+        except AttributeError:
+            raise QuantError(f"{self.ckpt.root}: tensor {tensor}: the transformers layer has no fused expert "
+                             f"parameter {key}") from None
+        if proj == "down_proj":
+            return Slot(key, int(m.group("e")), (0, height))
+        lo = 0 if proj == "gate_proj" else height // 2
+        return Slot(key, int(m.group("e")), (lo, lo + height // 2))
+
+    def load_layer(self, index: int) -> torch.nn.Module:
+        """Decoder layer `index` with its source weights (block-FP8 dequantized), in the compute dtype."""
+        layer = self.layers[index].to_empty(device=self.device)
+        prefix = f"{self.prefix}layers.{index}."
+        with torch.no_grad():
+            for key, param in list(layer.named_parameters()) + list(layer.named_buffers()):
+                name = prefix + key
+                if name in self.ckpt.tensors:
+                    value = self.read(name)
+                elif key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+                    value = self._stack_experts(prefix, key, tuple(param.shape))
+                else:
+                    raise QuantError(f"{self.ckpt.root}: tensor {name} is missing (decoder layer {index} as "
+                                     f"transformers builds it from config.json)")
+                if tuple(value.shape) != tuple(param.shape):
+                    raise QuantError(f"{self.ckpt.root}: tensor {name} is {list(value.shape)}, the decoder layer "
+                                     f"built from config.json needs {list(param.shape)}")
+                param.copy_(value)
+        return layer.eval()
+
+    def _stack_experts(self, prefix: str, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A fused [E, ...] expert parameter from per-expert tensors (gate_up_proj = cat(gate, up) per expert)."""
+        base = prefix + key.rsplit(".", 1)[0]
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for e in range(shape[0]):
+            if key.endswith("gate_up_proj"):
+                out[e] = torch.cat([self.read(f"{base}.{e}.gate_proj.weight"), self.read(f"{base}.{e}.up_proj.weight")])
+            else:
+                out[e] = self.read(f"{base}.{e}.down_proj.weight")
+        return out
+
+    def release_layer(self, index: int) -> None:
+        self.layers[index] = None  # its memory goes; the stack never runs it again
