@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from quant.gptq.calibration import DEFAULT_DATA
+
 
 def command(
     src: str = typer.Argument(..., help="Source checkpoint: a local directory or a Hugging Face hub id."),
@@ -23,6 +25,15 @@ def command(
         help="Engine releases the self-check must pass for ('' to skip; 'sglang' = its default releases, "
              "'vllm==0.31' one release). `quant verify-manifest` checks every default release."),
     progress: bool = typer.Option(True, help="Show a progress bar"),
+    method: str = typer.Option("rtn", help="rtn (round to nearest) | gptq (error-aware rounding, calibrated layer "
+                               "by layer; MXFP4 schemes; same output format)"),
+    calib_data: str = typer.Option(DEFAULT_DATA,
+                                   help="GPTQ calibration text: a local .txt/.jsonl/.json/.parquet file, or a "
+                                   "Hugging Face dataset ID[:CONFIG[:SPLIT]]"),
+    calib_samples: int = typer.Option(128, help="GPTQ: calibration windows"),
+    calib_seq_len: int = typer.Option(2048, help="GPTQ: tokens per calibration window"),
+    calib_seed: int = typer.Option(0, help="GPTQ: seed of the windows' offsets"),
+    damp: float = typer.Option(0.01, help="GPTQ: damping, relative to the mean diagonal of each Hessian"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
     from quant.pipeline import quantize_checkpoint
@@ -31,9 +42,14 @@ def command(
     reuse_freed_memory()
 
     engines = [e for e in check_engines.split(",") if e.strip()]
+    gptq = None
+    if method == "gptq":
+        from quant.gptq import CalibrationSettings, GptqSettings
+
+        gptq = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp)
     manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
-                                   workers=workers, check_engines=engines, progress=progress,
-                                   log=lambda m: typer.echo(m, err=True))
+                                   workers=workers, check_engines=engines, progress=progress, method=method,
+                                   gptq=gptq, log=lambda m: typer.echo(m, err=True))
     s = manifest["summary"]
     treat = ", ".join(f"{k}: {v}" for k, v in sorted(s["modules_by_treatment"].items()))
     worst = s["worst_rel_mse"]

@@ -107,8 +107,10 @@ def _tensor_record(t: torch.Tensor) -> dict:
     return {"dtype": safetensors_dtype(t.dtype), "shape": list(t.shape)}
 
 
-def run_job(job: TensorJob, reader: SourceReader, scale_mode: str,
-            timing: Counter) -> tuple[dict[str, torch.Tensor], dict]:
+def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Counter,
+            solved=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """One job's output tensors and manifest record. `solved` (quant.gptq.run.SolvedWeights) holds the weights
+    GPTQ solved; the others are rounded to nearest."""
     t0 = time.perf_counter()
     src = reader.load(job.source)
     t1 = time.perf_counter()
@@ -126,10 +128,14 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str,
         scheme = SCHEMES[job.scheme]
         if not src.is_floating_point():
             raise QuantError(f"{where} has dtype {src.dtype}; only floating-point weights can be quantized")
-        try:
-            parts = scheme.quantize(src, scale_mode)
-        except QuantError as e:
-            raise QuantError(f"{where}: {e}") from None
+        parts, method = solved.parts(job) if solved is not None else (None, None)
+        if parts is None:
+            try:
+                parts = scheme.quantize(src, scale_mode)
+            except QuantError as e:
+                raise QuantError(f"{where}: {e}") from None
+        if solved is not None:
+            record["method"] = method
         timing["quantize_s"] += time.perf_counter() - t1
         t2 = time.perf_counter()
         record.update(scheme=scheme.name, **error_stats(src, parts, scheme))
@@ -140,7 +146,7 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str,
 
 
 def run_shard(plan: Plan, digest: str, shard: ShardJob, ckpt: Checkpoint, out: Path, device: str,
-              source_hash: Future, timing: Counter | None = None, defer_write: bool = False
+              source_hash: Future, timing: Counter | None = None, defer_write: bool = False, solved=None
               ) -> ShardResult | Callable[[], ShardResult]:
     """Quantize one shard, then write it (`write_shard`). `source_hash` is the source's sha256, computed beside
     it; `timing` accumulates seconds per phase. With `defer_write`, the write is returned as a callable for the
@@ -151,7 +157,7 @@ def run_shard(plan: Plan, digest: str, shard: ShardJob, ckpt: Checkpoint, out: P
     records: dict[str, dict] = {}
     try:
         for job in shard.jobs:
-            produced, record = run_job(job, reader, plan.scale_mode, timing)
+            produced, record = run_job(job, reader, plan.scale_mode, timing, solved)
             tensors.update(produced)
             records[job.output] = record
     finally:

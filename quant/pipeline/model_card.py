@@ -76,6 +76,23 @@ def _kept_table(tensors: dict) -> list[str]:
     return lines
 
 
+def _method_words(settings: dict) -> str:
+    if settings.get("method") != "gptq":
+        return "round-to-nearest"
+    c = settings["calibration"]
+    data = c["data"] if c["identity"].startswith("hub:") else f"{Path(c['data']).name} ({c['identity'][:15]}…)"
+    return (f"GPTQ (error-aware rounding, damping {settings['damp']}, calibrated on {c['samples']} windows of "
+            f"{c['seq_len']} tokens of {data}; same MXFP4 format as round-to-nearest)")
+
+
+def _method_args(settings: dict) -> str:
+    if settings.get("method") != "gptq":
+        return ""
+    c = settings["calibration"]
+    return (f" \\\n    --method gptq --calib-data {c['data']} --calib-samples {c['samples']} "
+            f"--calib-seq-len {c['seq_len']} --calib-seed {c['seed']} --damp {settings['damp']}")
+
+
 def render_card(manifest: dict, config: dict, source_ref: str, source_readme: str | None) -> str:
     settings, recipe = manifest["settings"], manifest["recipe"]
     scheme = settings["scheme"]
@@ -111,7 +128,7 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
         "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
         f"# {base} ({short})", "",
         f"`{base}` ({arch}) quantized with moe-quant {settings.get('version', '')}: {words}, scale rule "
-        f"`{settings.get('scale_mode', 'even')}`, round-to-nearest, in the AMD Quark checkpoint format "
+        f"`{settings.get('scale_mode', 'even')}`, {_method_words(settings)}, in the AMD Quark checkpoint format "
         "(`quant_method: quark`) that SGLang, vLLM and transformers load.", "",
         "## Recipe", "",
         f"`{recipe['name']}`: {recipe.get('description', '')}.",
@@ -137,7 +154,7 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
         "fills this section.", ACCURACY_END, "",
         "## Reproduce", "", "```bash",
         f"quant quantize {source_ref if base == source_ref else base} {out_name} --scheme {scheme}{recipe_arg}"
-        f"{scale_arg}", "```", "",
+        f"{scale_arg}{_method_args(settings)}", "```", "",
     ]
     return "\n".join(lines)
 

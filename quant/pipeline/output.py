@@ -30,13 +30,14 @@ from quant.pipeline.progress import PROGRESS_DIR
 COMPLETE_MARKER = ".quant-complete"
 STAGING_DIR = ".quant-staging"
 TMP_DIR = ".quant-tmp"
+GPTQ_DIR = ".quant-gptq"  # GPTQ's solved weights per decoder layer (quant.gptq.run), until the run is published
 MANIFEST_FILE = "quant_manifest.json"
 # The final files, in publishing order: config.json last, so its presence means the rest is in place. A new
 # final file (written with `Output.stage`) goes here, before config.json.
 FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, CARD_FILE, "config.json")
 OWN_FILES = set(FINAL_FILES) | {COMPLETE_MARKER}
 LEGACY_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
-BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, OutputLock.NAME}
+BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, OutputLock.NAME}
 
 
 def check_paths(src: Path, out: Path) -> None:

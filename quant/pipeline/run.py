@@ -1,5 +1,5 @@
-"""`quantize_checkpoint`: read → validate → plan → quantize → write → stage → self-check → publish, streaming
-one shard at a time.
+"""`quantize_checkpoint`: read → validate → plan → [calibrate and solve, with --method gptq] → quantize → write →
+stage → self-check → publish, streaming one shard (GPTQ: one decoder layer) at a time.
 
 Output layout: quantized shards, model.safetensors.index.json, config.json with the quantization_config,
 tokenizer/generation files, quant_manifest.json (per-tensor audit), README.md (model card) and
@@ -26,7 +26,7 @@ from quant.validate import require_valid
 from quant.errors import QuantError
 from quant.pipeline.files import sha256_file
 from quant.pipeline.model_card import CARD_FILE, render_card
-from quant.pipeline.output import MANIFEST_FILE, OWN_FILES, Output, check_paths
+from quant.pipeline.output import GPTQ_DIR, MANIFEST_FILE, OWN_FILES, Output, check_paths
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
@@ -177,11 +177,19 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
                         workers: int = 1, check_engines: list[str] | None = ("sglang==latest", "vllm==latest"),
-                        progress: bool = False, log=print) -> dict:
+                        progress: bool = False, method: str = "rtn", gptq=None, log=print) -> dict:
     """Quantize checkpoint `src` into directory `out` (new, empty, or an earlier run's output to resume or
     redo); returns the manifest, with `timing` added. Every input is checked (headers and config only) before
-    OUT is created."""
+    OUT is created.
+
+    `method`: "rtn" (round to nearest) or "gptq" (quant.gptq; `gptq` is its GptqSettings, default settings when
+    None). Either way the output has the same tensors, names, dtypes and shapes."""
     scheme_obj = get_scheme(scheme)
+    if method not in ("rtn", "gptq"):
+        raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
+    if method == "gptq" and not scheme.startswith("w_mxfp4"):
+        raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
+                         f"or w_mxfp4)")
     if scale_mode not in SCALE_MODES:
         raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
     src_path, source_ref = resolve_source(src)
@@ -193,13 +201,22 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     require_valid(ckpt)
     family = family_for_config(ckpt.config, src_path / "config.json")
     plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
+    calibrated = None  # (GptqSettings, what the family's decoder layer returns) when GPTQ solves the weights
+    if method == "gptq":
+        from quant.gptq.run import GptqSettings
+
+        gptq = gptq or GptqSettings()
+        gptq.calibration.check()
+        plan.settings.update(gptq.to_dict())  # part of the plan's digest: other settings, other output
+        calibrated = (gptq, family.layer_returns)
 
     with Output(out) as output:
-        return _quantize_into(output, plan, ckpt, src_path, source_ref, device_list, check_engines, progress, log)
+        return _quantize_into(output, plan, ckpt, src_path, source_ref, device_list, check_engines, progress, log,
+                              calibrated)
 
 
 def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref: str, device_list: list[str],
-                   check_engines, progress: bool, log) -> dict:
+                   check_engines, progress: bool, log, calibrated=None) -> dict:
     """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
     out, digest = output.root, plan.digest()
     stale = output.begin()
@@ -218,12 +235,20 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
 
     started = time.perf_counter()
     timing = Counter()
+    solved = None
+    if calibrated and todo:
+        from quant.gptq.run import solve_checkpoint
+
+        settings, layer_returns = calibrated
+        with _compute_runtime(device_list[:1]):
+            solved = solve_checkpoint(plan, ckpt, src_path, out, device_list[0], settings, layer_returns, digest, log)
+        timing["gptq_s"] = time.perf_counter() - started
     # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
     # shard order, from before torch loads to beside the quantizing workers.
     with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:
         hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
         try:
-            _run_shards(plan, digest, todo, ckpt, out, device_list, hashes, timing, results, progress)
+            _run_shards(plan, digest, todo, ckpt, out, device_list, hashes, timing, results, progress, solved)
         finally:
             for future in hashes.values():
                 future.cancel()  # after a failure, shards never started need no hash
@@ -234,6 +259,7 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     if check_engines:
         self_check(out, list(check_engines), output.staging_dir)
     output.publish(json.dumps({"plan_digest": digest, "version": __version__}))
+    shutil.rmtree(out / GPTQ_DIR, ignore_errors=True)  # every shard holds its solved weights now
     manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
                           **{k: round(v, 3) for k, v in timing.items()}}
     return manifest
@@ -270,7 +296,7 @@ def _compute_runtime(device_list: list[str]):
 
 
 def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
-                timing: Counter, results: dict[str, ShardResult], progress: bool) -> None:
+                timing: Counter, results: dict[str, ShardResult], progress: bool, solved=None) -> None:
     """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
     start. Finished results go into `results`.
 
@@ -283,7 +309,7 @@ def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_lis
             i, shard = i_shard
             set_threads(threads)  # OpenMP keeps a thread count per thread: the compiled kernels read this one
             return shard, run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
-                                    hashes[shard.file], timing, defer_write=write_here)
+                                    hashes[shard.file], timing, defer_write=write_here, solved=solved)
 
         queue = iter(enumerate(todo))
         with ThreadPoolExecutor(max_workers=len(device_list)) as pool:

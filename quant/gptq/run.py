@@ -1,0 +1,293 @@
+"""GPTQ over a whole checkpoint, one decoder layer at a time (`quant quantize --method gptq`).
+
+Data flow: the calibration windows run through transformers' own model (built from config.json on the meta
+device) up to the first decoder layer; then, for each decoder layer in turn, only that layer's weights are read
+from the source shards, the input Hessians of its MXFP4 weights are accumulated over the calibration activations,
+each weight is solved (`solve.gptq_mxfp4`), every quantized weight of the layer is replaced by what the engines
+will compute with, and the activations go through the quantized layer to become the next layer's inputs. Peak
+memory is one layer, its Hessians and two copies of the calibration activations.
+
+The solved weights (packed codes and scale bytes, exactly what the export stores) go to `OUT/.quant-gptq/`, one
+safetensors file per layer with a JSON record beside it; the shard writer (`pipeline.execute`) takes them from
+there instead of rounding to nearest. A killed run resumes at the first layer without a record (earlier layers are
+re-run forward with their solved weights, not re-solved).
+
+What stays round-to-nearest, and why (each recorded in the manifest as `method`):
+  - MTP / NextN layers (beyond num_hidden_layers): transformers does not build them, so no calibration
+    activations reach them;
+  - FP8-scheme modules of mixed recipes (GPTQ here is the MXFP4 grid's);
+  - routed experts that fewer than `MIN_EXPERT_TOKENS` calibration tokens were routed to: their Hessian is too
+    poorly estimated to steer the rounding (the damping would dominate it); with zero tokens there is nothing to
+    steer by at all;
+  - weights that are neither an nn.Linear nor a fused expert parameter of transformers' layer.
+Experts with at least MIN_EXPERT_TOKENS but fewer tokens than input columns get damping scaled up by
+columns / tokens, so their rank-deficient Hessian is regularised in proportion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quant.errors import QuantError
+from quant.gptq.calibration import CalibrationSettings, calibration_tokens, data_identity
+from quant.pipeline.output import GPTQ_DIR
+from quant.pipeline.plan import LAYER, Plan, TensorJob
+
+MIN_EXPERT_TOKENS = 64
+MXFP4_SCHEMES = ("w_mxfp4_a_mxfp4", "w_mxfp4")
+
+
+@dataclass(frozen=True)
+class GptqSettings:
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    damp: float = 0.01  # relative to the mean diagonal of H, as in GPTQ's reference code
+    batch: int = 8  # calibration windows per forward call
+    hessian_bytes: int = 4 << 30  # budget for one pass's expert Hessians; more experts take more passes
+
+    def to_dict(self, with_identity: bool = True) -> dict:
+        d = {"method": "gptq", "damp": self.damp, "min_expert_tokens": MIN_EXPERT_TOKENS,
+             "calibration": self.calibration.to_dict()}
+        if with_identity:
+            d["calibration"]["identity"] = data_identity(self.calibration.data)
+        return d
+
+
+def layer_of(job: TensorJob) -> int | None:
+    m = LAYER.search(job.source.name)
+    return int(m.group(1)) if m else None
+
+
+def quantized_jobs_by_layer(plan: Plan) -> dict[int, list[TensorJob]]:
+    by_layer: dict[int, list[TensorJob]] = defaultdict(list)
+    for shard in plan.shards:
+        for job in shard.jobs:
+            if job.action == "quantize" and layer_of(job) is not None:
+                by_layer[layer_of(job)].append(job)
+    return by_layer
+
+
+class SolvedWeights:
+    """The solved weights in OUT/.quant-gptq/: `parts(job)` gives {suffix: tensor} and the record of a weight GPTQ
+    solved, or None (round it to nearest)."""
+
+    def __init__(self, root: Path, decoder_layers: int):
+        self.root, self.decoder_layers = root, decoder_layers
+        self.records: dict[str, dict] = {}
+        self.files: dict[str, Path] = {}
+        for rec_path in sorted(root.glob("layer-*.json")) if root.is_dir() else []:
+            data = json.loads(rec_path.read_text())
+            for output, record in data["weights"].items():
+                self.records[output] = record
+                self.files[output] = rec_path.with_suffix(".safetensors")
+
+    def parts(self, job: TensorJob):
+        record = self.records.get(job.output)
+        if record is None:
+            layer = layer_of(job)
+            why = ("outside the decoder layers" if layer is None else
+                   "MTP/NextN layer: transformers does not run it, so no calibration activations reach it"
+                   if layer >= self.decoder_layers else "no record of this layer")
+            return None, {"method": "rtn", "why": why}
+        if record["method"] != "gptq":
+            return None, record
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[job.output]), framework="pt") as f:
+            return {s: f.get_tensor(f"{job.output}.{s}") for s in ("weight", "weight_scale")}, record
+
+
+def _layer_file(store: Path, index: int, suffix: str) -> Path:
+    return store / f"layer-{index:05d}{suffix}"
+
+
+def _layer_digest(plan_digest: str, index: int) -> str:
+    return hashlib.sha256(f"{plan_digest}:{index}".encode()).hexdigest()
+
+
+def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, settings: GptqSettings,
+                     layer_returns: list[str], digest: str, log=print) -> SolvedWeights:
+    """Solve every MXFP4 weight of the decoder layers with GPTQ into OUT/.quant-gptq/ (resuming what an earlier
+    run of the same plan solved)."""
+    import torch
+
+    from quant.gptq.layers import DecoderStack
+
+    store = out / GPTQ_DIR
+    store.mkdir(exist_ok=True)
+    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    tokens = calibration_tokens(settings.calibration, src_path)
+    stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype)
+    by_layer = quantized_jobs_by_layer(plan)
+    started = time.perf_counter()
+    with torch.no_grad():
+        hidden = stack.capture(tokens, settings.batch)
+        carry: list[dict] = [{} for _ in hidden]
+        for index in range(len(stack)):
+            t0 = time.perf_counter()
+            layer = stack.load_layer(index)
+            jobs = by_layer.get(index, [])
+            record_path = _layer_file(store, index, ".json")
+            previous = json.loads(record_path.read_text()) if record_path.is_file() else None
+            if previous and previous.get("digest") == _layer_digest(digest, index):
+                solved = _load_layer_solution(store, index, previous)
+                resumed = True
+            else:
+                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, device)
+                _save_layer_solution(store, index, solved, _layer_digest(digest, index))
+                resumed = False
+            _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
+            hidden, carry = _forward(stack, index, layer, hidden, carry)
+            stack.release_layer(index)
+            del layer
+            n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
+            log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
+                f"{len(jobs) - n_gptq} rounded to nearest, {time.perf_counter() - t0:.1f} s")
+    log(f"gptq: {len(stack)} decoder layers in {time.perf_counter() - started:.1f} s "
+        f"({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
+    return SolvedWeights(store, len(stack))
+
+
+def _run_layer(stack, index: int, layer, hidden: list, carry: list[dict]):
+    for b, x in enumerate(hidden):
+        out = layer(x, **stack.layer_kwargs(index, x.shape[0]), **carry[b])
+        yield b, out
+
+
+def _forward(stack, index: int, layer, hidden: list, carry: list[dict]) -> tuple[list, list[dict]]:
+    """The layer's outputs for every batch: the next layer's hidden states and carried keyword arguments."""
+    new_hidden, new_carry = [], []
+    for _, out in _run_layer(stack, index, layer, hidden, carry):
+        if isinstance(out, tuple):
+            new_hidden.append(out[0])
+            new_carry.append(dict(zip(stack.returns[1:], out[1:])))
+        else:
+            new_hidden.append(out)
+            new_carry.append({})
+    return new_hidden, new_carry
+
+
+def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
+                 settings: GptqSettings, device: str) -> dict:
+    """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}."""
+    import torch
+
+    from quant.gptq.hessians import HessianCollector, supported
+    from quant.gptq.solve import gptq_mxfp4, output_error
+    from quant.numerics import mxfp4
+
+    records: dict[str, dict] = {}
+    parts: dict[str, dict] = {}
+    slots = {job.output: stack.slot(index, job.source.name, job.source.expert, job.source.rows) for job in jobs}
+    eligible = [j for j in jobs if j.scheme in MXFP4_SCHEMES]
+    for job in jobs:
+        if job.scheme not in MXFP4_SCHEMES:
+            records[job.output] = {"method": "rtn", "why": f"{job.scheme} (GPTQ here is for MXFP4 weights)"}
+    keys = sorted({slots[j.output].key for j in eligible})
+    unsupported = [k for k in keys if not supported(layer, k)]
+    for job in eligible:
+        if slots[job.output].key in unsupported:
+            records[job.output] = {"method": "rtn", "why": "neither an nn.Linear nor a fused expert parameter"}
+    keys = [k for k in keys if k not in unsupported]
+
+    plain = [k for k in keys if layer.get_parameter(k).dim() == 2]
+    fused = [k for k in keys if k not in plain]
+    passes: list[tuple[list[str], list[int] | None]] = [(plain, None)] if plain else []
+    for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
+        mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
+        experts = sorted({slots[j.output].expert for j in eligible if slots[j.output].key in mine})
+        per_expert = sum(layer.get_parameter(k).shape[-1] ** 2 * 4 for k in mine)
+        chunk = max(1, settings.hessian_bytes // per_expert)
+        passes += [(mine, experts[i:i + chunk]) for i in range(0, len(experts), chunk)]
+
+    for pass_keys, experts in passes:
+        collector = HessianCollector(layer, set(pass_keys), experts)
+        try:
+            for _ in _run_layer(stack, index, layer, hidden, carry):
+                pass
+        finally:
+            collector.close()
+        for key in pass_keys:
+            param = layer.get_parameter(key)
+            h, counts = collector.hessians.pop(key), collector.tokens[key]
+            chosen = experts if experts is not None else [None]
+            w = (param.unsqueeze(0) if experts is None else param[experts]).to(torch.float32)
+            k = w.shape[-1]
+            ok = counts >= (MIN_EXPERT_TOKENS if experts is not None else 1)
+            damp = torch.full((len(chosen),), settings.damp)
+            thin = counts < k
+            damp = torch.where(thin & ok, torch.clamp(settings.damp * k / counts.clamp_min(1), max=1.0), damp)
+            eye_h = torch.eye(k, device=h.device).expand_as(h)
+            h = torch.where(ok.to(h.device)[:, None, None], h, eye_h)  # identity H: rounds to nearest exactly
+            solved = gptq_mxfp4(w, h, plan.scale_mode, damp.to(h.device))
+            err_gptq = output_error(w, solved.values, h)
+            rtn = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w, mode=plan.scale_mode), dtype=torch.float32)
+            err_rtn = output_error(w, rtn, h)
+            for job in eligible:
+                slot = slots[job.output]
+                if slot.key != key or (experts is not None and slot.expert not in experts):
+                    continue
+                i = 0 if experts is None else experts.index(slot.expert)
+                r0, r1 = slot.rows if slot.rows else (0, w.shape[1])
+                tokens = int(counts[i])
+                if not bool(ok[i]):
+                    records[job.output] = {"method": "rtn", "tokens": tokens,
+                                           "why": f"{tokens} calibration tokens (< {MIN_EXPERT_TOKENS})"}
+                    continue
+                records[job.output] = {"method": "gptq", "tokens": tokens, "damping": float(solved.damping[i]),
+                                       "calib_rel_error_rtn": float(err_rtn[i]),
+                                       "calib_rel_error_gptq": float(err_gptq[i])}
+                parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
+                                     "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
+            del h, solved, rtn
+    return {"records": records, "parts": parts}
+
+
+def _save_layer_solution(store: Path, index: int, solved: dict, digest: str) -> None:
+    from safetensors.torch import save_file
+
+    from quant.pipeline.files import write_atomic
+
+    tensors = {f"{out}.{s}": t for out, p in solved["parts"].items() for s, t in p.items()}
+    weights = _layer_file(store, index, ".safetensors")
+    tmp = weights.with_suffix(".safetensors.partial")
+    save_file(tensors, str(tmp))
+    tmp.replace(weights)
+    # The record last: it is what marks the layer solved.
+    write_atomic(_layer_file(store, index, ".json"),
+                 json.dumps({"digest": digest, "weights": solved["records"]}, sort_keys=True), store)
+
+
+def _load_layer_solution(store: Path, index: int, record: dict) -> dict:
+    from safetensors import safe_open
+
+    parts: dict[str, dict] = {}
+    with safe_open(str(_layer_file(store, index, ".safetensors")), framework="pt") as f:
+        for out, rec in record["weights"].items():
+            if rec["method"] == "gptq":
+                parts[out] = {s: f.get_tensor(f"{out}.{s}") for s in ("weight", "weight_scale")}
+    return {"records": record["weights"], "parts": parts}
+
+
+def _apply_quantized(stack, index: int, layer, jobs: list[TensorJob], solved: dict, scale_mode: str) -> None:
+    """Replace every quantized weight of the layer by the values the engines will compute with (GPTQ's, or the
+    scheme's round-to-nearest), so the next layer calibrates on the quantized model's activations."""
+    import torch
+
+    from quant.pipeline.schemes import SCHEMES
+
+    for job in jobs:
+        slot = stack.slot(index, job.source.name, job.source.expert, job.source.rows)
+        param = layer.get_parameter(slot.key)
+        target = param if slot.expert is None else param[slot.expert]
+        if slot.rows:
+            target = target[slot.rows[0]:slot.rows[1]]
+        scheme = SCHEMES[job.scheme]
+        parts = solved["parts"].get(job.output)
+        if parts is None:
+            parts = scheme.quantize(target.detach().to(torch.float32), scale_mode)
+        target.copy_(scheme.dequantize({k: v.to(param.device) for k, v in parts.items()}).to(param.dtype))
