@@ -169,8 +169,19 @@ def step_shape(step: int, steps: int, examples: int, short_fraction: float, rng:
     return shots, max(1, -(-examples // (2 * shots)))
 
 
+def text_windows(path: Path, tokenizer, width: int) -> list[list[int]]:
+    """Token windows of natural text for `--text`: the question and answer of every record of a GSM8K-format
+    JSONL file, joined and cut into `width`-token pieces."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ids = tokenizer.encode("\n\n".join(f"{r['question']}\n{r['answer']}" for r in rows), add_special_tokens=False)
+    return [ids[i:i + width] for i in range(0, len(ids) - width + 1, width)]
+
+
 def train(model, tokenizer, train_rows: list[dict], *, steps: int, examples: int, short_fraction: float, lr: float,
-          qat_from: float, seed: int, log=print) -> None:
+          qat_from: float, seed: int, weight_decay: float = 0.1, text: list[list[int]] | None = None,
+          text_rows: int = 8, log=print) -> None:
+    """`text`: token windows of natural text, `text_rows` of them trained on at every step beside the task (a
+    model that must also predict text is not saturated, so quantization shows in its held-out NLL)."""
     import torch
     from torch.nn.utils import parametrize
 
@@ -182,7 +193,7 @@ def train(model, tokenizer, train_rows: list[dict], *, steps: int, examples: int
     for module, leaf in quantizable:
         parametrize.register_parametrization(module, leaf, FakeMXFP4.module())
     params = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": 0.1},
+    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": weight_decay},
                              {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.98))
     pad = tokenizer.pad_token_id
@@ -197,12 +208,18 @@ def train(model, tokenizer, train_rows: list[dict], *, steps: int, examples: int
             group["lr"] = lr * max(scale, 0.05)
         FakeMXFP4.enabled = step >= qat_from * steps and rng.random() < 0.5
         loss = model(input_ids=x, attention_mask=(x != pad).long(), labels=y).loss
-        loss.backward()
+        if text:
+            windows = torch.tensor(rng.sample(text, text_rows))
+            text_loss = model(input_ids=windows, labels=windows).loss
+            (loss + text_loss).backward()
+        else:
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % 50 == 0 or step == 0:
-            log(f"step {step + 1}/{steps}  rows {n_rows}x{shots}  loss {loss.item():.4f}  {time.time() - start:.0f}s"
+            log(f"step {step + 1}/{steps}  rows {n_rows}x{shots}  loss {loss.item():.4f}  "
+                + (f"text loss {text_loss.item():.4f}  " if text else "") + f"{time.time() - start:.0f}s"
                 + ("  (MXFP4 fake-quant)" if FakeMXFP4.enabled else ""))
     FakeMXFP4.enabled = False
     for module, leaf in quantizable:
@@ -377,6 +394,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--qat-from", type=float, default=0.6, help="fraction of steps after which fake-quant starts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--text", type=Path, help="GSM8K-format JSONL whose text is also trained on (natural-text "
+                        "windows beside the task; scripts/bench_gptq.py uses GSM8K's training set)")
+    parser.add_argument("--text-width", type=int, default=256, help="tokens per --text window")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--mtp-steps", type=int, default=600)
@@ -405,6 +426,8 @@ def main(argv=None) -> int:
         start = time.time()
         train(model, tokenizer, train_rows, steps=args.steps, examples=args.examples,
               short_fraction=args.short_fraction, lr=args.lr, qat_from=args.qat_from, seed=args.seed,
+              weight_decay=args.weight_decay,
+              text=text_windows(args.text, tokenizer, args.text_width) if args.text else None,
               log=lambda m: print(m, flush=True))
         print(f"trained in {time.time() - start:.0f}s", flush=True)
         save_checkpoint(model, toy_dir, args.out)

@@ -48,6 +48,7 @@ class GptqSettings:
     damp: float = 0.01  # relative to the mean diagonal of H, as in GPTQ's reference code
     batch: int = 8  # calibration windows per forward call
     hessian_bytes: int = 4 << 30  # budget for one pass's expert Hessians; more experts take more passes
+    solve_bytes: int = 1 << 29  # budget for the solver's working set; more experts are solved in more groups
 
     def to_dict(self, with_identity: bool = True) -> dict:
         d = {"method": "gptq", "damp": self.damp, "min_expert_tokens": MIN_EXPERT_TOKENS,
@@ -174,11 +175,7 @@ def _forward(stack, index: int, layer, hidden: list, carry: list[dict]) -> tuple
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
                  settings: GptqSettings, device: str) -> dict:
     """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}."""
-    import torch
-
     from quant.gptq.hessians import HessianCollector, supported
-    from quant.gptq.solve import gptq_mxfp4, output_error
-    from quant.numerics import mxfp4
 
     records: dict[str, dict] = {}
     parts: dict[str, dict] = {}
@@ -212,39 +209,58 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
         finally:
             collector.close()
         for key in pass_keys:
-            param = layer.get_parameter(key)
-            h, counts = collector.hessians.pop(key), collector.tokens[key]
-            chosen = experts if experts is not None else [None]
-            w = (param.unsqueeze(0) if experts is None else param[experts]).to(torch.float32)
-            k = w.shape[-1]
-            ok = counts >= (MIN_EXPERT_TOKENS if experts is not None else 1)
-            damp = torch.full((len(chosen),), settings.damp)
-            thin = counts < k
-            damp = torch.where(thin & ok, torch.clamp(settings.damp * k / counts.clamp_min(1), max=1.0), damp)
-            eye_h = torch.eye(k, device=h.device).expand_as(h)
-            h = torch.where(ok.to(h.device)[:, None, None], h, eye_h)  # identity H: rounds to nearest exactly
-            solved = gptq_mxfp4(w, h, plan.scale_mode, damp.to(h.device))
-            err_gptq = output_error(w, solved.values, h)
-            rtn = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w, mode=plan.scale_mode), dtype=torch.float32)
-            err_rtn = output_error(w, rtn, h)
-            for job in eligible:
-                slot = slots[job.output]
-                if slot.key != key or (experts is not None and slot.expert not in experts):
-                    continue
-                i = 0 if experts is None else experts.index(slot.expert)
-                r0, r1 = slot.rows if slot.rows else (0, w.shape[1])
-                tokens = int(counts[i])
-                if not bool(ok[i]):
-                    records[job.output] = {"method": "rtn", "tokens": tokens,
-                                           "why": f"{tokens} calibration tokens (< {MIN_EXPERT_TOKENS})"}
-                    continue
-                records[job.output] = {"method": "gptq", "tokens": tokens, "damping": float(solved.damping[i]),
-                                       "calib_rel_error_rtn": float(err_rtn[i]),
-                                       "calib_rel_error_gptq": float(err_gptq[i])}
-                parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
-                                     "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
-            del h, solved, rtn
+            hessians, counts = collector.hessians.pop(key), collector.tokens[key]
+            jobs_here = [j for j in eligible if slots[j.output].key == key
+                         and (experts is None or slots[j.output].expert in experts)]
+            _solve_parameter(layer.get_parameter(key), experts, hessians, counts, jobs_here, slots, plan.scale_mode,
+                             settings, records, parts)
+            del hessians
     return {"records": records, "parts": parts}
+
+
+def _solve_parameter(param, experts: list[int] | None, hessians, counts, jobs: list[TensorJob], slots: dict,
+                     scale_mode: str, settings: GptqSettings, records: dict, parts: dict) -> None:
+    """Solve one layer parameter (a linear's weight, or the rows of the fused experts `experts`) given the Hessians
+    [E, K, K] and token counts [E] collected for it, in groups of experts whose solver working set (float64
+    Cholesky factors, fp32 weights) stays within settings.solve_bytes; fill `records` and `parts` for `jobs`."""
+    import torch
+
+    from quant.gptq.solve import gptq_mxfp4, output_error
+    from quant.numerics import mxfp4
+
+    k = param.shape[-1]
+    group = max(1, settings.solve_bytes // (k * k * 8 * 3 + param.shape[-2] * k * 4 * 4))
+    for g0 in range(0, counts.shape[0], group):
+        sel = list(range(g0, min(g0 + group, counts.shape[0])))
+        w = (param.unsqueeze(0) if experts is None else param[[experts[i] for i in sel]]).to(torch.float32)
+        h, n = hessians[sel], counts[sel]
+        ok = n >= (MIN_EXPERT_TOKENS if experts is not None else 1)
+        # Fewer tokens than inputs: a rank-deficient H, damped in proportion (up to its whole mean diagonal).
+        damp = torch.where(ok & (n < k), torch.clamp(settings.damp * k / n.clamp_min(1), max=1.0),
+                           torch.full((len(sel),), settings.damp))
+        eye = torch.eye(k, device=h.device).expand_as(h)
+        h = torch.where(ok.to(h.device)[:, None, None], h, eye)  # identity H: rounds to nearest exactly
+        solved = gptq_mxfp4(w, h, scale_mode, damp.to(h.device))
+        err_gptq = output_error(w, solved.values, h)
+        rtn = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w, mode=scale_mode), dtype=torch.float32)
+        err_rtn = output_error(w, rtn, h)
+        for job in jobs:
+            slot = slots[job.output]
+            i = 0 if experts is None else experts.index(slot.expert) - g0
+            if not 0 <= i < len(sel):
+                continue
+            r0, r1 = slot.rows if slot.rows else (0, w.shape[1])
+            tokens = int(n[i])
+            if not bool(ok[i]):
+                records[job.output] = {"method": "rtn", "tokens": tokens,
+                                       "why": f"{tokens} calibration tokens (< {MIN_EXPERT_TOKENS})"}
+                continue
+            records[job.output] = {"method": "gptq", "tokens": tokens, "damping": float(solved.damping[i]),
+                                   "calib_rel_error_rtn": float(err_rtn[i]),
+                                   "calib_rel_error_gptq": float(err_gptq[i])}
+            parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
+                                 "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
+        del h, solved, rtn, w
 
 
 def _save_layer_solution(store: Path, index: int, solved: dict, digest: str) -> None:

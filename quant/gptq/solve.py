@@ -75,7 +75,8 @@ def gptq_mxfp4(weight: torch.Tensor, hessian: torch.Tensor, scale_mode: str = "e
         err1 = torch.empty_like(w1)
         for i in range(c1 - c0):
             if i % BLOCK == 0:  # a new scale block: its scale from its current (corrected) weights
-                _, block_scale = mxfp4.quantize_mxfp4(w1[:, :, i:i + BLOCK].contiguous(), scale_mode)
+                # eager: one call per block and shape; torch.compile would specialise on each
+                _, block_scale = mxfp4.quantize_mxfp4(w1[:, :, i:i + BLOCK].contiguous(), scale_mode, compiled=False)
                 scales[:, :, (c0 + i) // BLOCK] = block_scale[..., 0]
             q = mxfp4.round_with_scales(w1[:, :, i], block_scale[..., 0])
             values[:, :, c0 + i] = q
