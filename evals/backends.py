@@ -264,8 +264,10 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
 def _transformers_backend(path: Path, label: str, options: BackendOptions, work_dir: Path) -> Backend:
     from lm_eval.models.huggingface import HFLM
 
-    model, tokenizer, description, notes, draft = load_checkpoint_model(
-        path, work_dir / label, dtype=options.dtype, device=options.device, with_draft=options.mtp)
+    loaded = load_checkpoint_model(path, work_dir / label, dtype=options.dtype, device=options.device,
+                                   with_draft=options.mtp)
+    model, tokenizer, description, notes = loaded[:4]
+    draft = loaded[4] if options.mtp else None
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
     note = "" if draft is not None else ("MTP not measured (--mtp off)" if not options.mtp
                                          else "the checkpoint has no MTP layers")

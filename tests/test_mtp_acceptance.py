@@ -114,3 +114,14 @@ def test_a_family_without_mtp_says_so(toy_factory, tmp_path):
     assert report["candidate"]["mtp"] == {"measured": False, "why": "the checkpoint has no MTP layers"}
     assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None
     assert "not measured (the checkpoint has no MTP layers)" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_mtp_off_runs_without_the_draft(tmp_path):
+    """`quant eval --no-mtp` on a checkpoint that has an MTP layer: the arms run without loading the draft (this
+    path once crashed unpacking the loader's result)."""
+    from evals.compare import EvalRequest, evaluate
+
+    report = evaluate(EvalRequest(candidate=str(FIXTURE), baseline=str(FIXTURE), tasks="toy_arith", limit=2,
+                                  max_gen_toks=4, margin=50.0, out=tmp_path / "eval", mtp=False), log=lambda m: None)
+    assert report["candidate"]["mtp"]["measured"] is False and "--mtp off" in report["candidate"]["mtp"]["why"]
+    assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None
