@@ -67,6 +67,7 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_numerics.py
 	$(PY) scripts/bench_verify.py
 	$(PY) scripts/bench_quantize.py
+	$(PY) scripts/bench_gptq.py
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) $(DEMO_OUT) .pytest_cache
