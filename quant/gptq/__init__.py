@@ -1,8 +1,16 @@
 """GPTQ for MXFP4 (`quant quantize --method gptq`): calibration data through the decoder layers one at a time,
-error-aware rounding of each MXFP4 weight, the same Quark-schema output as round-to-nearest."""
+error-aware rounding of each MXFP4 weight, the same Quark-schema output as round-to-nearest.
 
-from quant.gptq.calibration import DEFAULT_DATA, CalibrationSettings
-from quant.gptq.run import GptqSettings, solve_checkpoint
-from quant.gptq.solve import gptq_mxfp4, output_error
+Names are handed on lazily: the CLI reads `DEFAULT_DATA` for its help text, which must not load torch."""
 
-__all__ = ["DEFAULT_DATA", "CalibrationSettings", "GptqSettings", "gptq_mxfp4", "output_error", "solve_checkpoint"]
+from importlib import import_module
+
+_WHERE = {"DEFAULT_DATA": "calibration", "CalibrationSettings": "calibration", "GptqSettings": "run",
+          "solve_checkpoint": "run", "gptq_mxfp4": "solve", "output_error": "solve"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
