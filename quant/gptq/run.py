@@ -33,7 +33,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings, calibration_tokens, data_identity
 from quant.pipeline.output import GPTQ_DIR
 from quant.pipeline.plan import LAYER, Plan, TensorJob
@@ -138,7 +137,7 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, s
                 solved = _load_layer_solution(store, index, previous)
                 resumed = True
             else:
-                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, device)
+                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings)
                 _save_layer_solution(store, index, solved, _layer_digest(digest, index))
                 resumed = False
             _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
@@ -173,7 +172,7 @@ def _forward(stack, index: int, layer, hidden: list, carry: list[dict]) -> tuple
 
 
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
-                 settings: GptqSettings, device: str) -> dict:
+                 settings: GptqSettings) -> dict:
     """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}."""
     from quant.gptq.hessians import HessianCollector, supported
 
