@@ -36,9 +36,9 @@ from pathlib import Path
 from quant.gptq.calibration import CalibrationSettings, calibration_tokens, data_identity
 from quant.pipeline.output import GPTQ_DIR
 from quant.pipeline.plan import LAYER, Plan, TensorJob
+from quant.pipeline.schemes import MXFP4_SCHEMES
 
 MIN_EXPERT_TOKENS = 64
-MXFP4_SCHEMES = ("w_mxfp4_a_mxfp4", "w_mxfp4")
 
 
 @dataclass(frozen=True)
@@ -192,22 +192,27 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
 
     plain = [k for k in keys if layer.get_parameter(k).dim() == 2]
     fused = [k for k in keys if k not in plain]
-    passes: list[tuple[list[str], list[int] | None]] = [(plain, None)] if plain else []
+    # One forward pass over the calibration activations per group of experts whose Hessians fit the budget; the
+    # plain linears' Hessians ride along with the first (one pass per layer when every expert fits).
+    passes: list[tuple[list[str], list[int] | None]] = []
     for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
         mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
         experts = sorted({slots[j.output].expert for j in eligible if slots[j.output].key in mine})
         per_expert = sum(layer.get_parameter(k).shape[-1] ** 2 * 4 for k in mine)
         chunk = max(1, settings.hessian_bytes // per_expert)
         passes += [(mine, experts[i:i + chunk]) for i in range(0, len(experts), chunk)]
+    if plain:
+        passes[:1] = [(plain + passes[0][0], passes[0][1])] if passes else [(plain, None)]
 
-    for pass_keys, experts in passes:
-        collector = HessianCollector(layer, set(pass_keys), experts)
+    for pass_keys, pass_experts in passes:
+        collector = HessianCollector(layer, set(pass_keys), pass_experts)
         try:
             for _ in _run_layer(stack, index, layer, hidden, carry):
                 pass
         finally:
             collector.close()
         for key in pass_keys:
+            experts = None if key in plain else pass_experts
             hessians, counts = collector.hessians.pop(key), collector.tokens[key]
             jobs_here = [j for j in eligible if slots[j.output].key == key
                          and (experts is None or slots[j.output].expert in experts)]

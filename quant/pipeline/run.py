@@ -32,7 +32,7 @@ from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
 from quant.pipeline.recipes import family_for_config, load_recipe
 from quant.numerics import SCALE_MODES
-from quant.pipeline.schemes import get_scheme
+from quant.pipeline.schemes import MXFP4_SCHEMES, get_scheme
 from quant.pipeline.source import resolve_source
 from quant.process import cpu_threads, frozen_imports, set_threads
 
@@ -187,7 +187,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     scheme_obj = get_scheme(scheme)
     if method not in ("rtn", "gptq"):
         raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
-    if method == "gptq" and not scheme.startswith("w_mxfp4"):
+    if method == "gptq" and scheme not in MXFP4_SCHEMES:
         raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
                          f"or w_mxfp4)")
     if scale_mode not in SCALE_MODES:

@@ -110,6 +110,9 @@ SCHEMES: dict[str, Scheme] = {
     ]
 }
 
+MXFP4_SCHEMES = tuple(name for name in SCHEMES if name.startswith("w_mxfp4"))  # what GPTQ can solve
+
+
 def get_scheme(name: str) -> Scheme:
     if name not in SCHEMES:
         raise QuantError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}")
