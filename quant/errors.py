@@ -1,14 +1,20 @@
 """User-facing errors.
 
 Every failure a user can cause (bad input file, missing tensor, wrong option) is raised as a `QuantError`
-whose message is one line naming the file, tensor or key. The CLI prints it without a traceback.
+whose message is one line naming the file, tensor or key. The CLI prints it without a traceback and exits with
+the error's `exit_code`, from the table in the README:
+
+  1  EngineFailure: an engine would fail or load wrong weights (the self-check, config/tensor disagreements)
+  2  QuantError: a bad argument or unreadable input, found before any work
+  4  `quant eval`: the verdict is `invalid` (an arm at or below the floor, or accuracy and acceptance disagree)
+ 69  EvidenceMissing: `quant eval` could not get the answers it needs (a server arm's requests failed)
 """
 
 
 class QuantError(Exception):
-    """A problem with the user's input, reported as one line; exit code `exit_code`."""
+    """A problem with the user's input (a bad argument, an unreadable or invalid file), reported as one line."""
 
-    exit_code = 1
+    exit_code = 2
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
@@ -19,3 +25,15 @@ class UnreadableCheckpoint(QuantError):
 
     exit_code = 2
 
+
+class EngineFailure(QuantError):
+    """An engine would fail to load the checkpoint, or load wrong weights."""
+
+    exit_code = 1
+
+
+class EvidenceMissing(QuantError):
+    """`quant eval` has no verdict to give: an arm's requests failed beyond the tolerance (sysexits
+    EX_UNAVAILABLE)."""
+
+    exit_code = 69

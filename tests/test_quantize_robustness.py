@@ -375,12 +375,12 @@ def test_several_workers_write_the_same_bytes_as_one(sharded, tmp_path):
 
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(sharded, tmp_path):
     from quant.errors import QuantError
-    from quant.pipeline.files import OutputLock
+    from quant.ownership import claim
 
     out = tmp_path / "q"
     (out / ".quant-progress").mkdir(parents=True)  # a first run under way has its progress records started
-    with OutputLock(out):  # and holds the lock
-        with pytest.raises(QuantError, match="another quant quantize is writing into this directory"):
+    with claim(out, "quantize"):  # and holds the lock
+        with pytest.raises(QuantError, match="another quant command is writing into this directory"):
             quantize_checkpoint(sharded, out, check_engines=None)
     quantize_checkpoint(sharded, out, check_engines=None)  # free again: runs
 
@@ -398,7 +398,7 @@ def test_a_foreign_directory_with_an_empty_progress_dir_is_not_taken(sharded, tm
     out = tmp_path / "mine"
     (out / ".quant-progress").mkdir(parents=True)
     (out / "notes.txt").write_text("a user's file")
-    with pytest.raises(QuantError, match="not an earlier quant output"):
+    with pytest.raises(QuantError, match="not an output of this tool"):
         quantize_checkpoint(sharded, out, check_engines=None)
     assert (out / "notes.txt").read_text() == "a user's file"
 

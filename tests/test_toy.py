@@ -357,15 +357,15 @@ def test_cli_rejects_an_unknown_name(tmp_path):
     assert not (tmp_path / "toy").exists()
 
 
-def test_cli_writes_a_summary_and_refuses_to_overwrite_without_force(tmp_path):
+def test_cli_writes_a_summary_and_refuses_to_overwrite_without_the_flag(tmp_path):
     out = tmp_path / "toy"
     result = run_cli("qwen3-moe", out, "--shard-size", "1MB", "--seed", "1")
     assert result.exit_code == 0, result.output
     assert re.search(r"69 tensors, 3 shard\(s\), \d+\.\d\d MB", result.output)
 
-    result = run_cli("qwen3-moe", out)
-    assert isinstance(result.exception, QuantError) and "--force" in str(result.exception)
-    assert run_cli("qwen3-moe", out, "--force").exit_code == 0
+    result = run_cli("qwen3-moe", out)  # other options than the toy there: refused, named flag
+    assert isinstance(result.exception, QuantError) and "--overwrite" in str(result.exception)
+    assert run_cli("qwen3-moe", out, "--force").exit_code == 0  # the old spelling of --overwrite
     assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
 
     result = run_cli("qwen3-moe", tmp_path / "other", "--shard-size", "lots")

@@ -34,6 +34,9 @@ def command(
     calib_seq_len: int = typer.Option(2048, help="GPTQ: tokens per calibration window"),
     calib_seed: int = typer.Option(0, help="GPTQ: seed of the windows' offsets"),
     damp: float = typer.Option(0.01, help="GPTQ: damping, relative to the mean diagonal of each Hessian"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier export of another source or "
+                                   "other settings in OUT, or write into a directory this tool did not make; "
+                                   "files this tool did not write are never deleted"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
     from quant.pipeline import quantize_checkpoint
@@ -49,7 +52,7 @@ def command(
         gptq = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp)
     manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
                                    workers=workers, check_engines=engines, progress=progress, method=method,
-                                   gptq=gptq, log=lambda m: typer.echo(m, err=True))
+                                   gptq=gptq, overwrite=overwrite, log=lambda m: typer.echo(m, err=True))
     s = manifest["summary"]
     treat = ", ".join(f"{k}: {v}" for k, v in sorted(s["modules_by_treatment"].items()))
     worst = s["worst_rel_mse"]

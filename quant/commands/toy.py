@@ -11,18 +11,37 @@ NAMES_HELP = "glm5, deepseek-v3, qwen3-moe, qwen3.5 (the released VL wrapper wit
 
 def command(
     name: str = typer.Argument(..., help=f"Toy family: {NAMES_HELP}."),
-    out: Path = typer.Argument(..., help="Output directory (must be absent or empty unless --force)."),
+    out: Path = typer.Argument(..., help="Output directory: new, empty, or an earlier toy of the same options "
+                               "(replaced); anything else needs --overwrite."),
     fp8_block: bool = typer.Option(False, "--fp8-block", help="Write an official-style block-FP8 source "
                                    "(float8_e4m3fn weights + weight_scale_inv, 128x128 blocks)."),
     shard_size: str = typer.Option(None, "--shard-size", help="Split weights into shards of at most this size "
                                    "(bytes, or e.g. 500KB, 2MB) and write model.safetensors.index.json."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives byte-identical files."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+    overwrite: bool = typer.Option(False, "--overwrite", "--force",
+                                   help="Replace an earlier toy of other options, or write into a directory this "
+                                   "tool did not make (files it did not write are never deleted)."),
 ) -> None:
     """Write a tiny seeded checkpoint with the family's real tensor names, config and a byte-level tokenizer."""
-    from quant.toy import build_toy
+    import secrets
 
-    path = build_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=seed, force=force)
+    from quant.ownership import claim
+    from quant.toy import build_toy, parse_shard_size, toy_family
+
+    toy_family(name)  # an unknown name or a bad size is refused before anything is written
+    parse_shard_size(shard_size)
+    identity = {"toy": name, "seed": seed, "fp8_block": fp8_block, "shard_size": shard_size}
+    with claim(out, "toy", identity=identity, overwrite=overwrite) as held:
+        staging = out / f".quant-toy-{secrets.token_hex(4)}"
+        try:
+            build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed)
+            held.replace_with(staging)
+        finally:
+            if staging.exists():
+                import shutil
+
+                shutil.rmtree(staging)
+    path = out
     from quant.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(path)

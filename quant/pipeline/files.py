@@ -22,6 +22,10 @@ def sha256_file(path: Path, window: int = 1 << 26) -> str:
     return h.hexdigest()
 
 
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def write_atomic(path: Path, data: bytes | str, tmp_dir: Path | None = None) -> None:
     """Write `path` through a temporary (`<name>.tmp` in `tmp_dir`, by default beside it) renamed into place."""
     tmp = Path(tmp_dir or path.parent) / (path.name + ".tmp")
@@ -43,31 +47,3 @@ def share_like_other_files(path: Path) -> None:
     """Give a file written by a library that creates it owner-only (safetensors' save_file: 0600) the mode every
     other file of the export gets (0666 minus the umask), so an engine running as another user can read it."""
     os.chmod(path, 0o666 & ~_umask())
-
-
-class OutputLock:
-    """An exclusive lock on an output directory for one quantize run (fcntl.flock on OUT/.quant-lock), so a
-    second run into the same OUT stops at once instead of racing for the same temporary files."""
-
-    NAME = ".quant-lock"
-
-    def __init__(self, out: Path):
-        self.path = Path(out) / self.NAME
-        self.handle = None
-
-    def __enter__(self) -> "OutputLock":
-        import fcntl
-
-        from quant.errors import QuantError
-
-        self.handle = open(self.path, "a")
-        try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.handle.close()
-            raise QuantError(f"{self.path.parent}: another quant quantize is writing into this directory; wait "
-                             "for it to finish (or stop it) and run again to resume") from None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.close()  # closing releases the lock; the empty file stays (it is the lock's name, not state)

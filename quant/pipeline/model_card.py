@@ -195,3 +195,16 @@ def replace_accuracy(card: str, section: str) -> str:
         _, tail = rest.split(ACCURACY_END, 1)
         return f"{head}{ACCURACY_START}\n{section}\n{ACCURACY_END}{tail}"
     return card.rstrip("\n") + f"\n\n## Accuracy\n\n{ACCURACY_START}\n{section}\n{ACCURACY_END}\n"
+
+
+def accuracy_of(card: str) -> str | None:
+    """The accuracy section `quant eval --card` wrote into a card, or None (none, or the placeholder)."""
+    if ACCURACY_START not in card or ACCURACY_END not in card:
+        return None
+    section = card.split(ACCURACY_START, 1)[1].split(ACCURACY_END, 1)[0].strip("\n")
+    return None if section.startswith("Not evaluated yet") else section
+
+
+def without_accuracy(card: str) -> str:
+    """The card with its accuracy section emptied: what this tool wrote, whatever `--card` filled in since."""
+    return replace_accuracy(card, "") if ACCURACY_START in card and ACCURACY_END in card else card

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from quant.checkpoint import INDEX_FILE
 from quant.errors import QuantError
-from quant.pipeline.files import OutputLock, write_atomic
+from quant.ownership import LOCK_FILE, OWNER_FILE, claim, same_job
+from quant.pipeline.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE
 from quant.pipeline.progress import PROGRESS_DIR
 
@@ -37,20 +38,7 @@ MANIFEST_FILE = "quant_manifest.json"
 FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, CARD_FILE, "config.json")
 OWN_FILES = set(FINAL_FILES) | {COMPLETE_MARKER}
 LEGACY_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
-BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, OutputLock.NAME}
-
-
-def check_paths(src: Path, out: Path) -> None:
-    s, o = src.resolve(), out.resolve()
-    if o == s or s in o.parents:
-        raise QuantError(f"{out}: the output must not be the source checkpoint or inside it ({src})")
-    if o in s.parents:
-        raise QuantError(f"{out}: the output must not contain the source checkpoint ({src})")
-    if o.exists() and not o.is_dir():
-        raise QuantError(f"{out}: exists and is not a directory")
-    if o.is_dir() and any(o.iterdir()) and not is_earlier_output(o):
-        raise QuantError(f"{out}: directory is not empty and is not an earlier quant output; "
-                         f"choose an empty or new directory")
+BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, LOCK_FILE, OWNER_FILE}
 
 
 def _read_json(path: Path):
@@ -70,36 +58,97 @@ def _is_progress_record(record: Path, out: Path) -> bool:
     return isinstance(result, dict) and result.get("file") == shard and (out / shard).is_file()
 
 
-def is_earlier_output(out: Path) -> bool:
-    """An earlier (or running) quantize's output, known by its records: a completion marker of ours, a progress
-    record that matches a shard beside it, or nothing but our own bookkeeping (a run killed before its first
-    shard). A foreign directory with an empty or made-up `.quant-progress/` is not."""
+def earlier_quantize(out: Path) -> dict | None:
+    """An earlier (or running) quantize's output written before owner records existed, known by its records: a
+    completion marker of ours, a progress record that matches a shard beside it, or nothing but our own
+    bookkeeping (a run killed before its first shard). A foreign directory with an empty or made-up
+    `.quant-progress/` is not. Returns an owner-like record ({"identity": {"plan_digest": ...}}) or None."""
     marker = _read_json(out / COMPLETE_MARKER)
     if isinstance(marker, dict) and isinstance(marker.get("plan_digest"), str):
-        return True
+        return {"identity": {"plan_digest": marker["plan_digest"]}}
     progress = out / PROGRESS_DIR
-    if progress.is_dir() and any(_is_progress_record(r, out) for r in progress.glob("*.json")):
-        return True
-    return all(p.name in BOOKKEEPING for p in out.iterdir())
+    records = [r for r in progress.glob("*.json") if _is_progress_record(r, out)] if progress.is_dir() else []
+    if records:
+        return {"identity": {"plan_digest": _read_json(records[0])["plan_digest"]}}
+    if all(p.name in BOOKKEEPING for p in out.iterdir()):
+        return {"identity": {}}
+    return None
+
+
+def files_of_earlier_run(out: Path) -> set[str]:
+    """Top-level names an earlier quantize wrote into OUT, by its own records: the shards of its progress records
+    and index, its final files, the side files its manifest lists as copied, and its bookkeeping."""
+    names = set(FINAL_FILES) | {COMPLETE_MARKER} | (BOOKKEEPING - {LOCK_FILE, OWNER_FILE})
+    progress = out / PROGRESS_DIR
+    for record in progress.glob("*.json") if progress.is_dir() else []:
+        data = _read_json(record)
+        if isinstance(data, dict) and isinstance(data.get("result"), dict):
+            names.add(str(data["result"].get("file")))
+    index = _read_json(out / INDEX_FILE)
+    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
+        names |= {str(f) for f in index["weight_map"].values()}
+    manifest = _read_json(out / MANIFEST_FILE)
+    if isinstance(manifest, dict):
+        names |= {str(f) for f in (manifest.get("output") or {}).get("copied_files") or []}
+        names |= {str(f) for f in (manifest.get("output") or {}).get("shards") or {}}
+    return {n for n in names if n and "/" not in n and n not in (".", "..")}
 
 
 class Output:
-    """One run's hold on OUT: `with Output(out) as o:` takes the lock (a second run stops with a message),
-    `begin()` clears what an earlier run left unfinished, `tmp(name)` is where a file is written before it is
-    renamed into place, `stage(name, data)` writes a final file, `publish(marker)` moves them in."""
+    """One run's hold on OUT: `with Output(out, identity, source, overwrite) as o:` applies the ownership rule
+    (`quant.ownership`: a new or empty directory, or an earlier quantize of the same source and settings, which
+    resumes; anything else needs --overwrite) and takes the lock (a second run stops with a message), `begin()`
+    clears what an earlier run left unfinished, `tmp(name)` is where a file is written before it is renamed into
+    place, `stage(name, data)` writes a final file, `publish(marker)` moves them in."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, identity: dict | None = None, source: Path | None = None,
+                 overwrite: bool = False):
         self.root = Path(out)
-        self.lock = OutputLock(self.root)
+        self.claim = claim(self.root, "quantize", identity=identity, inputs={"source checkpoint": source},
+                           overwrite=overwrite, recognise=earlier_quantize)
         self.staged: list[str] = []
+        self.hold = None
+
+    def check(self) -> None:
+        """The ownership rule alone, before any work."""
+        self.claim.check()
 
     def __enter__(self) -> "Output":
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.lock.__enter__()
+        self.hold = self.claim.__enter__()
+        try:
+            if self.hold.previous is not None and not same_job(self.hold.previous, self.hold.identity):
+                self._remove_earlier_run()  # only reachable with --overwrite (the claim refuses otherwise)
+        except BaseException as e:
+            self.claim.__exit__(type(e), e, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.lock.__exit__(*exc)
+        if exc[0] is not None:  # a failed run leaves its finished shards (resumable), never half-made temporaries
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            progress = self.root / PROGRESS_DIR
+            if progress.is_dir() and not any(progress.iterdir()) and not (self.root / GPTQ_DIR).is_dir():
+                progress.rmdir()
+        self.claim.__exit__(*exc)
+
+    def _remove_earlier_run(self) -> None:
+        """--overwrite over an earlier quantize of other settings: its files go (ours, by its records); nothing
+        else in OUT is touched."""
+        for name in sorted(files_of_earlier_run(self.root) | set(self.hold.written_before())):
+            path = self.root / name
+            if name in (LOCK_FILE, OWNER_FILE) or not (path.exists() or path.is_symlink()):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        self.hold.written = []
+        self.hold.save()
+
+    def own(self, names) -> None:
+        """Record top-level names this run wrote (the owner record's `written`)."""
+        self.hold.save(list(names))
 
     @property
     def tmp_dir(self) -> Path:

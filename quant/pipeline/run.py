@@ -23,10 +23,10 @@ from pathlib import Path
 from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.validate import require_valid
-from quant.errors import QuantError
-from quant.pipeline.files import sha256_file
-from quant.pipeline.model_card import CARD_FILE, render_card
-from quant.pipeline.output import GPTQ_DIR, MANIFEST_FILE, OWN_FILES, Output, check_paths
+from quant.errors import EngineFailure, QuantError
+from quant.pipeline.files import sha256_bytes, sha256_file
+from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
+from quant.pipeline.output import COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, Output
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
@@ -118,7 +118,7 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
 
 
 def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, results: list[ShardResult],
-                  source_ref: str, devices: list[str] | None = None) -> dict:
+                  source_ref: str, devices: list[str] | None = None, earlier_card: str | None = None) -> dict:
     """Copy the side files into OUT and stage the final files (index, manifest, model card, config.json); they
     are published only after the self-check (`Output.publish`). Returns the manifest."""
     weight_map = {name: r.file for r in results for name in r.tensors}
@@ -144,10 +144,42 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     }
     output.stage(MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
     source_card = src / CARD_FILE
-    output.stage(CARD_FILE, render_card(manifest, config, source_ref,
-                                        source_card.read_text(errors="replace") if source_card.is_file() else None))
+    card = render_card(manifest, config, source_ref,
+                       source_card.read_text(errors="replace") if source_card.is_file() else None)
+    if earlier_card is not None:  # the accuracy section `quant eval --card` wrote for these same weights
+        card = replace_accuracy(card, earlier_card)
+    output.stage(CARD_FILE, card)
     output.stage("config.json", json.dumps(config, indent=2))
     return manifest
+
+
+def kept_card_parts(out: Path, overwrite: bool) -> str | None:
+    """Before an earlier export in OUT is redone: its model card must be ours as we wrote it, apart from the
+    accuracy section `quant eval --card` fills (returned, to carry over when the weights stay the same). A card
+    edited by hand is refused, or with --overwrite kept beside as README.md.edited."""
+    card_path = out / CARD_FILE
+    marker = _read_marker(out)
+    if not card_path.is_file() or marker is None:
+        return None
+    text = card_path.read_text(errors="replace")
+    recorded = marker.get("card_sha256")
+    ours = recorded is None or sha256_bytes(without_accuracy(text).encode()) == recorded \
+        or sha256_bytes(text.encode()) == recorded
+    if not ours:
+        if not overwrite:
+            raise QuantError(f"{card_path}: the model card was edited since this tool wrote it; move your edits "
+                             f"elsewhere or pass --overwrite (the edited card is then kept as README.md.edited)")
+        shutil.copy2(card_path, out / (CARD_FILE + ".edited"))
+        return None
+    return accuracy_of(text)
+
+
+def _read_marker(out: Path) -> dict | None:
+    try:
+        marker = json.loads((out / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
 def summarize(results: list[ShardResult]) -> dict:
@@ -169,7 +201,7 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) 
     report = verify_checkpoint(out, engines=engines, metadata_dir=metadata_dir)
     if report.errors:
         first = report.errors[0]
-        raise QuantError(f"{out}: self-check failed, {len(report.errors)} engine load error(s), nothing published "
+        raise EngineFailure(f"{out}: self-check failed, {len(report.errors)} engine load error(s), nothing published "
                          f"(the unpublished config is in {metadata_dir or out}); first: [{first.engine}] "
                          f"{first.message}")
 
@@ -177,13 +209,19 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
                         workers: int = 1, check_engines: list[str] | None = ("sglang==latest", "vllm==latest"),
-                        progress: bool = False, method: str = "rtn", gptq=None, log=print) -> dict:
+                        progress: bool = False, method: str = "rtn", gptq=None, overwrite: bool = False,
+                        log=print) -> dict:
     """Quantize checkpoint `src` into directory `out` (new, empty, or an earlier run's output to resume or
     redo); returns the manifest, with `timing` added. Every input is checked (headers and config only) before
     OUT is created.
 
     `method`: "rtn" (round to nearest) or "gptq" (quant.gptq; `gptq` is its GptqSettings, default settings when
-    None). Either way the output has the same tensors, names, dtypes and shapes."""
+    None). Either way the output has the same tensors, names, dtypes and shapes.
+
+    `overwrite`: replace an earlier output of other settings, or write into a directory this tool did not make
+    (`quant.ownership`; files it did not write are never deleted)."""
+    from quant.engines import select_profiles
+
     scheme_obj = get_scheme(scheme)
     if method not in ("rtn", "gptq"):
         raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
@@ -192,9 +230,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
                          f"or w_mxfp4)")
     if scale_mode not in SCALE_MODES:
         raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
+    if check_engines:
+        select_profiles(list(check_engines))  # an unknown engine release is refused before any work
+    if workers < 1:
+        raise QuantError(f"--workers {workers}: must be at least 1")
     src_path, source_ref = resolve_source(src)
     out = Path(out)
-    check_paths(src_path, out)
+    Output(out, source=src_path, overwrite=overwrite).check()  # the root, the source, a foreign directory...
     device_list = parse_devices(devices, workers)
 
     ckpt = open_checkpoint(src_path)
@@ -210,7 +252,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         plan.settings.update(gptq.to_dict())  # part of the plan's digest: other settings, other output
         calibrated = (gptq, family.layer_returns)
 
-    with Output(out) as output:
+    identity = {"source": source_ref, "scheme": scheme, "recipe": plan.recipe.get("name"), "scale_mode": scale_mode,
+                "method": method, "plan_digest": plan.digest()}
+    with Output(out, identity, src_path, overwrite) as output:
         return _quantize_into(output, plan, ckpt, src_path, source_ref, device_list, check_engines, progress, log,
                               calibrated)
 
@@ -219,6 +263,7 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
                    check_engines, progress: bool, log, calibrated=None) -> dict:
     """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
     out, digest = output.root, plan.digest()
+    earlier_card = kept_card_parts(out, overwrite=output.claim.overwrite)
     stale = output.begin()
     if stale:
         log(f"removed {len(stale)} temporary file(s) an interrupted run left: {', '.join(stale[:3])}")
@@ -255,10 +300,13 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     elapsed = time.perf_counter() - started
 
     ordered = [results[s.file] for s in plan.shards]
-    manifest = stage_outputs(output, plan, ckpt.config, src_path, ordered, source_ref, device_list)
+    manifest = stage_outputs(output, plan, ckpt.config, src_path, ordered, source_ref, device_list, earlier_card)
     if check_engines:
         self_check(out, list(check_engines), output.staging_dir)
-    output.publish(json.dumps({"plan_digest": digest, "version": __version__}))
+    card = without_accuracy((output.staging_dir / CARD_FILE).read_text()).encode()
+    output.own([s.file for s in plan.shards] + manifest["output"]["copied_files"] + list(output.staged)
+               + [COMPLETE_MARKER, ".quant-progress"])
+    output.publish(json.dumps({"plan_digest": digest, "version": __version__, "card_sha256": sha256_bytes(card)}))
     shutil.rmtree(out / GPTQ_DIR, ignore_errors=True)  # every shard holds its solved weights now
     manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
                           **{k: round(v, 3) for k, v in timing.items()}}
