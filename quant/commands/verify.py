@@ -18,25 +18,39 @@ def command(
     fix: Optional[Path] = typer.Option(None, "--fix", help="Write a corrected config.json to this path "
                                                            "(never over the checkpoint's own)."),
     tp: Optional[int] = typer.Option(None, "--tp", min=1, help="Tensor-parallel degree to check MX splits for."),
+    scales: bool = typer.Option(False, "--scales",
+                                help="Also read every scale tensor (never the weights; about 1/17 of an MXFP4 "
+                                     "checkpoint): E8M0 scales of 0x00 / 0xFF, FP8 scales of zero, inf or NaN."),
 ) -> None:
     """Header-only preflight of a Quark checkpoint: exit 0 when no engine is predicted to fail, 1 on errors,
-    2 when the checkpoint cannot be read."""
+    2 when the checkpoint cannot be read. With --scales the scale values are checked too."""
     from rich.console import Console
 
     from quant.verify import fix_config, verify_checkpoint
 
     report = verify_checkpoint(ckpt, engines=engine, tp=tp)
+    scanned = None
+    if scales:
+        from quant.verify.scales import ScanStats, scan_scales
+
+        scanned = ScanStats()
+        report.findings += scan_scales(ckpt, stats=scanned)
     fixed = fix_config(ckpt, fix) if fix is not None else None
     if json_out:
         data = report.to_json()
         if fixed is not None:
             data["fixed_config"] = str(fixed)
+        if scanned is not None:
+            data["scales"] = {"tensors": scanned.tensors, "bytes": scanned.bytes, "shards": scanned.files}
         typer.echo(json.dumps(data, indent=2))
     else:
         console = Console(width=max(Console().width, 160))
         from quant.verify.report import render
 
         render(report, console)
+        if scanned is not None:
+            console.print(f"scales: read {scanned.tensors} scale tensors ({scanned.bytes / 1e6:.3g} MB) from "
+                          f"{scanned.files} shard(s)")
         if fixed is not None:
             console.print(f"wrote corrected config to {fixed} (re-run verify-manifest on a copy using it)")
     raise typer.Exit(report.exit_code)
