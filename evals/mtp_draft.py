@@ -47,8 +47,7 @@ def _text_prefix(tensor_names) -> str:
 
 def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
     """The MTP draft layers a checkpoint stores, per the family data; [] when it has none."""
-    from quant.checkpoint import text_config
-    from quant.pipeline.recipes import family_for_config
+    from quant.families import family_for_config, text_config
 
     family = family_for_config(config)
     spec = family.mtp_draft
@@ -176,8 +175,7 @@ def load_draft(root: Path, *, dtype=None, device: str = "cpu"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quant.checkpoint import text_config
-    from quant.pipeline.recipes import family_for_config
+    from quant.families import family_for_config, text_config
 
     root = Path(root)
     reader = _Reader(root)

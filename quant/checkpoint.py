@@ -9,12 +9,17 @@ whether they are fatal (`require_intact`) or findings to report (verify-manifest
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from safetensors import safe_open
 
 from quant.errors import QuantError, UnreadableCheckpoint
+from quant.families import text_config
+
+__all__ = ["Checkpoint", "TensorInfo", "Problem", "open_checkpoint", "load_tensors", "read_json", "text_config",
+           "validate_config", "lm_layer_indices", "safetensors_dtype"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -99,12 +104,6 @@ class Checkpoint:
 
     def total_bytes(self) -> int:
         return sum((self.root / f).stat().st_size for f in self.files if (self.root / f).is_file())
-
-
-def text_config(config: dict) -> dict:
-    """A config's language-model fields: vision-language wrappers (Qwen3.5) keep them under text_config."""
-    inner = config.get("text_config")
-    return {**config, **inner} if isinstance(inner, dict) else config
 
 
 def is_safe_relative(name: str) -> bool:
@@ -200,10 +199,154 @@ def open_checkpoint(path: str | Path, metadata_dir: str | Path | None = None) ->
             if name not in expected:
                 problems.append(Problem("extra-tensor", info.file, name,
                                         f"{root / info.file}: tensor {name} is not in {INDEX_FILE}"))
-    from quant.validate import validate_config
-
     validate_config(config, meta / "config.json", tensors)
     return Checkpoint(root=root, config=config, tensors=tensors, files=files, index=index, problems=problems)
+
+
+# ------------------------------------------------------------------- config.json values (not a valid checkpoint)
+# Checked when a checkpoint is opened: the "not a valid checkpoint" half of quant/validate.py (exit 2).
+
+# key -> smallest allowed value; checked in the config and in its text_config (VL wrappers).
+COUNTS = {
+    "num_hidden_layers": 1, "hidden_size": 1, "vocab_size": 1, "num_attention_heads": 1,
+    "num_key_value_heads": 1, "head_dim": 1, "intermediate_size": 1, "moe_intermediate_size": 1,
+    "shared_expert_intermediate_size": 1, "n_routed_experts": 1, "num_experts": 1, "num_local_experts": 1,
+    "num_experts_per_tok": 1, "n_shared_experts": 0, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+    "q_lora_rank": 1, "kv_lora_rank": 1, "qk_rope_head_dim": 1, "qk_nope_head_dim": 1, "v_head_dim": 1,
+    "index_n_heads": 1, "index_head_dim": 1, "num_nextn_predict_layers": 0, "mtp_num_hidden_layers": 0,
+}
+NULLABLE = {"q_lora_rank", "head_dim", "intermediate_size", "n_shared_experts", "first_k_dense_replace", "n_group",
+            "topk_group", "num_nextn_predict_layers", "mtp_num_hidden_layers"}
+MTP_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
+TENSOR_SPECS = ("input_tensors", "output_tensors", "weight", "bias")
+# A decoder layer of the language model: model.layers.N (and the VL wrapper's model.language_model.layers.N,
+# the runtime language_model.model.layers.N); not a vision tower's layers, not mtp.layers.N.
+LM_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
+SHOWN = 5  # examples named in a message
+
+
+def _short(value) -> str:
+    return f"{value!r:.40}"
+
+
+# ------------------------------------------------------------------------------------- not a valid checkpoint
+
+
+def _check_counts(section: dict, where: str) -> None:
+    for key, least in COUNTS.items():
+        if key not in section:
+            continue
+        value = section[key]
+        if value is None and key in NULLABLE:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UnreadableCheckpoint(f"{where}: '{key}' must be an integer, got {_short(value)}")
+        if value < least:
+            raise UnreadableCheckpoint(f"{where}: '{key}' must be at least {least}, got {value}")
+
+
+def _check_layer_config(layer: object, where: str) -> None:
+    """A Quark QLayerConfig: each tensor spec is null, an object or a list of objects (two-stage schemes)."""
+    if not isinstance(layer, dict):
+        raise UnreadableCheckpoint(f"{where} must be an object, got {_short(layer)}")
+    for key in TENSOR_SPECS:
+        spec = layer.get(key)
+        specs = spec if isinstance(spec, list) else [spec]
+        if not all(s is None or isinstance(s, dict) for s in specs):
+            raise UnreadableCheckpoint(f"{where}.{key} must be null, an object or a list of objects, "
+                                       f"got {_short(spec)}")
+
+
+def _check_names(value, where: str, what: str) -> None:
+    if value is not None and not (isinstance(value, list) and all(isinstance(e, str) for e in value)):
+        raise UnreadableCheckpoint(f"{where} must be a list of {what}, got {_short(value)}")
+
+
+def _check_quantization_config(q: dict, where: str) -> None:
+    method = q.get("quant_method")
+    if method is not None and not isinstance(method, str):
+        raise UnreadableCheckpoint(f"{where}.quant_method must be a string, got {_short(method)}")
+    if method == "fp8":
+        _check_names(q.get("modules_to_not_convert"), f"{where}.modules_to_not_convert", "module names")
+        block = q.get("weight_block_size")
+        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise UnreadableCheckpoint(f"{where}.weight_block_size must be two positive integers, "
+                                       f"got {_short(block)}")
+    if method != "quark":
+        return
+    _check_names(q.get("exclude"), f"{where}.exclude", "module names")
+    if q.get("global_quant_config") is not None:
+        _check_layer_config(q["global_quant_config"], f"{where}.global_quant_config")
+    for key in ("layer_quant_config", "layer_type_quant_config"):
+        table = q.get(key)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise UnreadableCheckpoint(f"{where}.{key} must be an object, got {_short(table)}")
+        for name, layer in table.items():
+            _check_layer_config(layer, f"{where}.{key}[{name!r}]")
+
+
+def _check_model_type(config: dict, where: str) -> None:
+    """What transformers' AutoConfig needs before it can pick a config class (5.x: a missing model_type is a
+    ValueError, a list a TypeError): a non-empty string. Whether it names a known class is an engine matter
+    (`consistency_findings`)."""
+    if "model_type" not in config:
+        raise UnreadableCheckpoint(f"{where}: no 'model_type' (transformers' AutoConfig and the engines choose the "
+                                   "model class by it)")
+    for section, label in ((config, "model_type"), (config.get("text_config") or {}, "text_config.model_type")):
+        value = section.get("model_type")
+        if "model_type" in section and not (isinstance(value, str) and value.strip()):
+            raise UnreadableCheckpoint(f"{where}: '{label}' must be a non-empty string, got {_short(value)}")
+
+
+def lm_layer_indices(tensor_names) -> set[int]:
+    """Decoder-layer indices of the language model the tensor names hold (at most one per tensor)."""
+    out = set()
+    for name in tensor_names:
+        m = LM_LAYER.match(name)
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def validate_config(config: dict, path: Path, tensor_names=()) -> None:
+    """Raise UnreadableCheckpoint for the first value of `config` (read from `path`) with a wrong type or range,
+    or a count beyond what `tensor_names` can hold."""
+    where = str(path)
+    for key in ("quantization_config", "text_config"):
+        if key in config and config[key] is not None and not isinstance(config[key], dict):
+            raise UnreadableCheckpoint(f"{where}: '{key}' must be an object, got {_short(config[key])}")
+    _check_model_type(config, where)
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise UnreadableCheckpoint(f"{where}: 'architectures' must be a non-empty list of class names, "
+                                   f"got {_short(archs)}")
+    if isinstance(config.get("quantization_config"), dict):
+        _check_quantization_config(config["quantization_config"], f"{where}: quantization_config")
+    _check_counts(config, where)
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        _check_counts(text, f"{where}: text_config")
+    merged = text_config(config)
+    names = list(tensor_names)
+    # Any layer-like index counts here (mtp.layers.N too): a bound on loops over declared MTP layers.
+    layers = {int(n) for name in names for n in _layer_numbers(name)}
+    for key in MTP_COUNTS:
+        count = merged.get(key) or 0
+        if count > max(len(layers), 64):
+            raise UnreadableCheckpoint(f"{where}: '{key}' is {count}, more layers than the checkpoint's tensor "
+                                       f"names hold ({len(layers)} layer indices)")
+
+
+def _layer_numbers(name: str):
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            yield parts[i + 1]
+
 
 
 def load_tensors(path: Path, names: list[str] | None = None, device: str = "cpu") -> dict:

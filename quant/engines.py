@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import yaml
 
-from quant.checkpoint import text_config
+from quant.families import text_config
 from quant.errors import QuantError
 from quant.paths import MANIFESTS_DIR
 

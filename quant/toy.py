@@ -456,7 +456,7 @@ def write_safetensors(tensors: dict, directory: Path, max_shard_size: int | None
 def _write_generation_config(directory: Path, config_json: dict) -> None:
     from transformers import GenerationConfig
 
-    from quant.checkpoint import text_config
+    from quant.families import text_config
 
     config_json = text_config(config_json)
     GenerationConfig(

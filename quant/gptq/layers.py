@@ -20,14 +20,10 @@ import torch
 
 from quant.checkpoint import Checkpoint
 from quant.errors import QuantError
+from quant.families import text_prefix  # the language model's tensor prefix, per family data
 from quant.pipeline.plan import SCALE_INV, Source
 
 PER_EXPERT = re.compile(r"^(?P<experts>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def text_prefix(tensor_names) -> str:
-    """Tensor-name prefix of the language model's layers ("model.language_model." in the VL releases)."""
-    return "model.language_model." if any(n.startswith("model.language_model.") for n in tensor_names) else "model."
 
 
 @dataclass(frozen=True)

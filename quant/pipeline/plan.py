@@ -13,9 +13,10 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from quant import __version__
-from quant.checkpoint import FLOAT_DTYPES, Checkpoint, text_config
+from quant.checkpoint import FLOAT_DTYPES, Checkpoint
+from quant.families import Family, text_config
 from quant.errors import QuantError
-from quant.pipeline.recipes import BF16, FP8, SCHEME, Family, Recipe
+from quant.pipeline.recipes import BF16, FP8, SCHEME, Recipe
 from quant.pipeline.schemes import Scheme, secondary_scheme
 
 SCALE_INV = "_scale_inv"

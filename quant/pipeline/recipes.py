@@ -1,122 +1,34 @@
-"""Model families and recipes: which role each module plays, and which scheme each role gets.
+"""Recipes: which scheme each module role gets (the roles themselves are family data, quant/families).
 
-Both are data (`manifests/families/*.yaml`, `manifests/recipes.yaml`); this module only loads and applies them.
+Recipes are data (`manifests/recipes.yaml`, or a user YAML file); this module loads them strictly (an unknown key
+is an error naming it, never silently dropped) and applies them. A built-in recipe may be per family
+(`per_family: NAME`): its roles then come from the family's `release_recipes.NAME` (AMD's published release of
+that family), resolved with `load_recipe(name, family)` or `Recipe.for_family`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
-from quant.checkpoint import text_config
 from quant.errors import QuantError
+from quant.families import KEEP, BadData, Family, check_keys, family_for_config, family_names, load_family
+from quant.families.schema import load_yaml
 from quant.paths import MANIFESTS_DIR
 
-KEEP = "keep"
+__all__ = ["Recipe", "load_recipe", "builtin_recipes", "known_roles", "Family", "family_for_config", "load_family",
+           "KEEP", "BF16", "SCHEME", "FP8", "MTP_LAYER_CHOICES"]
+
 BF16 = "bf16"
 SCHEME = "scheme"  # the recipe's placeholder for the scheme chosen with --scheme
 FP8 = "fp8"
-
-
-def _load_yaml(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise QuantError(f"{path}: file not found") from None
-    except yaml.YAMLError as e:
-        raise QuantError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise QuantError(f"{path}: expected a mapping at the top level")
-    return data
-
-
-@dataclass
-class Family:
-    name: str
-    model_types: list[str]
-    required_config: list[str]
-    roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
-    mtp: dict | None
-    fused_experts: dict | None
-    mtp_draft: dict | None = None  # how the engines run the MTP draft (evals/mtp_draft.py)
-    # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
-    # 3-D expert tensor) from config.json
-    shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
-    # What transformers' decoder layer returns after the hidden states, each fed to the next layer as the keyword
-    # argument of that name (quant/gptq/layers.py runs the layers one at a time)
-    layer_returns: list[str] = field(default_factory=lambda: ["hidden_states"])
-
-    def role_of(self, module: str) -> str | None:
-        for role, patterns in self.roles.items():
-            if any(p.search(module) for p in patterns):
-                return role
-        return None
-
-    def mtp_layers(self, config: dict) -> list[int]:
-        """Layer indices holding MTP/NextN layers (model.layers.{N + i})."""
-        if not self.mtp:
-            return []
-        first = config.get(self.mtp["first_layer_key"])
-        count = config.get(self.mtp["count_key"]) or 0
-        if first is None or not count:
-            return []
-        return list(range(int(first), int(first) + int(count)))
-
-    def mtp_keep_patterns(self) -> list[re.Pattern]:
-        return [re.compile(p) for p in (self.mtp or {}).get("keep", [])]
-
-
-def _family_file(name: str) -> Path:
-    return MANIFESTS_DIR / "families" / f"{name}.yaml"
-
-
-def load_family(name: str) -> Family:
-    data = _load_yaml(_family_file(name))
-    parent = load_family(data["inherit"]) if data.get("inherit") else None
-    roles: dict[str, list[re.Pattern]] = {KEEP: []}
-    if parent:
-        for role, patterns in parent.roles.items():
-            roles.setdefault(role, []).extend(patterns)
-    for role, patterns in (data.get("roles") or {}).items():
-        # A family's own patterns go before the inherited ones of the same role.
-        roles[role] = [re.compile(p) for p in patterns] + roles.get(role, [])
-    return Family(
-        name=data["family"],
-        model_types=list(data.get("model_types") or []),
-        required_config=list(data.get("required_config") or []),
-        roles=roles,
-        mtp=data.get("mtp", parent.mtp if parent else None),
-        fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
-        mtp_draft=data.get("mtp_draft", parent.mtp_draft if parent else None),
-        # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
-        # (quant/verify/shapes.py picks the config's model_type, else "default").
-        shapes=[(re.compile(p), {k: tuple(d) for k, d in v.items()} if isinstance(v, dict) else tuple(v))
-                for p, v in (data.get("shapes") or {}).items()]
-        + (parent.shapes if parent else []),
-        layer_returns=list((data.get("decoder_layer") or {}).get("returns")
-                           or (parent.layer_returns if parent else ["hidden_states"])),
-    )
-
-
-def family_for_config(config: dict, config_path: Path | str = "config.json") -> Family:
-    cfg = text_config(config)
-    model_type = cfg.get("model_type")
-    if not model_type:
-        raise QuantError(f"{config_path}: missing key 'model_type' (needed to choose the model family)")
-    chosen = "generic"
-    for path in sorted((MANIFESTS_DIR / "families").glob("*.yaml")):
-        if model_type in (_load_yaml(path).get("model_types") or []):
-            chosen = path.stem
-            break
-    family = load_family(chosen)
-    for key in family.required_config:
-        if key not in cfg:
-            raise QuantError(f"{config_path}: missing key '{key}' (the {family.name} recipe needs it)")
-    return family
+MTP_LAYER_CHOICES = ("as-main", "bf16")
+RECIPES_FILE = MANIFESTS_DIR / "recipes.yaml"
+# The keys of a recipe: built-in ones may be per family, user files name a base recipe.
+BUILTIN_RECIPE_KEYS = ("description", "roles", "keep", "mtp_layer", "per_family")
+USER_RECIPE_KEYS = ("base", "description", "roles", "keep", "mtp_layer")
+RECIPES_FILE_KEYS = ("default", "recipes")
 
 
 @dataclass
@@ -126,58 +38,103 @@ class Recipe:
     roles: dict[str, str]  # role -> "scheme" | "fp8" | "bf16"
     keep: list[re.Pattern] = field(default_factory=list)  # user-pinned BF16 modules
     mtp_layer: str = "as-main"  # "as-main": MTP layers quantized like the main layers; "bf16": kept whole in BF16
+    per_family: str | None = None  # the roles are the family's release_recipes[per_family] (unresolved)
+    source: str = ""  # the published release it reproduces (per-family recipes)
 
     def treatment(self, role: str | None, module: str) -> str:
+        if self.per_family:
+            raise QuantError(f"recipe {self.name!r} is per model family and was not resolved for one "
+                             "(load_recipe(name, family))")
         if role in (None, KEEP) or any(p.search(module) for p in self.keep):
             return BF16
         return self.roles.get(role, BF16)
 
+    def for_family(self, family: Family) -> "Recipe":
+        """This recipe for `family`: a per-family recipe takes the family's release_recipes entry; any other
+        recipe is returned as it is."""
+        if not self.per_family:
+            return self
+        spec = family.release_recipes.get(self.per_family)
+        if spec is None:
+            having = [n for n in family_names() if self.per_family in load_family(n).release_recipes]
+            raise QuantError(f"recipe {self.name!r}: the {family.name} family has no {self.per_family!r} release "
+                             f"recipe (families with one: {', '.join(having)}); add release_recipes."
+                             f"{self.per_family} to {family.file}")
+        where = f"{family.file}: release_recipes.{self.per_family}"
+        own = _recipe_from(spec, self.name, where, allowed=("description", "source", "roles", "keep", "mtp_layer"))
+        # A user recipe on a per-family base keeps its own overrides on top of the family's roles.
+        return replace(own, name=f"{self.name} ({family.name})", per_family=None,
+                       description=spec.get("description") or self.description, source=str(spec.get("source", "")),
+                       roles={**own.roles, **self.roles}, keep=own.keep + self.keep,
+                       mtp_layer=self.mtp_layer if self.mtp_layer != "as-main" else own.mtp_layer)
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "description": self.description, "roles": dict(sorted(self.roles.items())),
-                "keep": [p.pattern for p in self.keep], "mtp_layer": self.mtp_layer}
+        out = {"name": self.name, "description": self.description, "roles": dict(sorted(self.roles.items())),
+               "keep": [p.pattern for p in self.keep], "mtp_layer": self.mtp_layer}
+        if self.source:
+            out["source"] = self.source
+        return out
 
 
-MTP_LAYER_CHOICES = ("as-main", "bf16")
+def known_roles() -> set[str]:
+    """Every role some family file defines (a recipe naming another role is a misspelling)."""
+    return {role for name in family_names() for role in load_family(name).roles} - {KEEP}
 
 
-def _recipe_from(data: dict, name: str, where: str) -> Recipe:
+def _recipe_from(data: dict, name: str, where: str, allowed=BUILTIN_RECIPE_KEYS) -> Recipe:
+    data = check_keys(data, allowed, where, f"recipe {name!r}")
     roles = data.get("roles") or {}
+    if not isinstance(roles, dict):
+        raise BadData(f"{where}: recipe {name!r}: roles must be a mapping of role -> scheme|fp8|bf16")
+    valid_roles = known_roles()
     for role, value in roles.items():
+        if role not in valid_roles:
+            check_keys({role: None}, sorted(valid_roles), where, f"recipe {name!r} roles")
         if value not in (SCHEME, FP8, BF16):
-            raise QuantError(f"{where}: recipe {name!r} role {role!r} has {value!r}; use scheme, fp8 or bf16")
+            raise BadData(f"{where}: recipe {name!r} role {role!r} has {value!r}; use scheme, fp8 or bf16")
+    keep_list = data.get("keep") or []
+    if not isinstance(keep_list, list) or not all(isinstance(p, str) for p in keep_list):
+        raise BadData(f"{where}: recipe {name!r}: keep must be a list of regexes")
     try:
-        keep = [re.compile(p) for p in data.get("keep") or []]
+        keep = [re.compile(p) for p in keep_list]
     except re.error as e:
-        raise QuantError(f"{where}: recipe {name!r} has an invalid keep regex ({e})") from None
+        raise BadData(f"{where}: recipe {name!r} has an invalid keep regex ({e})") from None
     mtp_layer = data.get("mtp_layer", "as-main")
     if mtp_layer not in MTP_LAYER_CHOICES:
-        raise QuantError(f"{where}: recipe {name!r} has mtp_layer {mtp_layer!r}; use "
-                         f"{' or '.join(MTP_LAYER_CHOICES)}")
-    return Recipe(name=name, description=data.get("description", ""), roles=dict(roles), keep=keep,
-                  mtp_layer=mtp_layer)
+        raise BadData(f"{where}: recipe {name!r} has mtp_layer {mtp_layer!r}; use "
+                      f"{' or '.join(MTP_LAYER_CHOICES)}")
+    return Recipe(name=name, description=str(data.get("description", "")), roles=dict(roles), keep=keep,
+                  mtp_layer=mtp_layer, per_family=data.get("per_family"))
 
 
 def builtin_recipes() -> dict:
-    return _load_yaml(MANIFESTS_DIR / "recipes.yaml")
+    data = check_keys(load_yaml(RECIPES_FILE), RECIPES_FILE_KEYS, str(RECIPES_FILE))
+    if not isinstance(data.get("recipes"), dict) or data.get("default") not in data["recipes"]:
+        raise BadData(f"{RECIPES_FILE}: needs 'recipes' (a mapping) and a 'default' naming one of them")
+    return data
 
 
-def load_recipe(name_or_path: str | None) -> Recipe:
-    """A built-in recipe by name, or a user YAML file `{base: NAME, roles: {...}, keep: [...]}` whose roles
-    override the base recipe's."""
+def load_recipe(name_or_path: str | None, family: Family | None = None) -> Recipe:
+    """A built-in recipe by name, or a user YAML file `{base: NAME, roles: {...}, keep: [...], mtp_layer: ...}`
+    whose roles override the base recipe's; resolved for `family` when given (per-family recipes need it)."""
     builtin = builtin_recipes()
     recipes = builtin["recipes"]
     name = name_or_path or builtin["default"]
     if name in recipes:
-        return _recipe_from(recipes[name], name, str(MANIFESTS_DIR / "recipes.yaml"))
+        recipe = _recipe_from(recipes[name], name, str(RECIPES_FILE))
+        return recipe.for_family(family) if family is not None else recipe
     path = Path(name)
     if path.suffix not in (".yaml", ".yml") and not path.exists():
-        raise QuantError(f"unknown recipe {name!r}; built-in recipes: {', '.join(recipes)} (or a YAML file)")
-    user = _load_yaml(path)
+        raise BadData(f"unknown recipe {name!r}; built-in recipes: {', '.join(recipes)} (or a YAML file)")
+    user = check_keys(load_yaml(path), USER_RECIPE_KEYS, str(path), "the recipe")
     base_name = user.get("base", builtin["default"])
     if base_name not in recipes:
-        raise QuantError(f"{path}: base recipe {base_name!r} is not one of {', '.join(recipes)}")
-    base = _recipe_from(recipes[base_name], base_name, str(MANIFESTS_DIR / "recipes.yaml"))
-    override = _recipe_from(user, str(path), str(path))
+        raise BadData(f"{path}: base recipe {base_name!r} is not one of {', '.join(recipes)}")
+    base = _recipe_from(recipes[base_name], base_name, str(RECIPES_FILE))
+    if family is not None:
+        base = base.for_family(family)
+    override = _recipe_from({k: v for k, v in user.items() if k != "base"}, str(path), str(path))
     return Recipe(name=f"{path.name} (base {base_name})", description=user.get("description", base.description),
                   roles={**base.roles, **override.roles}, keep=base.keep + override.keep,
-                  mtp_layer=user.get("mtp_layer", base.mtp_layer))
+                  mtp_layer=user.get("mtp_layer", base.mtp_layer), per_family=base.per_family,
+                  source=base.source)

@@ -18,8 +18,7 @@ from quant.verify.modules import inventory
 from quant.verify.report import Finding, Report, merge_versions
 from quant.verify.resolve import ProfileChecker, build_contexts
 from quant.verify.schema import config_problems, profile_config_problems
-from quant.verify.shapes import config_shapes
-from quant.validate import consistency_findings
+from quant.verify.shapes import config_shapes, consistency_findings
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 

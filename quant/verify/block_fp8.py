@@ -13,7 +13,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from quant.checkpoint import FLOAT_DTYPES, Checkpoint, text_config
+from quant.checkpoint import FLOAT_DTYPES, Checkpoint
+from quant.families import text_config
 from quant.engines import Profile
 from quant.verify.report import Finding
 from quant.verify.shapes import FP8_BLOCK, ShapeOf, block_grid

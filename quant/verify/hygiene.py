@@ -7,7 +7,8 @@ import fnmatch
 import re
 
 from quant import engines
-from quant.checkpoint import Checkpoint, text_config
+from quant.checkpoint import Checkpoint
+from quant.families import text_config
 from quant.engines import Profile
 from quant.verify.matching import GLOB_CHARS, is_glob
 from quant.verify.report import Finding

@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from quant.checkpoint import text_config
+from quant.families import text_config
 from quant import engines
 from quant.engines import Profile
 from quant.verify import contract

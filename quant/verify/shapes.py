@@ -5,21 +5,25 @@ Engines allocate every parameter from the config and then copy the stored tensor
 tensor stored in the wrong layout (MXFP4 left unpacked, packed along the output dimension, a scale grid of the
 wrong size) is found by comparing it with the shape the config implies, and the finding names the tensor that
 differs. The [out, in] formulas of each linear are model-family data (`shapes:` in manifests/families/*.yaml,
-arithmetic over the text config's keys, optionally per model_type); the stored-tensor shape of each scheme
+arithmetic over the text config's keys, optionally per model_type; quant/families/shapes.py); the stored-tensor shape of each scheme
 (packed MXFP4, E8M0 scales, block-FP8 grids) is derived from them in quant/verify/contract.py and block_fp8.py.
 A module no formula covers falls back to the shape read back from its weight (contract.logical_shape).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from typing import Callable
+from pathlib import Path
 
-from quant.checkpoint import text_config
-from quant.errors import QuantError
+from quant.checkpoint import SHOWN, lm_layer_indices
+from quant.families import text_config, unknown_family_note
+from quant.families.shapes import ShapeOf, config_shapes, shape_rules, tensor_shapes
+from quant.verify.report import Finding
 
-ShapeOf = Callable[[str], "tuple[int, int] | None"]
+__all__ = ["ShapeOf", "config_shapes", "shape_rules", "tensor_shapes", "block_grid", "mx_weight", "mx_scale",
+           "layout_findings", "consistency_findings", "known_model_types", "FP8_BLOCK", "MX_GROUP", "MX_PACK"]
 
 # Block-FP8 checkpoints (quant_method "fp8", weight_block_size [128, 128]): one F32 weight_scale_inv per 128x128
 # tile, partial tiles at the ends (vLLM fp8_utils.py create_fp8_scale_parameter / SGLang fp8.py
@@ -47,85 +51,11 @@ def mx_scale(shape: tuple[int, int]) -> tuple[int, int]:
     return shape[0], shape[1] // MX_GROUP
 
 
-def _numbers(config: dict) -> dict[str, int]:
-    return {k: v for k, v in text_config(config).items()
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40}
-
-
-def _evaluate(expression, values: dict[str, int]) -> int | None:
-    if isinstance(expression, int):
-        return expression
-    try:
-        # The expressions are the project's own manifest data (arithmetic over config keys); config values only
-        # enter as integers, so nothing from a checkpoint is ever evaluated as code.
-        result = eval(compile(str(expression), "<shape>", "eval"), {"__builtins__": {}}, values)
-    except (NameError, SyntaxError, TypeError, ZeroDivisionError, ValueError, OverflowError):
-        return None  # a key this config does not have: no expectation
-    return result if isinstance(result, int) and result > 0 else None
-
-
-def _model_types(config: dict) -> list[str]:
-    types = [text_config(config).get("model_type"), config.get("model_type")]
-    return [t for t in types if isinstance(t, str)]
-
-
-def shape_rules(config: dict) -> list[tuple[re.Pattern, tuple]]:
-    """(pattern, formula) of the config's family, each formula resolved for the config's model_type."""
-    from quant.pipeline.recipes import family_for_config
-
-    try:
-        family = family_for_config(config)
-    except QuantError:
-        return []
-    rules = []
-    types = _model_types(config)
-    for pattern, formula in family.shapes:
-        if isinstance(formula, dict):
-            formula = next((formula[t] for t in types if t in formula), formula.get("default"))
-            if formula is None:
-                continue
-        rules.append((pattern, tuple(formula)))
-    return rules
-
-
-def _resolver(config: dict, dims: int | None) -> Callable[[str], tuple | None]:
-    rules = [(p, f) for p, f in shape_rules(config) if dims is None or len(f) == dims]
-    values = _numbers(config)
-    cache: dict[tuple, tuple | None] = {}
-
-    def shape_of(name: str) -> tuple | None:
-        for pattern, formula in rules:
-            if pattern.search(name):
-                if formula not in cache:
-                    dims_ = tuple(_evaluate(e, values) for e in formula)
-                    cache[formula] = None if None in dims_ else dims_
-                return cache[formula]
-        return None
-
-    return shape_of
-
-
-def config_shapes(config: dict) -> ShapeOf:
-    """A function giving the config-implied [out, in] of a checkpoint module (a linear), or None when no rule
-    covers it."""
-    return _resolver(config, 2)
-
-
-def tensor_shapes(config: dict) -> Callable[[str], tuple | None]:
-    """A function giving the config-implied shape of a stored parameter that is not a linear's `.weight` (the
-    fused 3-D experts of BF16 releases), or None."""
-    return _resolver(config, 3)
-
-
 def layout_findings(ckpt, shape_of: ShapeOf) -> list:
     """Tensors the engines cannot take whatever the scheme: a weight with a config shape rule that is not a
     non-empty 2-D tensor, a fused 3-D expert tensor of another shape than config.json sizes, and routed experts
     missing from a MoE layer that config.json sizes for all of them (engines allocate every expert and copy each
     by name; one never copied keeps uninitialised memory)."""
-    import re as _re
-
-    from quant.verify.report import Finding
-
     out = []
     fused_shape = tensor_shapes(ckpt.config)
     for name, info in sorted(ckpt.tensors.items()):
@@ -143,7 +73,7 @@ def layout_findings(ckpt, shape_of: ShapeOf) -> list:
                     if isinstance(cfg.get(k), int)), None)
     if not experts:
         return out
-    leaf = _re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+    leaf = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
     seen: dict[tuple[str, str], set[int]] = {}
     for name in ckpt.tensors:
         m = leaf.match(name)
@@ -159,4 +89,111 @@ def layout_findings(ckpt, shape_of: ShapeOf) -> list:
                                f"(missing: {', '.join(map(str, missing))}{' ...' if experts - present > 5 else ''}); "
                                "the engines build all of them and leave the missing ones uninitialised",
                                "export every expert", "tensor layout"))
+    return out
+
+
+# ------------------------------------------------- config vs tensors: an engine would fail (quant/validate.py)
+
+
+@functools.lru_cache(maxsize=1)
+def known_model_types() -> frozenset[str] | None:
+    """The model types transformers' AutoConfig maps to a config class (CONFIG_MAPPING_NAMES), read from the
+    installed transformers' generated table without importing the package (which imports torch); None when
+    transformers is not installed or the table cannot be found."""
+    import importlib.util
+    import runpy
+
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    table = Path(spec.origin).parent / "models" / "auto" / "auto_mappings.py"
+    try:
+        names = runpy.run_path(str(table))["CONFIG_MAPPING_NAMES"]
+    except Exception:  # noqa: BLE001 - another transformers layout: ask the package itself
+        try:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES as names
+        except Exception:  # noqa: BLE001
+            return None
+    # AutoConfig adds "gpt-sw3" (configuration_auto.py); no MoE family, listed for completeness.
+    return frozenset(names) | {"gpt-sw3"}
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "?"
+
+
+def _missing_indices(present: set[int], count: int) -> tuple[int, list[int]]:
+    """(how many of 0..count-1 are not in `present`, the first few of them), scanning no further than the
+    number of present indices allows."""
+    missing = count - sum(1 for i in present if i < count)
+    shown = [i for i in range(min(count, len(present) + SHOWN)) if i not in present][:SHOWN]
+    return missing, shown
+
+
+def _listing(missing: int, shown: list[int]) -> str:
+    return ", ".join(map(str, shown)) + (" ..." if missing > len(shown) else "")
+
+
+def consistency_findings(ckpt, shape_of=None) -> list:
+    """Where config.json and the tensors disagree so that an engine would fail or load wrong weights (see the
+    module docstring), as preflight findings (engine "all")."""
+    config = ckpt.config
+    cfg = text_config(config)
+    out: list = []
+    model_type = config.get("model_type")
+    known = known_model_types()
+    auto_map = config.get("auto_map")
+    remote = isinstance(auto_map, dict) and "AutoConfig" in auto_map
+    if known is not None and isinstance(model_type, str) and model_type not in known and not remote:
+        out.append(Finding("error", "all", (), "config.json:model_type",
+                           f"model_type {model_type!r} is not one transformers {_transformers_version()} knows: "
+                           "AutoConfig (which SGLang, vLLM and transformers build the config with) raises "
+                           "ValueError", "use the model_type of the architecture (or an auto_map for remote code)",
+                           "config consistency"))
+    note = unknown_family_note(config)
+    if note:
+        # No family data: roles and shape rules are the name-generic ones; every name-generic check still runs.
+        out.append(Finding("warning", "all", (), "config.json:model_type", note,
+                           "add a family file (quant/manifests/families/NAME.yaml) for this model_type",
+                           "model family"))
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0:
+        present = lm_layer_indices(ckpt.tensors)
+        missing, shown = _missing_indices(present, layers)
+        if present and missing:
+            out.append(Finding("error", "all", (), f"model.layers.{shown[0]}.*",
+                               f"config.json declares {layers} decoder layers (num_hidden_layers) but no tensor "
+                               f"of {missing} of them is stored (layers {_listing(missing, shown)}): the engines "
+                               "build every declared layer and have nothing to load into these",
+                               "set num_hidden_layers to the layers the checkpoint holds, or export the missing "
+                               "layers", "config consistency"))
+    shape_of = shape_of or config_shapes(config)
+    out += layout_findings(ckpt, shape_of)
+    out += _expert_shape_findings(ckpt, shape_of)
+    return out
+
+
+def _expert_shape_findings(ckpt, shape_of) -> list:
+    """Routed experts of an unquantized checkpoint whose [out, in] is not the config's: every engine allocates
+    each expert from config.json and copies the stored one in. Quantized checkpoints store other shapes (packed
+    MXFP4, scale grids); the preflight's tensor contracts check those."""
+    if ckpt.config.get("quantization_config"):
+        return []
+    out = []
+    for name, info in sorted(ckpt.tensors.items()):
+        if ".experts." not in name or not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        want = shape_of(name[: -len(".weight")])
+        if want and tuple(info.shape) != tuple(want) and 0 not in info.shape:
+            out.append(Finding("error", "all", (), name, f"{name} is {info.dtype} {list(info.shape)}, but the "
+                               f"engines size this expert {list(want)} from config.json",
+                               f"re-export the expert as {list(want)} or correct config.json", "tensor layout"))
     return out

@@ -1,0 +1,269 @@
+"""Model-family knowledge, in one layer: which family a config.json belongs to, where its text config and its
+language model's tensors are, which module plays which role, how the engines size each module, where its MTP
+layers live and what an official release of it keeps in BF16.
+
+The knowledge is data (`manifests/families/*.yaml`); this package loads it strictly (an unknown key is an error
+naming it) and answers questions about a config. It imports nothing from the rest of the tool but `quant.errors`
+and `quant.paths`, so the checkpoint reader, validation, the preflight, the pipeline, GPTQ and the eval stage all
+sit above it. Adding a family is a YAML file here (`model_types`, `roles`, `shapes`, `mtp`, ...) and, only for
+what data cannot say, a small adapter in `quant/families/adapters.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from quant.errors import QuantError
+from quant.families.schema import BadData, check_keys, load_yaml
+from quant.paths import MANIFESTS_DIR
+
+__all__ = ["Family", "BadData", "KEEP", "GENERIC", "families_dir", "family_names", "load_family",
+           "family_for_config", "lookup_family", "unknown_family_note", "text_config", "model_types",
+           "text_prefix"]
+
+KEEP = "keep"
+GENERIC = "generic"
+
+# The keys a family file may hold (each read below); anything else is a misspelling.
+FAMILY_KEYS = ("family", "inherit", "model_types", "required_config", "mtp", "fused_experts", "mtp_draft", "roles",
+               "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished", "adapter")
+MTP_KEYS = ("first_layer_key", "count_key", "keep")
+MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
+                  "zero_embedding_at_position_0", "decoder_config")
+DECODER_LAYER_KEYS = ("returns",)
+MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
+RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
+
+
+def families_dir() -> Path:
+    return MANIFESTS_DIR / "families"
+
+
+def text_config(config: dict) -> dict:
+    """A config's language-model fields: vision-language wrappers (Qwen3.5, Kimi-K2.5, MiniMax-M3) keep them under
+    text_config; its keys win over the wrapper's."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config
+
+
+def model_types(config: dict) -> list[str]:
+    """The config's model types, the wrapper's first, then its text model's (Kimi-K2.5: kimi_k25, kimi_k2)."""
+    inner = config.get("text_config")
+    types = [config.get("model_type"), inner.get("model_type") if isinstance(inner, dict) else None]
+    return list(dict.fromkeys(t for t in types if isinstance(t, str) and t))
+
+
+@dataclass
+class Family:
+    name: str
+    model_types: list[str]
+    required_config: list[str]
+    roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
+    mtp: dict | None
+    fused_experts: dict | None
+    mtp_draft: dict | None = None  # how the engines run the MTP draft (evals/mtp_draft.py)
+    # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
+    # 3-D expert tensor) from config.json
+    shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
+    # What transformers' decoder layer returns after the hidden states, each fed to the next layer as the keyword
+    # argument of that name (quant/gptq/layers.py runs the layers one at a time)
+    layer_returns: list[str] = field(default_factory=lambda: ["hidden_states"])
+    # Tensor-name prefixes of the language model, most specific first ("model.language_model.", ...)
+    text_prefixes: list[str] = field(default_factory=lambda: ["model."])
+    # Built-in recipes whose content is the family's own (AMD's published release of this family): name -> spec
+    release_recipes: dict[str, dict] = field(default_factory=dict)
+    # MTP modules the config declares but the release does not publish: {count_keys: [...], reason: ...}
+    mtp_unpublished: dict | None = None
+    file: Path | None = None
+
+    def role_of(self, module: str) -> str | None:
+        for role, patterns in self.roles.items():
+            if any(p.search(module) for p in patterns):
+                return role
+        return None
+
+    def mtp_layers(self, config: dict) -> list[int]:
+        """Layer indices holding MTP/NextN layers (model.layers.{N + i})."""
+        if not self.mtp:
+            return []
+        config = text_config(config)
+        first = config.get(self.mtp["first_layer_key"])
+        count = config.get(self.mtp["count_key"]) or 0
+        if first is None or not count:
+            return []
+        return list(range(int(first), int(first) + int(count)))
+
+    def mtp_keep_patterns(self) -> list[re.Pattern]:
+        return [re.compile(p) for p in (self.mtp or {}).get("keep", [])]
+
+    def text_prefix(self, tensor_names) -> str:
+        return text_prefix(tensor_names, self.text_prefixes)
+
+    def unpublished_mtp(self, config: dict, tensor_names=()) -> str | None:
+        """One line saying why this checkpoint has no MTP draft to run although its config declares one (MiniMax:
+        the config counts MTP modules the release does not publish); None when that is not the case."""
+        spec = self.mtp_unpublished
+        if not spec:
+            return None
+        cfg = text_config(config)
+        declared = [(k, cfg[k]) for k in spec.get("count_keys", []) if isinstance(cfg.get(k), int) and cfg[k] > 0]
+        if not declared or any(".mtp" in n or n.startswith("mtp.") for n in tensor_names):
+            return None
+        key, count = declared[0]
+        return (f"config.json declares {count} MTP module(s) ({key}) but the {self.name} release publishes no MTP "
+                f"weights ({spec.get('reason', 'no tensor names them')}): there is no draft to measure; "
+                "run without MTP (--no-mtp)")
+
+
+def _compile(pattern: str, where: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise BadData(f"{where}: invalid regex {pattern!r} ({e})") from None
+
+
+def _patterns(value, where: str) -> list[re.Pattern]:
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise BadData(f"{where}: expected a list of regexes, got {value!r:.60}")
+    return [_compile(p, where) for p in value]
+
+
+@lru_cache(maxsize=None)
+def _load_family_file(path: Path) -> Family:
+    where = str(path)
+    data = check_keys(load_yaml(path), FAMILY_KEYS, where)
+    if "family" not in data:
+        raise BadData(f"{where}: missing key 'family'")
+    if data["family"] != path.stem:
+        raise BadData(f"{where}: 'family' is {data['family']!r}; it must be the file name ({path.stem!r})")
+    parent = load_family(data["inherit"]) if data.get("inherit") else None
+    mtp = data.get("mtp", parent.mtp if parent else None)
+    if "mtp" in data:
+        check_keys(data["mtp"], MTP_KEYS, where, "mtp")
+    if "mtp_draft" in data:
+        check_keys(data["mtp_draft"], MTP_DRAFT_KEYS, where, "mtp_draft")
+    check_keys(data.get("decoder_layer"), DECODER_LAYER_KEYS, where, "decoder_layer")
+    check_keys(data.get("mtp_unpublished"), MTP_UNPUBLISHED_KEYS, where, "mtp_unpublished")
+    roles: dict[str, list[re.Pattern]] = {KEEP: []}
+    if parent:
+        for role, patterns in parent.roles.items():
+            roles.setdefault(role, []).extend(patterns)
+    if not isinstance(data.get("roles") or {}, dict):
+        raise BadData(f"{where}: roles must be a mapping of role -> regexes")
+    for role, patterns in (data.get("roles") or {}).items():
+        # A family's own patterns go before the inherited ones of the same role.
+        roles[role] = _patterns(patterns, f"{where}: roles.{role}") + roles.get(role, [])
+    shapes = []
+    for pattern, formula in (data.get("shapes") or {}).items():
+        if isinstance(formula, dict):
+            formula = {k: tuple(d) for k, d in formula.items()}
+        elif isinstance(formula, list):
+            formula = tuple(formula)
+        else:
+            raise BadData(f"{where}: shapes[{pattern!r}] must be a list of dimensions or {{model_type: list}}")
+        shapes.append((_compile(pattern, f"{where}: shapes"), formula))
+    recipes = dict(parent.release_recipes) if parent else {}
+    for name, spec in (data.get("release_recipes") or {}).items():
+        recipes[name] = dict(check_keys(spec, RELEASE_RECIPE_KEYS, where, f"release_recipes.{name}"))
+    if "adapter" in data:
+        from quant.families.adapters import ADAPTERS
+
+        if data["adapter"] not in ADAPTERS:
+            raise BadData(f"{where}: adapter {data['adapter']!r} is not one of {', '.join(ADAPTERS) or '(none)'}")
+    return Family(
+        name=data["family"],
+        model_types=list(data.get("model_types") or []),
+        required_config=list(data.get("required_config") or []),
+        roles=roles,
+        mtp=mtp,
+        fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
+        mtp_draft=data.get("mtp_draft", parent.mtp_draft if parent else None),
+        # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
+        # (quant/families/shapes.py picks the config's model_type, else "default").
+        shapes=shapes + (parent.shapes if parent else []),
+        layer_returns=list((data.get("decoder_layer") or {}).get("returns")
+                           or (parent.layer_returns if parent else ["hidden_states"])),
+        text_prefixes=list(data.get("text_prefixes") or (parent.text_prefixes if parent else ["model."])),
+        release_recipes=recipes,
+        mtp_unpublished=data.get("mtp_unpublished", parent.mtp_unpublished if parent else None),
+        file=path,
+    )
+
+
+def load_family(name: str) -> Family:
+    """The family `name` (a file manifests/families/NAME.yaml), with what it inherits. A fresh copy: callers may
+    change it (tests do)."""
+    import copy
+
+    path = families_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise BadData(f"{path}: no such model family (known: {', '.join(family_names())})")
+    return copy.deepcopy(_load_family_file(path))
+
+
+def family_names() -> list[str]:
+    return sorted(p.stem for p in families_dir().glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def _type_table(directory: Path) -> dict[str, str]:
+    """model_type -> family name, over every family file; a model_type claimed twice is a data error."""
+    table: dict[str, str] = {}
+    for path in sorted(directory.glob("*.yaml")):
+        for model_type in _load_family_file(path).model_types:
+            if model_type in table:
+                raise BadData(f"{path}: model_type {model_type!r} is already claimed by {table[model_type]}.yaml")
+            table[model_type] = path.stem
+    return table
+
+
+def lookup_family(config: dict) -> str | None:
+    """The family name of the config's model type (the wrapper's first, then its text model's); None when no
+    family file names it."""
+    table = _type_table(families_dir())
+    return next((table[t] for t in model_types(config) if t in table), None)
+
+
+def unknown_family_note(config: dict) -> str | None:
+    """One line for a config whose model_type no family file names (None when one does): what the tool then
+    does and how to add the family."""
+    if lookup_family(config) is not None:
+        return None
+    types = model_types(config) or ["(none)"]
+    return (f"model_type {types[0]!r} has no family data: only name-generic roles and checks apply; add it as "
+            f"{families_dir() / (types[0] + '.yaml')} (model_types: [{types[0]}], roles, shapes; see the other "
+            "family files)")
+
+
+def family_for_config(config: dict, config_path: Path | str = "config.json") -> Family:
+    """The family of a config (the generic one when no family file names its model_type)."""
+    if not model_types(config):
+        raise QuantError(f"{config_path}: missing key 'model_type' (needed to choose the model family)")
+    family = load_family(lookup_family(config) or GENERIC)
+    cfg = text_config(config)
+    for key in family.required_config:
+        if key not in cfg:
+            raise QuantError(f"{config_path}: missing key '{key}' (the {family.name} recipe needs it)")
+    return family
+
+
+def text_prefix(tensor_names, prefixes=None) -> str:
+    """Tensor-name prefix of the language model's decoder ("model.", "model.language_model." in Qwen3.5's release,
+    "language_model.model." in Kimi-K2.5's): the first of `prefixes` (default: every family's) that some tensor
+    name continues with "layers."."""
+    if prefixes is None:
+        prefixes = all_text_prefixes()
+    names = list(tensor_names)
+    for prefix in prefixes:
+        if any(n.startswith(prefix + "layers.") for n in names):
+            return prefix
+    return "model."
+
+
+@lru_cache(maxsize=1)
+def all_text_prefixes() -> tuple[str, ...]:
+    seen = {p for name in family_names() for p in _load_family_file(families_dir() / f"{name}.yaml").text_prefixes}
+    return tuple(sorted(seen, key=lambda p: (-len(p), p)))
