@@ -177,3 +177,48 @@ def test_bad_calibration_data_is_one_clear_error(setup, message, toy_factory, tm
 def test_gptq_needs_an_mxfp4_scheme(toy_factory, tmp_path):
     with pytest.raises(QuantError, match="--method gptq solves MXFP4 weights"):
         quantize_checkpoint(toy_factory("qwen3-moe"), tmp_path / "out", scheme="fp8", method="gptq")
+
+
+@pytest.mark.parametrize("build, flag", [
+    (lambda: GptqSettings(damp=0.0), "--damp 0: must be a positive finite number"),
+    (lambda: GptqSettings(damp=-1.0), "--damp -1: must be a positive finite number"),
+    (lambda: GptqSettings(damp=float("nan")), "--damp nan: must be a positive finite number"),
+    (lambda: GptqSettings(damp=float("inf")), "--damp inf: must be a positive finite number"),
+    (lambda: CalibrationSettings(str(CALIB), samples=0), "--calib-samples 0: must be"),
+    (lambda: CalibrationSettings(str(CALIB), seq_len=1), "--calib-seq-len 1: must be"),
+])
+def test_bad_gptq_settings_are_one_line_naming_the_flag(build, flag):
+    with pytest.raises(QuantError, match=flag):
+        build()
+
+
+@pytest.mark.parametrize("damp", ["0", "-1", "nan"])
+def test_bad_damp_on_the_command_line_is_a_user_error(damp, tmp_path):
+    from typer.testing import CliRunner
+
+    from quant.cli import app
+
+    result = CliRunner().invoke(app, ["quantize", str(tmp_path / "src"), str(tmp_path / "out"), "--method", "gptq",
+                                      "--damp", damp])
+    assert isinstance(result.exception, QuantError), result.exception
+    assert str(result.exception).startswith(f"--damp {damp}: must be a positive finite number")
+
+
+def test_gptq_reports_progress_before_and_within_layers(toy_factory, tmp_path, monkeypatch, one_torch_thread):
+    """A line before calibration (windows, tokens), one when the first layer starts, and lines within a layer
+    (weights and experts solved, ETAs for the layer and the run); throttled to one per PROGRESS_SECONDS."""
+    import quant.gptq.run as run
+
+    monkeypatch.setattr(run, "PROGRESS_SECONDS", 0.0)
+    logs = []
+    settings = GptqSettings(CalibrationSettings(str(CALIB), samples=4, seq_len=32), batch=4, solve_bytes=1 << 16)
+    quantize_checkpoint(toy_factory("qwen3-moe"), tmp_path / "out", method="gptq", gptq=settings,
+                        check_engines=None, log=logs.append)
+    gptq = [m for m in logs if m.startswith("gptq:")]
+    assert gptq[0].startswith("gptq: calibration: 4 windows x 32 tokens (128 tokens)"), gptq
+    assert gptq[1].startswith("gptq: layer 1/2: starting"), gptq
+    within = [m for m in gptq if "weights done (experts" in m]
+    assert within and all("layer ETA" in m and "run ETA" in m for m in within), gptq
+    first = gptq.index(next(m for m in gptq if m.startswith("gptq: layer 1/2 ")))
+    assert any("weights done (experts" in m for m in gptq[2:first]), gptq  # within the first layer
+    assert "run ETA" in gptq[first]  # the finished first layer's line: the rest of the run

@@ -34,14 +34,19 @@ class CalibrationSettings:
     seq_len: int = 2048
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        self.check()
+
     def to_dict(self) -> dict:
         return {"data": self.data, "samples": self.samples, "seq_len": self.seq_len, "seed": self.seed}
 
     def check(self) -> None:
-        if self.samples < 1:
-            raise QuantError(f"--calib-samples must be at least 1, got {self.samples}")
-        if self.seq_len < 2:
-            raise QuantError(f"--calib-seq-len must be at least 2, got {self.seq_len}")
+        """Raise QuantError naming the flag for a value no calibration can run with (checked when built)."""
+        for flag, value, least in (("--calib-samples", self.samples, 1), ("--calib-seq-len", self.seq_len, 2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise QuantError(f"{flag} {value}: must be a whole number of at least {least}")
+        if not isinstance(self.data, str) or not self.data.strip():
+            raise QuantError(f"--calib-data {self.data!r}: must name a local file or a hub dataset")
 
 
 def _record_text(record, where: str) -> str:

@@ -28,17 +28,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings, calibration_tokens, data_identity
 from quant.pipeline.output import GPTQ_DIR
 from quant.pipeline.plan import LAYER, Plan, TensorJob
 from quant.pipeline.schemes import MXFP4_SCHEMES
 
 MIN_EXPERT_TOKENS = 64
+_EXPERT = re.compile(r"^(.*\bexperts\.\d+)\.")
+PROGRESS_SECONDS = 10.0  # at most one progress line this often within a layer
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,16 @@ class GptqSettings:
     batch: int = 8  # calibration windows per forward call
     hessian_bytes: int = 4 << 30  # budget for one pass's expert Hessians; more experts take more passes
     solve_bytes: int = 1 << 29  # budget for the solver's working set; more experts are solved in more groups
+
+    def __post_init__(self) -> None:
+        """--damp must be a positive finite number: 0 leaves a singular Hessian singular, a negative one makes it
+        indefinite, NaN poisons every solve (each used to stop deep inside the first layer)."""
+        damp = self.damp
+        if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not math.isfinite(damp) or damp <= 0:
+            shown = f"{damp:g}" if isinstance(damp, (int, float)) else repr(damp)
+            raise QuantError(f"--damp {shown}: must be a positive finite number (default 0.01)")
+        if self.batch < 1:
+            raise QuantError(f"GPTQ batch {self.batch}: must be at least 1")
 
     def to_dict(self, with_identity: bool = True) -> dict:
         d = {"method": "gptq", "damp": self.damp, "min_expert_tokens": MIN_EXPERT_TOKENS,
@@ -112,7 +127,9 @@ def _layer_digest(plan_digest: str, index: int) -> str:
 def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, settings: GptqSettings,
                      layer_returns: list[str], digest: str, log=print) -> SolvedWeights:
     """Solve every MXFP4 weight of the decoder layers with GPTQ into OUT/.quant-gptq/ (resuming what an earlier
-    run of the same plan solved)."""
+    run of the same plan solved). `log` gets a line before calibration, one when the first layer begins, progress
+    within each layer (weights and experts solved, ETAs; at most one line every PROGRESS_SECONDS) and one per
+    finished layer."""
     import torch
 
     from quant.gptq.layers import DecoderStack
@@ -120,13 +137,18 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, s
     store = out / GPTQ_DIR
     store.mkdir(exist_ok=True)
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    tokens = calibration_tokens(settings.calibration, src_path)
+    cal = settings.calibration
+    log(f"gptq: calibration: {cal.samples} windows x {cal.seq_len} tokens ({cal.samples * cal.seq_len:,} tokens) "
+        f"of {cal.data}, on {device}; tokenizing, then running them to the first decoder layer")
+    started = time.perf_counter()
+    tokens = calibration_tokens(cal, src_path)
     stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype)
     by_layer = quantized_jobs_by_layer(plan)
-    started = time.perf_counter()
+    progress = Progress(log, {i: _work(ckpt, by_layer.get(i, [])) for i in range(len(stack))}, len(stack))
     with torch.no_grad():
         hidden = stack.capture(tokens, settings.batch)
         carry: list[dict] = [{} for _ in hidden]
+        first = True
         for index in range(len(stack)):
             t0 = time.perf_counter()
             layer = stack.load_layer(index)
@@ -137,19 +159,132 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, s
                 solved = _load_layer_solution(store, index, previous)
                 resumed = True
             else:
-                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings)
+                if first:
+                    log(f"gptq: layer {index + 1}/{len(stack)}: starting ({len(jobs)} weights; calibration "
+                        f"inputs ready after {time.perf_counter() - started:.1f} s)")
+                    first = False
+                progress.begin_layer(index, jobs, {j.output: _job_work(ckpt, j) for j in jobs})
+                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, progress.solved)
                 _save_layer_solution(store, index, solved, _layer_digest(digest, index))
                 resumed = False
             _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
             hidden, carry = _forward(stack, index, layer, hidden, carry)
             stack.release_layer(index)
             del layer
+            elapsed = time.perf_counter() - t0
+            eta = "" if resumed else progress.end_layer(index, elapsed)
             n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
             log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
-                f"{len(jobs) - n_gptq} rounded to nearest, {time.perf_counter() - t0:.1f} s")
+                f"{len(jobs) - n_gptq} rounded to nearest, {elapsed:.1f} s{eta}")
     log(f"gptq: {len(stack)} decoder layers in {time.perf_counter() - started:.1f} s "
         f"({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
     return SolvedWeights(store, len(stack))
+
+
+def _job_work(ckpt, job: TensorJob) -> float:
+    """A weight's share of its layer's solve time, as a proxy: R K (R + K) for its [R, K] matrix (the column loop
+    is R K^2 and the Hessian's factorisation K^3, per expert)."""
+    info = ckpt.tensors.get(job.source.name)
+    if info is None or len(info.shape) < 2:
+        return 1.0
+    k = info.shape[-1]
+    r = job.source.rows[1] - job.source.rows[0] if job.source.rows else info.shape[-2]
+    return float(r) * k * (r + k)
+
+
+def _work(ckpt, jobs: list[TensorJob]) -> float:
+    return sum(_job_work(ckpt, j) for j in jobs if j.scheme in MXFP4_SCHEMES)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Progress lines within and between layers. Work is `_job_work` summed over MXFP4 weights; the ETAs divide
+    the work left by the rate of the layers finished in this run (or, in the first layer, of the weights solved
+    so far in it, forward passes included)."""
+
+    def __init__(self, log, work_by_layer: dict[int, float], layers: int, every: float | None = None):
+        self.log, self.work_by_layer, self.layers = log, work_by_layer, layers
+        self.every = PROGRESS_SECONDS if every is None else every
+        self.done_work = self.done_time = 0.0  # layers finished (solved, not resumed) in this run
+
+    def begin_layer(self, index: int, jobs: list[TensorJob], work: dict[str, float]) -> None:
+        self.index, self.t0, self.last = index, time.perf_counter(), time.perf_counter()
+        eligible = [j for j in jobs if j.scheme in MXFP4_SCHEMES]
+        self.work = {j.output: work.get(j.output, 1.0) for j in eligible}
+        self.layer_work = sum(self.work.values()) or 1.0
+        self.layer_done = 0.0
+        self.total, self.solved_jobs = len(eligible), 0
+        self.experts: dict[str, int] = defaultdict(int)  # expert -> its weights not yet solved
+        for j in eligible:
+            expert = _expert_of(j)
+            if expert is not None:
+                self.experts[expert] += 1
+        self.experts_total = len(self.experts)
+
+    def _rate(self, layer_elapsed: float) -> float | None:
+        if self.done_work > 0:
+            return self.done_time / self.done_work
+        if self.layer_done > 0:
+            return layer_elapsed / self.layer_done
+        return None
+
+    def _left_after(self, index: int) -> float:
+        return sum(w for i, w in self.work_by_layer.items() if i > index)
+
+    def solved(self, jobs: list[TensorJob]) -> None:
+        """`jobs` of the current layer are solved (or rounded to nearest)."""
+        jobs = [j for j in jobs if j.output in self.work]
+        if not jobs:
+            return
+        for job in jobs:
+            self.layer_done += self.work.pop(job.output)
+            self.solved_jobs += 1
+            expert = _expert_of(job)
+            if expert is not None and expert in self.experts:
+                self.experts[expert] -= 1
+        now = time.perf_counter()
+        if now - self.last < self.every or not self.work:
+            return
+        self.last = now
+        elapsed = now - self.t0
+        line = f"gptq: layer {self.index + 1}/{self.layers}: {self.solved_jobs}/{self.total} weights done"
+        if self.experts_total:
+            done = sum(1 for left in self.experts.values() if left <= 0)
+            line += f" (experts {done}/{self.experts_total})"
+        line += f", {_duration(elapsed)} in"
+        layer_rate = elapsed / self.layer_done if self.layer_done else None
+        if layer_rate is not None:
+            layer_left = (self.layer_work - self.layer_done) * layer_rate
+            line += f"; layer ETA {_duration(layer_left)}"
+            rate = self._rate(elapsed)
+            line += f", run ETA {_duration(layer_left + self._left_after(self.index) * rate)}"
+        self.log(line)
+
+    def end_layer(self, index: int, elapsed: float) -> str:
+        """Books a finished layer; returns the run's ETA as a suffix for the layer's line."""
+        self.done_work += self.work_by_layer.get(index, 0.0)
+        self.done_time += elapsed
+        left = self._left_after(index)
+        rate = self._rate(elapsed)
+        if left <= 0 or rate is None:
+            return ""
+        return f"; run ETA {_duration(left * rate)}"
+
+
+def _expert_of(job: TensorJob) -> str | None:
+    """"model.layers.3.mlp.experts.17" for a routed expert's weight (per-expert names or fused slices)."""
+    if job.source.expert is not None:
+        return f"{job.source.name.rsplit('.', 1)[0]}.{job.source.expert}"
+    m = _EXPERT.match(job.output)
+    return m.group(1) if m else None
 
 
 def _run_layer(stack, index: int, layer, hidden: list, carry: list[dict]):
@@ -172,8 +307,10 @@ def _forward(stack, index: int, layer, hidden: list, carry: list[dict]) -> tuple
 
 
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
-                 settings: GptqSettings) -> dict:
-    """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}."""
+                 settings: GptqSettings, progress=None) -> dict:
+    """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}.
+    `progress(jobs)` is called as groups of weights are solved."""
+    progress = progress or (lambda jobs: None)
     from quant.gptq.hessians import HessianCollector, supported
 
     records: dict[str, dict] = {}
@@ -188,6 +325,7 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
     for job in eligible:
         if slots[job.output].key in unsupported:
             records[job.output] = {"method": "rtn", "why": "neither an nn.Linear nor a fused expert parameter"}
+    progress([j for j in eligible if slots[j.output].key in unsupported])
     keys = [k for k in keys if k not in unsupported]
 
     plain = [k for k in keys if layer.get_parameter(k).dim() == 2]
@@ -217,13 +355,13 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
             jobs_here = [j for j in eligible if slots[j.output].key == key
                          and (experts is None or slots[j.output].expert in experts)]
             _solve_parameter(layer.get_parameter(key), experts, hessians, counts, jobs_here, slots, plan.scale_mode,
-                             settings, records, parts)
+                             settings, records, parts, progress)
             del hessians
     return {"records": records, "parts": parts}
 
 
 def _solve_parameter(param, experts: list[int] | None, hessians, counts, jobs: list[TensorJob], slots: dict,
-                     scale_mode: str, settings: GptqSettings, records: dict, parts: dict) -> None:
+                     scale_mode: str, settings: GptqSettings, records: dict, parts: dict, progress=None) -> None:
     """Solve one layer parameter (a linear's weight, or the rows of the fused experts `experts`) given the Hessians
     [E, K, K] and token counts [E] collected for it, in groups of experts whose solver working set (float64
     Cholesky factors, fp32 weights) stays within settings.solve_bytes; fill `records` and `parts` for `jobs`."""
@@ -248,11 +386,13 @@ def _solve_parameter(param, experts: list[int] | None, hessians, counts, jobs: l
         err_gptq = output_error(w, solved.values, h)
         rtn = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w, mode=scale_mode), dtype=torch.float32)
         err_rtn = output_error(w, rtn, h)
+        done = []
         for job in jobs:
             slot = slots[job.output]
             i = 0 if experts is None else experts.index(slot.expert) - g0
             if not 0 <= i < len(sel):
                 continue
+            done.append(job)
             r0, r1 = slot.rows if slot.rows else (0, w.shape[1])
             tokens = int(n[i])
             if not bool(ok[i]):
@@ -265,6 +405,8 @@ def _solve_parameter(param, experts: list[int] | None, hessians, counts, jobs: l
             parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
                                  "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
         del h, solved, rtn, w
+        if progress is not None:
+            progress(done)
 
 
 def _save_layer_solution(store: Path, index: int, solved: dict, digest: str) -> None:
