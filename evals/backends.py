@@ -64,6 +64,9 @@ class Backend:
     def failures(self) -> int:
         return getattr(self.lm, "failed_requests", 0)
 
+    def first_error(self) -> str | None:
+        return getattr(self.lm, "first_error", None)
+
 
 def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
@@ -96,18 +99,39 @@ def api_root(base: str) -> str:
     return base
 
 
-def served_model_name(base: str, timeout: float = 30.0) -> str:
-    """The first model id the server lists at GET <root>/models."""
+def served_models(base: str, timeout: float = 30.0, flag: str = "server") -> list[str]:
+    """The model ids the server lists at GET <root>/models (an OpenAI-compatible server's own answer)."""
     url = f"{api_root(base)}/models"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            models = json.load(response).get("data") or []
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise QuantError(f"{url}: cannot list the served models ({e}); is the server up? "
-                         "(or name the model with --server-model)")
+            data = json.load(response)
+        models = [str(m["id"]) for m in data.get("data") or []]
+    except (urllib.error.URLError, OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        reason = " ".join(str(getattr(e, "reason", None) or e).split())[:200]
+        raise QuantError(f"{flag} {url}: not an OpenAI-compatible server answering GET /models ({reason}); is the "
+                         f"server up?") from None
     if not models:
-        raise QuantError(f"{url}: the server lists no model; name it with --server-model")
-    return str(models[0]["id"])
+        raise QuantError(f"{flag} {url}: the server lists no model")
+    return models
+
+
+def served_model_name(base: str, timeout: float = 30.0) -> str:
+    """The first model id the server lists at GET <root>/models."""
+    return served_models(base, timeout)[0]
+
+
+def _checked(answers, n: int):
+    """A generation response must hold one answer per prompt; anything else is a failed request (retried, then
+    counted), not a crash in lm-eval's zip."""
+    if isinstance(answers, dict):  # the synchronous path returns the raw JSON
+        choices = answers.get("choices")
+        if not isinstance(choices, list) or len(choices) != n:
+            raise ValueError(f"response has {len(choices) if isinstance(choices, list) else 'no'} choices for "
+                             f"{n} prompt(s)")
+    elif not isinstance(answers, list) or len(answers) != n:
+        raise ValueError(f"response has {len(answers) if isinstance(answers, list) else 'no'} answers for {n} "
+                         f"prompt(s)")
+    return answers
 
 
 class _RetryingCalls:
@@ -116,6 +140,17 @@ class _RetryingCalls:
 
     attempts = 3
     failed_requests = 0
+    first_error: str | None = None
+    prompts_per_call = None  # chat: one conversation per request, whatever `messages` holds
+
+    def _prompts(self, messages) -> int:
+        return self.prompts_per_call or (len(messages) if isinstance(messages, list) else 1)
+
+    def _record_failure(self, n: int, error) -> None:
+        self.failed_requests += n
+        if self.first_error is None:
+            self.first_error = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        log.warning("request failed after %d attempts (%s); scored as wrong", self.attempts, error)
 
     def _failure_response(self, n: int) -> dict:
         raise NotImplementedError
@@ -124,16 +159,16 @@ class _RetryingCalls:
         error = None
         for attempt in range(self.attempts):
             try:
-                return super().model_call(messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs)
+                result = super().model_call(messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs)
+                return _checked(result, self._prompts(messages)) if generate else result
             except Exception as e:  # noqa: BLE001 - any transport or HTTP error is retried, then recorded
                 error = e
                 if attempt + 1 < self.attempts:
                     time.sleep(min(10.0, 2.0 ** attempt))
         if not generate:
             raise error
-        n = len(messages)
-        self.failed_requests += n
-        log.warning("request failed after %d attempts (%s); scored as wrong", self.attempts, error)
+        n = self._prompts(messages)
+        self._record_failure(n, error)
         return self._failure_response(n)
 
     async def amodel_call(self, session, sem, messages, *, generate=True, cache_keys=None, ctxlens=None,
@@ -141,17 +176,18 @@ class _RetryingCalls:
         error = None
         for attempt in range(self.attempts):
             try:
-                return await super().amodel_call(session, sem, messages, generate=generate, cache_keys=cache_keys,
-                                                 ctxlens=ctxlens, gen_kwargs=gen_kwargs, **kwargs)
+                result = await super().amodel_call(session, sem, messages, generate=generate,
+                                                   cache_keys=cache_keys, ctxlens=ctxlens, gen_kwargs=gen_kwargs,
+                                                   **kwargs)
+                return _checked(result, self._prompts(messages)) if generate else result
             except Exception as e:  # noqa: BLE001 - as in model_call
                 error = e
                 if attempt + 1 < self.attempts:
                     await asyncio.sleep(min(10.0, 2.0 ** attempt))
         if not generate:
             raise error
-        n = len(messages)
-        self.failed_requests += n
-        log.warning("request failed after %d attempts (%s); scored as wrong", self.attempts, error)
+        n = self._prompts(messages)
+        self._record_failure(n, error)
         return [FAILED_GENERATION] * n
 
 
@@ -163,6 +199,8 @@ def _api_classes():
             return {"choices": [{"index": i, "text": FAILED_GENERATION} for i in range(n)]}
 
     class RetryingChat(_RetryingCalls, LocalChatCompletion):
+        prompts_per_call = 1
+
         def _failure_response(self, n):
             return {"choices": [{"index": 0, "message": {"content": FAILED_GENERATION}}]}
 

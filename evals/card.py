@@ -12,6 +12,21 @@ from quant.pipeline.model_card import CARD_FILE, accuracy_section, replace_accur
 CARD_IMAGE = "eval_report.png"
 
 
+def check_card_target(export: Path) -> None:
+    """`--card` writes only into a model card quant quantize wrote: an export of this tool (its owner record or
+    completion marker), never into any README.md."""
+    from quant.ownership import read_owner
+    from quant.pipeline.output import COMPLETE_MARKER
+
+    export = Path(export)
+    if not export.is_dir():
+        raise QuantError(f"--card {export}: not a directory (give the export whose README.md to update)")
+    owner = read_owner(export)
+    if not ((owner and owner.get("kind") == "quantize") or (export / COMPLETE_MARKER).is_file()):
+        raise QuantError(f"--card {export}: not an export written by quant quantize; --card only updates the model "
+                         f"cards this tool wrote")
+
+
 def add_accuracy(export: Path, report: dict, report_dir: Path) -> Path:
     """Replace (or add) the accuracy section of export/README.md; copy report.png beside it. Returns the card."""
     card_path = Path(export) / CARD_FILE

@@ -2,7 +2,8 @@
 
 Runs lm-eval's GSM8K and GPQA-Diamond (from the hub through `datasets`, or from local files) on both models, pairs the answers question by
 question and decides non-inferiority against a margin; where both arms have an MTP draft, its acceptance too
-(its own margin). Exit code: 0 pass, 1 fail, 3 inconclusive.
+(its own margin). Exit code: 0 pass, 1 fail, 3 inconclusive, 4 invalid (an arm at or below its floor),
+69 no verdict (an arm's requests failed), 2 a bad argument (evals/evidence.py says why).
 """
 
 from __future__ import annotations
@@ -50,15 +51,20 @@ def command(
     mtp_depth: int = typer.Option(3, help="Draft tokens per verification round for the in-process acceptance "
                                   "(the engines' speculative_num_steps)"),
     mtp_margin: float = typer.Option(5.0, help="Non-inferiority margin on depth-1 draft acceptance, in points"),
-    card: Optional[Path] = typer.Option(None, help="Export directory whose model card (README.md) gets this "
-                                        "accuracy section (replaced on every run; report.png is copied beside)"),
+    card: Optional[Path] = typer.Option(None, help="Export directory (written by quant quantize) whose model card "
+                                        "(README.md) gets this accuracy section (replaced on every run; "
+                                        "report.png is copied beside)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Write --out into a directory this tool did not make "
+                                   "(files it did not write are never deleted)"),
 ) -> None:
     """Compare a candidate against a baseline on GSM8K / GPQA-Diamond with paired statistics."""
     from evals.compare import EXIT_CODES, EvalRequest, evaluate
     from quant.errors import QuantError
 
-    if card is not None and not card.is_dir():
-        raise QuantError(f"--card {card}: not a directory (give the export whose README.md to update)")
+    if card is not None:
+        from evals.card import check_card_target
+
+        check_card_target(card)
 
     request = EvalRequest(
         candidate=candidate, baseline=baseline, baseline_run=baseline_run, tasks=tasks, out=out,
@@ -66,7 +72,7 @@ def command(
         max_gen_toks=max_gen_toks, temperature=temperature, top_p=top_p, endpoint=endpoint,
         server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
         batch_size=batch_size, device=device, dtype=dtype, baseline_name=baseline_name,
-        candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin,
+        candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin, overwrite=overwrite,
     )
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
     from evals.report import print_table

@@ -9,8 +9,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from evals import stats
-from evals.backends import Backend, BackendOptions, is_url, open_backend
+from evals import evidence, stats
+from evals.backends import DTYPES, Backend, BackendOptions, is_url, open_backend
 from evals.acceptance import compare_acceptance
 from evals.pairing import generation_counts, pair_acceptance, pair_scores
 from evals.report import METHODS, REPORT_JSON, write_report
@@ -18,9 +18,11 @@ from evals.run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_na
 from evals.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
 from quant.errors import QuantError
 
-EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
+EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3, evidence.INVALID: 4}
 # Directories of the output this stage owns and recreates on every run.
 OWN_SUBDIRS = ("runs", "tasks", "hf_datasets_cache", "work", "data")
+OWN_FILES = (REPORT_JSON, "report.md", "report.png")
+MAX_MARGIN_POINTS = 50.0  # a margin wider than this admits any candidate: refused as a mistake
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,21 @@ class EvalRequest:
     mtp_depth: int = 3                  # draft tokens per verification round (speculative_num_steps)
     mtp_margin: float = 5.0             # non-inferiority margin on depth-1 acceptance, in points
     toy_data_dir: Path = EVAL_DATA_DIR / "toy_arith"
+    overwrite: bool = False             # write into an --out this tool did not make (quant.ownership)
 
 
 def _check(request: EvalRequest) -> None:
     import math
 
-    if not math.isfinite(request.margin) or request.margin <= 0:
-        raise QuantError(f"--margin {request.margin:g}: must be a positive number of points")
+    if not math.isfinite(request.margin) or not 0 < request.margin <= MAX_MARGIN_POINTS:
+        raise QuantError(f"--margin {request.margin:g}: must be a number of points in (0, {MAX_MARGIN_POINTS:g}] "
+                         f"(a wider margin admits any candidate)")
+    for flag, value in (("--concurrency", request.concurrency), ("--timeout", request.timeout),
+                        ("--batch-size", request.batch_size), ("--max-retries", request.max_retries)):
+        if value < 1:
+            raise QuantError(f"{flag} {value}: must be at least 1")
+    if request.dtype not in DTYPES:
+        raise QuantError(f"--dtype {request.dtype!r}: choose from {', '.join(DTYPES)}")
     if request.max_gen_toks is not None and request.max_gen_toks < 1:
         raise QuantError(f"--max-gen-toks {request.max_gen_toks}: must be a positive number of tokens")
     for flag, value in (("--temperature", request.temperature), ("--top-p", request.top_p)):
@@ -77,18 +87,56 @@ def _check(request: EvalRequest) -> None:
     if (request.baseline is None) == (request.baseline_run is None):
         raise QuantError("give exactly one of --baseline (checkpoint or URL) and --baseline-run (earlier output)")
     sources = [("candidate", request.candidate)] + ([("baseline", request.baseline)] if request.baseline else [])
-    out = Path(request.out).resolve()
+    if request.baseline and _same_source(request.candidate, request.baseline):
+        raise QuantError(f"--candidate and --baseline are the same model ({request.candidate}); a comparison of a "
+                         f"model with itself proves nothing")
     for label, source in sources:
         if is_url(source):
             continue
         if not Path(source).is_dir():
             raise QuantError(f"--{label} {source}: not a checkpoint directory or an http(s):// server URL")
-        if out == Path(source).resolve() or Path(source).resolve() in out.parents:
-            raise QuantError(f"--out {request.out}: must not be inside the checkpoint {source}")
         # Headers and config only (seconds on any size): a broken candidate is found before the baseline runs.
         from quant.checkpoint import open_checkpoint
 
         open_checkpoint(source).require_intact()
+    for flag, path in (("--data-dir", request.data_dir), ("--gpqa-csv", request.gpqa_csv),
+                       ("--baseline-run", request.baseline_run)):
+        if path is not None and not Path(path).exists():
+            raise QuantError(f"{flag} {path}: not found")
+
+
+def _same_source(a: str, b: str) -> bool:
+    if is_url(a) or is_url(b):
+        from evals.backends import api_root
+
+        return is_url(a) and is_url(b) and api_root(a) == api_root(b)
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _check_inputs(request: EvalRequest, specs) -> None:
+    """What can be checked before any work beyond the arguments: the data files, the data the hub must give
+    (all of it named in one error when the hub is off), and every server answering with the model asked for."""
+    from evals import hub_data
+    from evals.backends import served_models
+    from evals.tasks import gpqa_data_file, gsm8k_data_files
+
+    names = {s.name for s in specs}
+    if request.data_dir is not None and "gsm8k" in names:
+        gsm8k_data_files(request.data_dir)
+    if request.gpqa_csv is not None and "gpqa_diamond" in names:
+        gpqa_data_file(request.gpqa_csv)
+    needed = {}
+    if "gsm8k" in names and request.data_dir is None:
+        needed["GSM8K"] = hub_data.GSM8K_HINT
+    if "gpqa_diamond" in names and request.gpqa_csv is None:
+        needed["GPQA-Diamond"] = hub_data.GPQA_HINT
+    hub_data.require_data(needed)
+    for label, source in (("candidate", request.candidate), ("baseline", request.baseline)):
+        if source and is_url(source):
+            models = served_models(source, timeout=min(30, request.timeout), flag=f"--{label}")
+            if request.server_model and request.server_model not in models:
+                raise QuantError(f"--{label} {source}: serves {', '.join(models)}, not --server-model "
+                                 f"{request.server_model}")
 
 
 def _check_device(device: str) -> None:
@@ -104,12 +152,22 @@ def _check_device(device: str) -> None:
         raise QuantError(f"--device {device}: the in-process backend runs on cpu or cuda")
 
 
-def _prepare_out(out: Path) -> None:
-    """Remove what an earlier run left (our own subdirectories and report files only)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / REPORT_JSON).unlink(missing_ok=True)
-    for sub in OWN_SUBDIRS:
-        shutil.rmtree(out / sub, ignore_errors=True)
+def _prepare_out(held) -> None:
+    """Remove what an earlier eval of ours left in OUT (its own subdirectories and report files, by its owner
+    record), report.json first so an unfinished run never looks finished."""
+    for name in (REPORT_JSON,) + OWN_SUBDIRS + OWN_FILES[1:]:
+        if name in held.written_before() and (held.root / name).exists():
+            held.remove_ours(name)
+    held.save(list(OWN_SUBDIRS + OWN_FILES))
+
+
+def _claim_out(request: EvalRequest):
+    from quant.ownership import claim
+
+    inputs = {"candidate": None if is_url(request.candidate) else Path(request.candidate),
+              "baseline": None if not request.baseline or is_url(request.baseline) else Path(request.baseline),
+              "--data-dir": request.data_dir, "--gpqa-csv": request.gpqa_csv, "--baseline-run": request.baseline_run}
+    return claim(Path(request.out), "eval", inputs=inputs, overwrite=request.overwrite, what="--out")
 
 
 def _weights_name(backend: Backend) -> str:
@@ -190,6 +248,11 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
     return rows
 
 
+def _generations(records: list[dict]) -> int:
+    """Generations an arm asked for: one per (task, seed, question), whatever the filters."""
+    return len({(r["task"], r["seed"], r["doc_id"]) for r in records})
+
+
 def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: Path, settings: RunSettings,
          options: BackendOptions, depth: int, log) -> tuple[dict, list[dict]]:
     log(f"{label}: loading {source}")
@@ -208,6 +271,7 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: 
         mtp = _measure_mtp(backend, records, depth, log)
     arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
            "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures(),
+           "first_error": backend.first_error(),
            "mtp": mtp}
     if any("mtp" in r for r in records):  # run_arm wrote the samples before the acceptance was attached
         write_records(out / "runs" / label, specs, records)
@@ -269,8 +333,15 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     specs = parse_tasks(request.tasks)
     settings = _settings(request, specs)
     earlier = load_baseline_run(request.baseline_run, specs, settings) if request.baseline_run else None
-    out = Path(request.out)
-    _prepare_out(out)
+    owner = _claim_out(request)
+    owner.check()  # a foreign --out, or an input inside it, is refused before the servers are asked
+    _check_inputs(request, specs)
+    with owner as held:
+        _prepare_out(held)
+        return _evaluate(request, specs, settings, earlier, Path(request.out), log)
+
+
+def _evaluate(request: EvalRequest, specs, settings: dict, earlier, out: Path, log) -> dict:
     datasets_cache = out / "hf_datasets_cache"
     gsm8k_dir, gpqa_csv = _eval_data(request, specs, out / "data")
     task_dir = write_task_files(out / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,
@@ -291,16 +362,22 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     else:
         baseline_arm, baseline = _run("baseline", request.baseline, request.baseline_name, specs, task_dir, out,
                                       run_settings, options, request.mtp_depth, log)
+    evidence.check_failures("baseline", baseline_arm, _generations(baseline))  # before the candidate arm runs
     candidate_arm, candidate = _run("candidate", request.candidate, request.candidate_name, specs, task_dir, out,
                                     run_settings, options, request.mtp_depth, log)
+    evidence.check_failures("candidate", candidate_arm, _generations(candidate))
     for scratch in ("work", "hf_datasets_cache"):
         shutil.rmtree(out / scratch, ignore_errors=True)
 
     rows = compare_records(baseline, candidate, specs, request)
-    verdict = stats.combine_verdicts([r["comparison"]["verdict"] for r in rows if r["primary"]]
-                                     + [r["acceptance"]["verdict"] for r in rows if r.get("acceptance")])
+    problems = evidence.floor_problems(rows, {s.name: s.floor for s in specs})
+    verdict = evidence.INVALID if problems else \
+        stats.combine_verdicts([r["comparison"]["verdict"] for r in rows if r["primary"]]
+                               + [r["acceptance"]["verdict"] for r in rows if r.get("acceptance")])
     report = {"verdict": verdict, "exit_code": EXIT_CODES[verdict], "margin_points": request.margin,
-              "mtp_margin_points": request.mtp_margin,
+              "mtp_margin_points": request.mtp_margin, "problems": problems,
+              "next_steps": evidence.next_steps(rows, request.limit, {s.name: s.size for s in specs})
+              if verdict == "inconclusive" else [],
               "baseline": baseline_arm, "candidate": candidate_arm, "settings": settings, "rows": rows,
               "methods": METHODS}
     write_report(report, out)

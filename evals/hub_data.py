@@ -29,6 +29,37 @@ def hub_offline() -> str | None:
     return None
 
 
+GSM8K_HINT = "--data-dir DIR (train.jsonl and test.jsonl with question/answer)"
+GPQA_HINT = "--gpqa-csv FILE (the gpqa_diamond CSV)"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers a TCP connection within `timeout` (datasets would otherwise retry for
+    half a minute before saying it is offline)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def require_data(needed: dict[str, str]) -> None:
+    """`needed`: {what: flag hint} of the datasets no local copy was given for. With the hub switched off or
+    unreachable, one error names every one of them (before any work, not one per round)."""
+    if not needed:
+        return
+    flag = hub_offline()
+    why = f"{flag} is set" if flag else None if hub_reachable() else "the hub is unreachable from this machine"
+    if why:
+        parts = "; ".join(f"{what}: pass {hint}" for what, hint in needed.items())
+        raise QuantError(f"{why} and no local copy was given for {', '.join(needed)} ({parts})")
+
+
 def _load(repo: str, config: str, what: str, flag_hint: str):
     flag = hub_offline()
     if flag:
@@ -46,7 +77,7 @@ def _load(repo: str, config: str, what: str, flag_hint: str):
 
 def fetch_gsm8k(dest: Path) -> Path:
     """openai/gsm8k [main] as dest/{train,test}.jsonl (question/answer); returns dest."""
-    data = _load(*GSM8K_HUB, "GSM8K", "--data-dir DIR (train.jsonl and test.jsonl with question/answer)")
+    data = _load(*GSM8K_HUB, "GSM8K", GSM8K_HINT)
     dest.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
         with open(dest / f"{split}.jsonl", "w") as f:
@@ -57,7 +88,7 @@ def fetch_gsm8k(dest: Path) -> Path:
 
 def fetch_gpqa_diamond(dest: Path, columns: tuple[str, ...]) -> Path:
     """Idavidrein/gpqa [gpqa_diamond] (gated: needs an accepted licence and a token) as a CSV with `columns`."""
-    data = _load(*GPQA_HUB, "GPQA-Diamond", "--gpqa-csv FILE (the gpqa_diamond CSV)")
+    data = _load(*GPQA_HUB, "GPQA-Diamond", GPQA_HINT)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w", newline="") as f:
         writer = csv.writer(f)

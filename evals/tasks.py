@@ -41,6 +41,10 @@ class TaskSpec:
     filters: tuple[str, ...]    # lm-eval filters reported, primary first
     sampled: bool               # True: several seeds at temperature 1.0; False: one greedy run
     default_max_gen_toks: int
+    # At or below this accuracy an arm's setup is broken, not its weights (evals/evidence.py): chance level for
+    # four-choice GPQA; for free-form answers a documented minimum (a model that cannot follow the 5-shot format).
+    floor: float = 0.05
+    size: int | None = None     # questions in the test set (what --limit can reach)
 
     @property
     def primary_filter(self) -> str:
@@ -53,12 +57,13 @@ TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
         TaskSpec("gsm8k", "GSM8K 5-shot", "gsm8k_local", "tasks/gsm8k/gsm8k.yaml", "gsm8k-jsonl",
-                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=512),
+                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=512, size=1319),
         TaskSpec("toy_arith", "toy arithmetic 5-shot", "toy_arith_local", "tasks/gsm8k/gsm8k.yaml", "gsm8k-jsonl",
-                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=64),
+                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=64, size=200),
         TaskSpec("gpqa_diamond", "GPQA-Diamond CoT", "gpqa_diamond_cot_zeroshot_local",
                  "tasks/gpqa/cot_zeroshot/_gpqa_cot_zeroshot_yaml", "gpqa-csv",
-                 ("flexible-extract", "strict-match"), sampled=True, default_max_gen_toks=32768),
+                 ("flexible-extract", "strict-match"), sampled=True, default_max_gen_toks=32768,
+                 floor=0.25, size=198),
     )
 }
 

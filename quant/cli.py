@@ -4,6 +4,7 @@ happen inside the commands so `quant --help` stays instant."""
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 
 import typer
@@ -25,6 +26,26 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 IO_ERROR = 74  # sysexits EX_IOERR: the machine failed us (disk full, read-only, permission), not the input
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from quant import __version__
+
+        try:
+            installed = version("moe-quant")
+        except PackageNotFoundError:
+            installed = __version__
+        typer.echo(f"moe-quant {installed}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """MXFP4/FP8 quantization and accuracy validation for MoE checkpoints (Quark format for SGLang/vLLM)."""
+
+
 def _register() -> None:
     from evals import command as eval_cmd
     from quant.commands import demo, kernels, quantize, toy, verify
@@ -41,6 +62,9 @@ _register()
 
 
 def main() -> None:
+    # Output piped into `head` and the like: die quietly of SIGPIPE as Unix tools do (exit 141 in the shell),
+    # instead of a traceback or a misleading exit code from the next write to a closed pipe.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         app()
         code = 0
@@ -69,7 +93,7 @@ def main() -> None:
 
 def _interrupted() -> None:
     typer.secho("error: interrupted; nothing unfinished was published (quantize: the same command resumes from "
-                "the finished shards)", fg=typer.colors.RED, err=True)
+                "the finished shards; eval: no report was written)", fg=typer.colors.RED, err=True)
 
 
 def os_error_line(e: OSError) -> str:

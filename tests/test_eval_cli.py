@@ -22,24 +22,32 @@ def test_help_lists_the_options():
 def test_bad_input_is_one_error_line(tmp_path):
     result = quant("eval", "--candidate", str(tmp_path / "missing"), "--baseline", "http://127.0.0.1:9/v1",
                    "--out", str(tmp_path / "out"))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: --candidate {tmp_path / 'missing'}: not a checkpoint directory or an http(s):// server URL"]
-    result = quant("eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:9/v1",
+    result = quant("eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:10/v1",
                    "--margin", "0", "--out", str(tmp_path / "out"))
-    assert result.returncode == 1 and "error: --margin 0: must be a positive number of points" in result.stderr
+    assert result.returncode == 2 and "error: --margin 0: must be a number of points in (0, 50]" in result.stderr
     assert not (tmp_path / "out" / "report.json").exists()
 
 
 def test_bad_numbers_and_devices_are_refused_before_any_work(tmp_path):
-    base = ["eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:9/v1",
+    base = ["eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:10/v1",
             "--out", str(tmp_path / "out")]
-    for extra, message in ((["--margin", "nan"], "error: --margin nan: must be a positive number of points"),
+    for extra, message in ((["--margin", "nan"], "error: --margin nan: must be a number of points in (0, 50]"),
+                           (["--margin", "1000"], "error: --margin 1000: must be a number of points in (0, 50]"),
+                           (["--limit", "-1"], "error: --limit -1: must be positive"),
+                           (["--seeds", "0"], "error: --seeds 0: must be at least 1"),
+                           (["--tasks", "gsm9k"], "error: unknown task 'gsm9k'"),
+                           (["--concurrency", "0"], "error: --concurrency 0: must be at least 1"),
+                           (["--timeout", "0"], "error: --timeout 0: must be at least 1"),
+                           (["--batch-size", "0"], "error: --batch-size 0: must be at least 1"),
+                           (["--dtype", "float8"], "error: --dtype 'float8': choose from"),
                            (["--max-gen-toks", "-5"], "error: --max-gen-toks -5: must be a positive number of tokens"),
                            (["--device", "tpu9"], "error: --device 'tpu9': not a torch device"),
                            (["--top-p", "1.5"], "error: --top-p 1.5: out of range")):
         result = quant(*base, *extra)
-        assert result.returncode == 1, (extra, result.stderr)
+        assert result.returncode == 2, (extra, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, (extra, result.stderr)
     assert not (tmp_path / "out").exists()
 
@@ -59,3 +67,17 @@ def test_a_broken_candidate_is_found_before_the_baseline_runs(tmp_path):
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "'num_hidden_layers' must be an integer" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_unreachable_servers_and_self_comparisons_are_refused_before_any_work(tmp_path):
+    """A dead URL is found before the baseline arm runs (exit 2, one line); a model compared with itself too."""
+    out = tmp_path / "out"
+    result = quant("eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:10/v1",
+                   "--tasks", "toy_arith", "--out", str(out))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "http://127.0.0.1:9/v1/models: not an OpenAI-compatible server" in result.stderr
+    assert not out.exists()
+    toy = str(__import__("pathlib").Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model")
+    result = quant("eval", "--candidate", toy, "--baseline", toy + "/", "--tasks", "toy_arith", "--out", str(out))
+    assert result.returncode == 2 and "the same model" in result.stderr, result.stderr
+    assert not out.exists()

@@ -7,7 +7,6 @@ for the accuracy comparison, and a freshly built glm5 toy to show the preflight 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import typer
@@ -22,44 +21,58 @@ def _step(title: str) -> None:
 
 
 def command(
-    out: Path = typer.Argument(Path("demo-out"), help="Directory for everything the demo writes (replaced)."),
+    out: Path = typer.Argument(Path("demo-out"), help="Directory for everything the demo writes: new, empty, or "
+                               "an earlier demo's (its outputs are brought up to date)."),
     limit: int = typer.Option(200, help="Questions per arm in the eval step (the toy test set has 200; with no "
                               "discordant answer a 2-point margin needs at least 189 to decide)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a directory this tool did not make "
+                                   "(files it did not write are never deleted)."),
 ) -> None:
     """Run build → quantize → verify-manifest → eval → report on toy models."""
+    from quant.errors import QuantError
+    from quant.ownership import claim
+
+    if not 1 <= limit <= 200:
+        raise QuantError(f"--limit {limit}: the toy test set has 200 questions; give 1 to 200")
+    with claim(out, "demo", overwrite=overwrite, what="demo") as held:
+        held.save(["toy-glm5", "toy-glm5-mxfp4", "arith-fp8", "arith-mxfp4", "report"])
+        _demo(out, limit, overwrite)
+
+
+def _demo(out: Path, limit: int, overwrite: bool) -> None:
+    from rich.console import Console
+
+    from evals.card import add_accuracy
     from evals.compare import EvalRequest, evaluate
     from evals.report import print_table
+    from quant.commands.toy import write_toy
     from quant.pipeline import quantize_checkpoint
-    from quant.toy import build_toy
     from quant.verify import verify_checkpoint
     from quant.verify.report import render
-    from rich.console import Console
 
     console = Console()
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-
     _step("1. build a toy GLM-5 (glm_moe_dsa, routed + shared experts, DSA indexer, MTP layer)")
-    toy = build_toy("glm5", out / "toy-glm5", shard_size=2_000_000)
+    toy = write_toy("glm5", out / "toy-glm5", shard_size=2_000_000, overwrite=overwrite)
     typer.echo(f"   {toy}")
 
     _step("2. quantize the toy to MXFP4 (experts) and check it with the preflight for every engine")
-    quantize_checkpoint(toy, out / "toy-glm5-mxfp4", progress=True)
+    quantize_checkpoint(toy, out / "toy-glm5-mxfp4", progress=True, overwrite=overwrite)
     render(verify_checkpoint(out / "toy-glm5-mxfp4", engines=["all"]), console)
 
     _step("3. quantize the trained toy: block-FP8 baseline and MXFP4 candidate")
     # The trained toy's experts are 64 wide, below the 128 block vLLM's and SGLang's block-FP8 FusedMoE need (the
     # preflight says so); the baseline is only evaluated in-process here, so it is checked for transformers.
     quantize_checkpoint(TRAINED_TOY, out / "arith-fp8", scheme="fp8-block", recipe="all-linear",
-                        check_engines=["transformers"], progress=True)
-    quantize_checkpoint(TRAINED_TOY, out / "arith-mxfp4", progress=True)
+                        check_engines=["transformers"], progress=True, overwrite=overwrite)
+    quantize_checkpoint(TRAINED_TOY, out / "arith-mxfp4", progress=True, overwrite=overwrite)
     render(verify_checkpoint(out / "arith-mxfp4", engines=["all"]), console)
 
     _step("4. evaluate both in-process with lm-eval and compare them question by question")
     report = evaluate(EvalRequest(candidate=str(out / "arith-mxfp4"), baseline=str(out / "arith-fp8"),
-                                  tasks="toy_arith", limit=limit, out=out / "report", dtype="float32"),
+                                  tasks="toy_arith", limit=limit, out=out / "report", dtype="float32",
+                                  overwrite=overwrite),
                       log=lambda m: typer.echo(f"   {m}"))
     print_table(report)
+    typer.echo(f"   model card: {add_accuracy(out / 'arith-mxfp4', report, out / 'report')}")
     typer.echo(f"\nreport: {out / 'report' / 'report.md'} (+ report.json, report.png); verdict: {report['verdict']}")

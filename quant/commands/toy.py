@@ -23,7 +23,22 @@ def command(
                                    "tool did not make (files it did not write are never deleted)."),
 ) -> None:
     """Write a tiny seeded checkpoint with the family's real tensor names, config and a byte-level tokenizer."""
+    path = write_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=seed, overwrite=overwrite)
+    from quant.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    size = sum(info.nbytes for info in checkpoint.tensors.values())
+    variant = "block-FP8" if fp8_block else "BF16"
+    typer.echo(f"{name} ({variant}, seed {seed}) -> {path}: {len(checkpoint.tensors)} tensors, "
+               f"{len(checkpoint.files)} shard(s), {size / 1e6:.2f} MB")
+
+
+def write_toy(name: str, out: Path, *, fp8_block: bool = False, shard_size=None, seed: int = 0,
+              overwrite: bool = False) -> Path:
+    """`build_toy` under the ownership rule (quant.ownership): into a new or empty directory, or over an earlier
+    toy of the same options; anything else needs `overwrite`, and only files of ours are replaced."""
     import secrets
+    import shutil
 
     from quant.ownership import claim
     from quant.toy import build_toy, parse_shard_size, toy_family
@@ -38,14 +53,5 @@ def command(
             held.replace_with(staging)
         finally:
             if staging.exists():
-                import shutil
-
                 shutil.rmtree(staging)
-    path = out
-    from quant.checkpoint import open_checkpoint
-
-    checkpoint = open_checkpoint(path)
-    size = sum(info.nbytes for info in checkpoint.tensors.values())
-    variant = "block-FP8" if fp8_block else "BF16"
-    typer.echo(f"{name} ({variant}, seed {seed}) -> {path}: {len(checkpoint.tensors)} tensors, "
-               f"{len(checkpoint.files)} shard(s), {size / 1e6:.2f} MB")
+    return out
