@@ -24,13 +24,21 @@ from pathlib import Path
 import yaml
 
 from quant.errors import QuantError
+from quant.families.schema import BadData, check_keys
 from quant.paths import MANIFESTS_DIR
 from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
 
 __all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard_size", "write_safetensors"]
 
-TOY_NAMES = ("glm5", "deepseek-v3", "qwen3-moe", "qwen3.5", "qwen3.5-fused")
 TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
+# The keys toys.yaml may hold (the manifest's header documents each); anything else is a misspelling.
+MANIFEST_KEYS = ("quantization_config", "norm_perturbation", "families")
+TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
+            "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb", "config_json_renames", "renames",
+            "fp8_block")
+TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type")
+TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
+                "quantization_config")
 
 # config.json lists with one entry per decoder layer; the MTP layer is built as an extra decoder layer and then
 # dropped from these lists, as in the real configs.
@@ -47,6 +55,7 @@ class Fp8Release:
     modules_to_not_convert: tuple[str, ...]
     keep_unmatched_modules: bool
     fused_experts: bool | None
+    quantization_config: dict  # keys the release's quantization_config adds (DeepSeek-V3.2: scale_fmt ue8m0)
 
     def quantizes(self, tensor: str) -> bool:
         return any(p.search(tensor) for p in self.quantize)
@@ -81,23 +90,41 @@ class ToyFamily:
     perturb: dict[str, float]
     config_json_renames: dict[str, str]
     fp8: Fp8Release
+    renames: tuple[tuple[re.Pattern, str], ...] = ()  # tensor-name fixes after transformers' save (release names)
 
 
 @cache
 def _manifest(path: Path = TOYS_MANIFEST) -> dict:
     try:
-        return yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise QuantError(f"{path}: cannot read the toy manifest ({e})") from e
+        raise BadData(f"{path}: cannot read the toy manifest ({e})") from e
+    check_keys(data, MANIFEST_KEYS, str(path))
+    if not isinstance(data.get("families"), dict):
+        raise BadData(f"{path}: no 'families' mapping")
+    for name, spec in data["families"].items():
+        where = f"{path}: {name}"
+        check_keys(spec, TOY_KEYS, where)
+        check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
+        check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
+    return data
+
+
+def toy_names() -> tuple[str, ...]:
+    """The toys manifests/toys.yaml defines, in its order."""
+    return tuple(_manifest()["families"])
+
+
+TOY_NAMES = toy_names()
 
 
 def toy_family(name: str) -> ToyFamily:
     """The family `name` from manifests/toys.yaml; QuantError listing the valid names otherwise."""
     families = _manifest()["families"]
-    if name not in TOY_NAMES or name not in families:
-        raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(TOY_NAMES)}")
+    if name not in families:
+        raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(families)}")
     spec = families[name]
-    fp8 = spec.get("fp8_block", {})
+    fp8 = spec.get("fp8_block") or {}
     mtp = spec.get("mtp")
     for kind in (mtp or {}).get("extras", {}).values():
         if not kind.startswith(MTP_INIT_KINDS):
@@ -128,7 +155,9 @@ def toy_family(name: str) -> ToyFamily:
             modules_to_not_convert=tuple(fp8.get("modules_to_not_convert", [])),
             keep_unmatched_modules=bool(fp8.get("keep_unmatched_modules", False)),
             fused_experts=fp8.get("fused_experts"),
+            quantization_config=dict(fp8.get("quantization_config") or {}),
         ),
+        renames=tuple((re.compile(p), r) for p, r in (spec.get("renames") or {}).items()),
     )
 
 
@@ -291,10 +320,11 @@ def _transformers_checkpoint(family: ToyFamily, config, *, seed: int, fused_expe
             model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.bfloat16)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tensors, config_json = _saved(model, fused_experts)
+    tensors, config_json = _saved(model, fused_experts, family.renames)
     if not n_mtp:
         return tensors, config_json
-    mtp_source = tensors if mtp_fused_experts == fused_experts else _saved(model, mtp_fused_experts)[0]
+    mtp_source = tensors if mtp_fused_experts == fused_experts else _saved(model, mtp_fused_experts,
+                                                                           family.renames)[0]
     text = family.text_prefix
     for k in range(n_mtp):
         built = f"{text}layers.{n_main + k}."
@@ -306,7 +336,7 @@ def _transformers_checkpoint(family: ToyFamily, config, *, seed: int, fused_expe
     return tensors, config_json
 
 
-def _saved(model, fused_experts: bool) -> tuple[dict, dict]:
+def _saved(model, fused_experts: bool, renames=()) -> tuple[dict, dict]:
     from safetensors.torch import load_file
     from transformers.utils import logging as hf_logging
 
@@ -323,6 +353,8 @@ def _saved(model, fused_experts: bool) -> tuple[dict, dict]:
     finally:
         if progress_bars:
             hf_logging.enable_progress_bar()
+    for pattern, replacement in renames:
+        tensors = {pattern.sub(replacement, name): value for name, value in tensors.items()}
     return tensors, config_json
 
 
@@ -421,7 +453,7 @@ def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
 
 
 def _quantization_config(release: Fp8Release, tensors: dict, n_layers: int) -> dict:
-    config = dict(_manifest()["quantization_config"])
+    config = {**_manifest()["quantization_config"], **release.quantization_config}
     modules = []
     for entry in release.modules_to_not_convert:
         modules += [entry.format(i=i) for i in range(n_layers)] if "{i}" in entry else [entry]

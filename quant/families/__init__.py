@@ -165,7 +165,7 @@ def _load_family_file(path: Path) -> Family:
         else:
             raise BadData(f"{where}: shapes[{pattern!r}] must be a list of dimensions or {{model_type: list}}")
         shapes.append((_compile(pattern, f"{where}: shapes"), formula))
-    recipes = dict(parent.release_recipes) if parent else {}
+    recipes = {}  # a release recipe describes one published release: never inherited
     for name, spec in (data.get("release_recipes") or {}).items():
         recipes[name] = dict(check_keys(spec, RELEASE_RECIPE_KEYS, where, f"release_recipes.{name}"))
     if "adapter" in data:
