@@ -92,22 +92,107 @@ def test_chat_endpoint_answers_and_mixed_prompt_formats_are_refused(server_url, 
     # The in-process baseline sends plain completion prompts, the chat endpoint gets messages: different prompts,
     # so pairing them must be an error, not a result.
     with pytest.raises(QuantError, match="prompt differs between baseline and candidate"):
-        run(FIXTURE, f"{server_url}/chat/completions", tmp_path, endpoint="chat", server_model="toy_arith")
+        run(FIXTURE, f"{server_url}/chat/completions", tmp_path, endpoint="chat", server_model=FIXTURE.name)
     chat = [json.loads(line) for line in
             (tmp_path / "runs" / "candidate" / "toy_arith" / "samples.jsonl").read_text().splitlines()]
     accuracy = sum(r["score"] for r in chat if r["filter"] == "flexible-extract") / LIMIT
     assert accuracy >= 0.8, "the few-shot turns rendered by the server must read like the completion prompt"
 
 
-def test_unreachable_server_is_scored_as_failed_generations(server_url, tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    report = run(server_url, dead, tmp_path, server_model="toy_arith", max_retries=1, limit=6)
-    row = next(r for r in report["rows"] if r["primary"])
-    assert row["candidate_generations"] == {"generations": 6, "failed": 6, "empty": 0}
-    assert row["comparison"]["candidate_accuracy"] == 0.0
-    assert report["verdict"] == "fail" and report["candidate"]["failed_requests"] == 6
+class FaultyServer:
+    """An OpenAI-compatible front of the real toy server that breaks some of its completions the ways servers
+    break in the field: HTTP 500, an HTML or non-UTF-8 body, truncated JSON, zero or two choices per prompt.
+    `every`: break one request in `every` (1: all); /v1/models is always answered."""
+
+    def __init__(self, upstream: str, fault: str, every: int = 1):
+        import http.server
+        import threading
+
+        self.upstream, self.fault, self.every, self.count = upstream, fault, every, 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body: bytes, kind="application/json"):
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                with urllib.request.urlopen(outer.upstream + "/models", timeout=30) as r:
+                    self._send(200, r.read())
+
+            def do_POST(self):
+                data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.count += 1
+                request = urllib.request.Request(outer.upstream + "/completions", data=data, method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=300) as r:
+                    body = r.read()
+                if outer.count % outer.every:
+                    return self._send(200, body)
+                answer = json.loads(body)
+                if outer.fault == "500":
+                    return self._send(500, b'{"error": "internal"}')
+                if outer.fault == "html":
+                    return self._send(200, b"<html><body>502 Bad Gateway</body></html>", "text/html")
+                if outer.fault == "non-utf8":
+                    return self._send(200, b"\xff\xfe\x00garbage")
+                if outer.fault == "truncated":
+                    return self._send(200, body[: len(body) // 2])
+                if outer.fault == "zero-choices":
+                    answer["choices"] = []
+                if outer.fault == "two-choices":
+                    answer["choices"] = answer["choices"] * 2
+                return self._send(200, json.dumps(answer).encode())
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("fault", ["500", "html", "non-utf8", "truncated", "zero-choices", "two-choices"])
+def test_a_broken_baseline_server_is_an_error_never_a_pass(server_url, tmp_path, fault):
+    """A baseline that fails its requests would make any candidate look good; the run is an error (exit 69)
+    naming the arm, and no report that looks finished is written."""
+    from quant.errors import EvidenceMissing
+
+    broken = FaultyServer(server_url, fault)
+    try:
+        with pytest.raises(EvidenceMissing, match=r"baseline .*: \d+ of 6 requests failed"):
+            run(broken.url, FIXTURE, tmp_path, server_model=FIXTURE.name, max_retries=1, limit=6, concurrency=1,
+                batch_size=1)
+    finally:
+        broken.close()
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_candidate_server_failing_some_requests_is_an_error_not_a_fail(server_url, tmp_path):
+    """8 of 20 requests failing (every other one here) is an infrastructure error (exit 69), not a regression."""
+    from quant.errors import EvidenceMissing
+
+    flaky = FaultyServer(server_url, "500", every=2)
+    try:
+        with pytest.raises(EvidenceMissing, match=r"candidate .*: \d+ of 8 requests failed"):
+            run(FIXTURE, flaky.url, tmp_path, server_model=FIXTURE.name, max_retries=1, limit=8, concurrency=1,
+                batch_size=1)
+    finally:
+        flaky.close()
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_server_naming_another_model_is_refused_before_any_work(server_url, tmp_path):
+    with pytest.raises(QuantError, match="not --server-model other-model"):
+        run(FIXTURE, server_url, tmp_path, server_model="other-model")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_server_routes_and_idle_shutdown():
