@@ -145,8 +145,8 @@ def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name
     outputs = {s[-2] for s in linear.values() if s[-2] != vocab}  # not the head: vocab is never a tile count
     assert any(d % 128 for d in inputs) and any(d >= 128 for d in inputs)
     assert any(d % 128 for d in outputs)
-    # The byte tokenizer's ids; the Qwen3.5 wrapper adds its four image/video token ids above them.
-    assert vocab == VOCAB_SIZE + (4 if name == "qwen3.5" else 0)
+    # The byte tokenizer's ids; the VL wrappers (Qwen3.5, Kimi-K2.5, MiniMax-M3) add four image/video ids above them.
+    assert vocab == VOCAB_SIZE + (4 if toy_family(name).text_config_key else 0)
 
 
 # ---------------------------------------------------------------------------------------------------- FP8 source
@@ -155,6 +155,8 @@ def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_fp8_block_source_matches_the_official_contract(fp8_toys, bf16_toys, name):
     release = toy_family(name).fp8
+    if not release.quantize:
+        pytest.skip(f"{name}: no official block-FP8 release to reproduce (Kimi-K2.5 ships INT4 experts)")
     path = fp8_toys[name]
     fp8, config = read_all(path), config_of(path)
     qc = config["quantization_config"]
@@ -183,9 +185,10 @@ def test_fp8_block_source_matches_the_official_contract(fp8_toys, bf16_toys, nam
     assert not [k for k in quantized if never.search(k)]
     if toy_family(name).mtp_layers and not toy_family(name).text_config_key:
         n = config["num_hidden_layers"]
-        for leaf in ("self_attn.kv_b_proj.weight", "mlp.experts.3.down_proj.weight",
+        for leaf in ("self_attn.kv_b_proj.weight", "self_attn.k_proj.weight", "mlp.experts.3.down_proj.weight",
                      "mlp.shared_experts.up_proj.weight"):
-            assert f"model.layers.{n}.{leaf}" in quantized
+            if f"model.layers.1.{leaf}" in quantized:  # the MTP layer is quantized like the main layers
+                assert f"model.layers.{n}.{leaf}" in quantized
 
     # Same seed: dequantized FP8 weights are the BF16 toy's weights up to e4m3 rounding.
     bf16 = read_all(bf16_toys[name])
@@ -233,6 +236,8 @@ def test_transformers_loads_every_fp8_toy_weight_from_the_checkpoint(fp8_toys, b
     # bound still catches a weight left at random init (error ~1.4) or a module converted without its scale.
     from transformers import AutoModelForCausalLM
 
+    if not toy_family(name).fp8.quantize:
+        pytest.skip(f"{name}: no official block-FP8 release to reproduce")
     if name == "deepseek-v3":
         # The real DeepSeek-V3 kv_a_proj_with_mqa is [576, 7168] with a [5, 56] scale grid; transformers 5.23
         # divides rows by scale rows and refuses it. The toy keeps the real 576 rows (vLLM's CPU MLA needs
@@ -327,8 +332,12 @@ def test_tokenizer_loads_offline_and_round_trips(bf16_toys, monkeypatch):
 def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import transformers
+
     path = bf16_toys[name]
-    model = AutoModelForCausalLM.from_pretrained(path)
+    # VL wrappers without an AutoModelForCausalLM mapping (Kimi-K2.5, MiniMax-M3) load through their own class.
+    cls = getattr(transformers, config_of(path)["architectures"][0], AutoModelForCausalLM)
+    model = cls.from_pretrained(path)
     ids = AutoTokenizer.from_pretrained(path)(GSM8K_STYLE[:64], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits
@@ -353,7 +362,7 @@ def run_cli(*args):
 def test_cli_rejects_an_unknown_name(tmp_path):
     result = run_cli("glm6", tmp_path / "toy")
     assert isinstance(result.exception, QuantError)
-    assert "glm5, deepseek-v3, qwen3-moe, qwen3.5, qwen3.5-fused" in str(result.exception)
+    assert all(name in str(result.exception) for name in TOY_NAMES)
     assert not (tmp_path / "toy").exists()
 
 
