@@ -1,0 +1,497 @@
+"""Run by the SGLang tier (`make test-engines`, tests_engines/test_sglang.py) with the interpreter of .venv-sglang and,
+for an older release, that release on PYTHONPATH (tests_engines/sglang_env.py): build the main model and the
+NextN/MTP draft of one checkpoint with SGLang's own config parsing, module construction and weight loaders, and
+compare every parameter SGLang holds with what the checkpoint means.
+
+    python tests_engines/sglang_probe.py CHECKPOINT [--reference DEQUANTIZED_DIR] [--no-draft]
+
+Prints one JSON line: {"release": "0.5.23", "models": {"main": R, "draft": R}} with, per model,
+  outcome     "loaded" | "build-error" (the model class raised while being constructed) | "load-error" (its
+              load_weights raised) | "loads-wrong" (it loaded, but a parameter holds other values than the
+              checkpoint's, or was never written) | "absent" (no draft: the checkpoint has no MTP layer)
+  error       "<exception type>: <first line>"
+  module      build errors: the module being constructed (the innermost `prefix` of SGLang's constructors)
+  tensor      load errors: the last checkpoint tensor SGLang's weight iterator handed to load_weights
+  class       the model class SGLang chose (e.g. DeepseekV3ForCausalLMNextN for the draft)
+  unwritten   parameters with a checkpoint source that still hold the sentinel after loading
+  mismatched  parameters whose bytes differ from the checkpoint's (name, source tensors, share of elements)
+  decoded     MXFP4 parameters decoded independently (ml_dtypes float4_e2m1fn x float8_e8m0fnu) from what SGLang
+              holds and compared with quant.dequant's BF16 reading of the export (--reference): name -> max |diff|
+  checked / unmapped   parameters compared / parameters with no checkpoint source (module defaults: k_scale, ...)
+
+What SGLang holds is read after its weight loaders ran (`model.load_weights`, which for DeepSeek/GLM includes
+their own `post_load_weights`); `process_weights_after_loading` of the quant methods is then run as the engine does
+and its failure is reported under "postprocess" only (the Quark MXFP4 MoE repacking needs ROCm's aiter, not
+available on CPU; it is a kernel-preparation step, not a loader).
+
+SGLang is not patched. What the shim (`install_shim`) replaces, and nothing else:
+  - `torchvision`: a stub package (attributes are inert classes). SGLang and transformers import it for image
+    preprocessing only; the registry's torchvision does not import beside the local CPU torch 2.13 build.
+  - `vllm` / `vllm._custom_ops`: a stub whose functions raise if called. RotaryEmbedding.__init__ imports
+    `rotary_embedding` from it on a platform that is neither CUDA nor HIP; it is used in forward only.
+  - Device capability (9, 0) from `torch.cuda.get_device_capability` and `sglang.srt.utils.common.
+    get_device_capability` (QuarkConfig's scheme check and the loader's capability check assert on it; DSA
+    server-argument resolution reads it). ServerArgs says device "cuda" so SGLang takes its GPU code paths
+    (on "cpu" it picks CPU-only rope/attention classes), while every tensor is allocated on the CPU.
+  - Distributed state for world size 1 (gloo), as SGLang's own layer tests set it up (sglang.test.
+    layer_ut_utils.init_single_process_dist for 0.5.23; ModelRunner.init_torch_distributed's calls for 0.5.12).
+`SGLANG_USE_CPU_ENGINE` stays unset: it switches the loaders to a branch that pads and narrows mismatched tensors
+(narrow_padded_param_and_loaded_weight), hiding exactly the errors this probe looks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import re
+import sys
+import time
+import traceback
+import types
+
+os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- the shim -----------------------------------------------------------------------------------------------------
+
+class _AnyMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _inert(name)
+
+
+def _inert(name):
+    def call(*args, **kwargs):
+        raise RuntimeError(f"stub {name} called (the SGLang probe's shim has no kernels)")
+    return _AnyMeta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": call})
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _inert(name)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    ROOTS = {"torchvision", "vllm"}
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.ROOTS:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__, module.__file__ = [], "<sglang_probe stub>"
+        module.__version__ = "0.28.0"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install_shim():
+    sys.meta_path.insert(0, _StubFinder())
+    import torch
+
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    import sglang.srt.utils.common as common
+
+    common.get_device_capability = lambda device_id=0: (9, 0)
+    for module in ("sglang.srt.model_loader.loader", "sglang.srt.layers.quantization.quark.quark",
+                   "sglang.srt.utils"):
+        mod = sys.modules.get(module) or __import__(module, fromlist=["_"])
+        if hasattr(mod, "get_device_capability"):
+            mod.get_device_capability = common.get_device_capability
+
+
+def init_distributed(server_args, release):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+    from sglang.srt.distributed import parallel_state as ps
+
+    if release >= (0, 5, 20):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+
+        publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+        get_parallel().override_permanently(world_group=ps._WORLD)
+        ps.initialize_model_parallel(backend="gloo")
+    else:
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        set_global_server_args_for_scheduler(server_args)
+        ps.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                        distributed_init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
+
+
+# --- checkpoint side ------------------------------------------------------------------------------------------------
+
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
+         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
+         "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
+
+
+class Checkpoint:
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self.path = path
+        self.files = {}
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            for name, shard in json.load(open(index))["weight_map"].items():
+                self.files[name] = os.path.join(path, shard)
+        else:
+            for f in sorted(os.listdir(path)):
+                if f.endswith(".safetensors"):
+                    with safe_open(os.path.join(path, f), "pt") as h:
+                        for name in h.keys():
+                            self.files[name] = os.path.join(path, f)
+        self._open = {}
+
+    def __contains__(self, name):
+        return name in self.files
+
+    def get(self, name):
+        from safetensors import safe_open
+
+        f = self.files[name]
+        if f not in self._open:
+            self._open[f] = safe_open(f, "pt")
+        return self._open[f].get_tensor(name)
+
+
+def _leaf_sources(ckpt, module_names, leaf):
+    """Checkpoint names for `module.leaf` over candidate module names; fused modules concatenate their shards."""
+    for module in module_names:
+        if f"{module}.{leaf}" in ckpt:
+            return [f"{module}.{leaf}"]
+        head, _, last = module.rpartition(".")
+        if last in FUSED:
+            parts = [f"{head}.{s}.{leaf}" for s in FUSED[last]]
+            present = [p for p in parts if p in ckpt]
+            if present:
+                return present
+    return None
+
+
+def expert_sources(ckpt, module_names, leaf):
+    """FusedMoE parameters: w13_<x> [E, 2I, ...] = per expert cat(gate, up); w2_<x> = per expert down. Returns
+    (rows of source names, stacked) where stacked means one row per expert."""
+    m = re.match(r"(w13|w2)_(.*)$", leaf)
+    if not m:
+        return None, False
+    which, suffix = m.groups()
+    for module in module_names:
+        rows = []
+        for e in range(4096):
+            if which == "w13":
+                parts = [f"{module}.{e}.{p}_proj.{suffix}" for p in ("gate", "up")]
+            else:
+                parts = [f"{module}.{e}.down_proj.{suffix}"]
+            if not all(p in ckpt for p in parts):
+                break
+            rows.append(parts)
+        if rows:
+            return rows, True
+        fused = f"{module}.{'gate_up_proj' if which == 'w13' else 'down_proj'}"
+        if suffix == "weight" and fused in ckpt:
+            return [[fused]], False
+    return None, False
+
+
+def expert_value(ckpt, rows, stacked):
+    import torch
+
+    tensors = [torch.cat([ckpt.get(p) for p in parts], 0) if len(parts) > 1 else ckpt.get(parts[0])
+               for parts in rows]
+    return torch.stack(tensors) if stacked else tensors[0]
+
+
+def candidate_modules(module, draft, mtp_index):
+    """Checkpoint module names a SGLang module name may have been loaded from."""
+    out = [module]
+    if draft:
+        n = mtp_index
+        if module.startswith("model.decoder."):
+            out.append(f"model.layers.{n}." + module[len("model.decoder."):])
+        if module.startswith("model.") and not module.startswith("model.layers."):
+            out.append(f"model.layers.{n}." + module[len("model."):])
+        out.append(module.replace("model.layers.0.", f"model.layers.{n}.", 1))
+    for prefix, ck in (("language_model.model.", "model.language_model."), ("language_model.", "")):
+        if module.startswith(prefix):
+            out.append(ck + module[len(prefix):])
+    return out
+
+
+# Draft parameters SGLang shares with the target model instead of loading them (deepseek_nextn.py / glm4_moe.py
+# skip embed_tokens and shared_head.head; set_embed_and_head at runtime).
+DRAFT_SHARED = {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def expected(ckpt, name, draft, mtp_index):
+    import torch
+
+    module, _, leaf = name.rpartition(".")
+    modules = candidate_modules(module, draft, mtp_index)
+    if draft and name in DRAFT_SHARED:
+        return None, None  # the draft takes these from the target model (set_embed_and_head)
+    rows, stacked = expert_sources(ckpt, modules, leaf)
+    if rows:
+        return expert_value(ckpt, rows, stacked), [p for parts in rows[:1] for p in parts] + (
+            [f"... {len(rows)} experts"] if stacked else [])
+    srcs = _leaf_sources(ckpt, modules, leaf)
+    if not srcs:
+        return None, None
+    tensors = [ckpt.get(s) for s in srcs]
+    value = torch.cat(tensors, 0) if len(tensors) > 1 else tensors[0]
+    return value, srcs
+
+
+# --- comparison -----------------------------------------------------------------------------------------------------
+
+def _raw(t):
+    import torch
+
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, getattr(torch, "float8_e8m0fnu", None)):
+        return t.view(torch.uint8)
+    return t
+
+
+def fill_sentinel(param):
+    import torch
+
+    with torch.no_grad():
+        if param.dtype.is_floating_point and param.element_size() > 1:
+            param.data.fill_(float("nan"))
+        elif param.element_size() == 1:
+            param.data.view(torch.uint8).fill_(0xFF if param.dtype == torch.uint8 else 0x7F)
+        else:
+            param.data.fill_(-1)
+
+
+def is_sentinel(param):
+    import torch
+
+    with torch.no_grad():
+        if param.dtype.is_floating_point and param.element_size() > 1:
+            return torch.isnan(param.data)
+        if param.element_size() == 1:
+            return param.data.view(torch.uint8) == (0xFF if param.dtype == torch.uint8 else 0x7F)
+        return param.data == -1
+
+
+def _all_sentinel_value(value):
+    import torch
+
+    if value.dtype.is_floating_point and value.element_size() > 1:
+        return torch.isnan(value).all()
+    return torch.tensor(False)
+
+
+def compare(param, value, padded=False):
+    """Share of elements that differ (1.0 when the shapes differ)."""
+    import torch
+
+    held = param.data
+    if (held.dim() == value.dim() == 2 and held.shape[1] == value.shape[1] and held.shape[0] > value.shape[0]
+            and padded):
+        held = held[: value.shape[0]]  # vocabulary rows padded by VocabParallelEmbedding / ParallelLMHead
+    if tuple(held.shape) != tuple(value.shape):
+        return 1.0
+    if held.dtype != value.dtype:
+        if held.element_size() == 1 or value.element_size() == 1:
+            if held.element_size() != value.element_size():
+                return 1.0
+            held, value = _raw(held), _raw(value)
+            if held.dtype != value.dtype:
+                held, value = held.view(torch.uint8), value.view(torch.uint8)
+        else:
+            value = value.to(held.dtype)
+    held, value = _raw(held), _raw(value)
+    if held.dtype.is_floating_point:
+        diff = ~((held == value) | (torch.isnan(held) & torch.isnan(value)))
+    else:
+        diff = held != value
+    return float(diff.float().mean()) if diff.numel() else 0.0
+
+
+def decode_mxfp4(packed, scale):
+    """Independent decode (ml_dtypes): low nibble first, E8M0 scale per 32 elements along the last axis."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    p = packed.contiguous().numpy()
+    codes = np.stack([p & 0xF, p >> 4], -1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    values = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    scales = scale.contiguous().numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    out = values.reshape(*p.shape[:-1], -1, 32) * scales[..., None]
+    return torch.from_numpy(out.reshape(*p.shape[:-1], -1).astype(np.float32))
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+
+def _first_line(e):
+    message = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {message}"[:500]
+
+
+def _innermost_prefix(tb):
+    prefix = None
+    while tb is not None:
+        p = tb.tb_frame.f_locals.get("prefix")
+        if isinstance(p, str) and p:
+            prefix = p
+        tb = tb.tb_next
+    return prefix
+
+
+def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
+    import torch
+
+    import sglang.srt.model_loader.loader as L
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    result = {}
+    server_args = SERVER_ARGS
+    try:
+        model_config = ModelConfig.from_server_args(server_args, model_path=ckpt_path, is_draft_model=draft)
+        load_config = LoadConfig(load_format="auto")
+        result["class"] = get_model_architecture(model_config)[0].__name__
+        quant_config = L._get_quantization_config(model_config, load_config)
+        with L.set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+            model = L._initialize_model(model_config, load_config, quant_config)
+    except Exception as e:  # the outcome under test
+        return {**result, "outcome": "build-error", "error": _first_line(e),
+                "module": _innermost_prefix(e.__traceback__), "trace": traceback.format_exc()[-3000:]}
+    params = dict(model.named_parameters())
+    sources = {}
+    for name, param in params.items():
+        value, srcs = expected(ckpt, name, draft, mtp_index)
+        if value is not None:
+            sources[name] = (value, srcs)
+            fill_sentinel(param)
+    loader = L.DefaultModelLoader(load_config)
+    last = {"name": None}
+
+    def tracked(weights):
+        for name, tensor in weights:
+            last["name"] = name
+            yield name, tensor
+
+    try:
+        with L.set_default_torch_dtype(model_config.dtype):
+            model.load_weights(tracked(loader._get_all_weights(model_config, model)))
+    except Exception as e:
+        return {**result, "outcome": "load-error", "error": _first_line(e), "tensor": last["name"],
+                "module": _innermost_prefix(e.__traceback__), "trace": traceback.format_exc()[-3000:]}
+    unwritten, mismatched = [], []
+    for name, (value, srcs) in sources.items():
+        param = params[name]
+        if bool(is_sentinel(param).all()) and value.numel() and not bool(_all_sentinel_value(value)):
+            unwritten.append(name)
+            continue
+        share = compare(param, value, padded=name.endswith(("embed_tokens.weight", "lm_head.weight")))
+        if share:
+            mismatched.append({"param": name, "sources": srcs, "share": round(share, 4),
+                               "held": [list(param.shape), str(param.dtype)],
+                               "expected": [list(value.shape), str(value.dtype)]})
+    result.update(unwritten=unwritten, mismatched=mismatched, checked=len(sources),
+                  unmapped=sorted(set(params) - set(sources)))
+    if reference:
+        result["decoded"] = decode_against_reference(params, sources, reference, draft, mtp_index)
+    try:
+        L.DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+        result["postprocess"] = "ok"
+    except Exception as e:
+        result["postprocess"] = _first_line(e)
+    result["outcome"] = "loads-wrong" if unwritten or mismatched else "loaded"
+    return result
+
+
+def decode_against_reference(params, sources, reference_path, draft, mtp_index):
+    """For each MXFP4 weight SGLang holds (uint8 packed + uint8 weight_scale beside it), decode it independently and
+    compare with the BF16 the export means (quant.dequant's output, same names as the source tensors)."""
+    import torch
+
+    ref = Checkpoint(reference_path)
+    out = {}
+    for name, param in params.items():
+        scale_name = name + "_scale"
+        if param.dtype != torch.uint8 or scale_name not in params or name not in sources:
+            continue
+        scale = params[scale_name]
+        if scale.dtype != torch.uint8 or scale.shape[-1] * 16 != param.shape[-1]:
+            continue
+        srcs = sources[name][1]
+        try:
+            module, _, leaf = name.rpartition(".")
+            if re.match(r"w(13|2)_", leaf):
+                rows, stacked = expert_sources(ref, candidate_modules(module, draft, mtp_index), leaf)
+                value = expert_value(ref, rows, stacked)
+            else:
+                value = torch.cat([ref.get(s) for s in srcs], 0)
+        except Exception:
+            continue
+        decoded = decode_mxfp4(param.data, scale.data)
+        if decoded.shape != value.shape:
+            out[name] = float("inf")
+            continue
+        out[name] = float((decoded - value.float()).abs().max())
+    return out
+
+
+SERVER_ARGS = None
+
+
+def main() -> int:
+    global SERVER_ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("--reference", default=None)
+    parser.add_argument("--no-draft", action="store_true")
+    args = parser.parse_args()
+    started = time.time()
+    install_shim()
+    import sglang
+    from sglang.srt.server_args import ServerArgs
+
+    release = tuple(int(x) for x in re.findall(r"\d+", sglang.__version__)[:3])
+    config = json.load(open(os.path.join(args.checkpoint, "config.json")))
+    text = config.get("text_config", config)
+    mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0
+    mtp_index = text.get("num_hidden_layers", 0)
+    kwargs = dict(model_path=args.checkpoint, device="cuda", tp_size=1, dtype="bfloat16",
+                  disable_radix_cache=True, trust_remote_code=False)
+    if mtp_layers and not args.no_draft:
+        kwargs["speculative_algorithm"] = "NEXTN"
+    try:
+        SERVER_ARGS = ServerArgs(**kwargs)
+        init_distributed(SERVER_ARGS, release)
+    except Exception as e:
+        print(json.dumps({"release": sglang.__version__, "setup-error": _first_line(e),
+                          "trace": traceback.format_exc()[-3000:]}))
+        return 0
+    ckpt = Checkpoint(args.checkpoint)
+    models = {"main": run_model(args.checkpoint, ckpt, False, args.reference, mtp_index)}
+    if mtp_layers and not args.no_draft:
+        models["draft"] = run_model(args.checkpoint, ckpt, True, args.reference, mtp_index)
+    else:
+        models["draft"] = {"outcome": "absent"}
+    print(json.dumps({"release": sglang.__version__, "models": models, "seconds": round(time.time() - started, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
