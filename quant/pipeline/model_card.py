@@ -98,11 +98,12 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
     scheme = settings["scheme"]
     short, words = SCHEME_WORDS.get(scheme, (scheme, scheme))
     base = _source_name(source_ref)
-    # Named after the source and format, not the output directory: the card's bytes depend on the export only.
-    out_name = f"{base.split('/')[-1]}-{short}"
+    hub = source_ref.startswith("hf://") or (base == source_ref and "/" in base)
+    hub_id = source_ref[len("hf://"):] if source_ref.startswith("hf://") else base
     source_meta = _front_matter(source_readme or "")
-    meta = {"base_model": base, "library_name": "transformers",
-            "tags": sorted({short.lower(), "quark", "moe", "moe-quant"})}
+    # base_model is a hub id by the convention; a local source has none to give (its path is in the manifest).
+    meta = {"library_name": "transformers", "tags": sorted({short.lower(), "quark", "moe", "moe-quant"}),
+            **({"base_model": hub_id} if hub else {})}
     if source_meta.get("license"):
         meta["license"] = source_meta["license"]
     exclude = config.get("quantization_config", {}).get("exclude") or []
@@ -114,22 +115,40 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
                    for r in manifest["tensors"].values())
     mtp = bool(manifest.get("mtp_layers")) or any(n.startswith("mtp.") for n in manifest["tensors"])
     arch = (config.get("architectures") or ["?"])[0]
-    recipe_arg = "" if recipe["name"] == "experts-only" else f" --recipe {recipe['name']}"
+    recipe_arg = (f" --recipe {manifest['recipe_file']}" if manifest.get("recipe_file")
+                  else "" if recipe["name"] == "experts-only" else f" --recipe {recipe['name']}")
     scale_arg = "" if settings.get("scale_mode", "even") == "even" else f" --scale-mode {settings['scale_mode']}"
-    sglang = f"python -m sglang.launch_server --model-path {out_name} --tp 8 --trust-remote-code"
+    engines = manifest.get("engines") or {}
+    checked = engines.get("checked") or []
+    loads_in = engines.get("scheme_loads_in") or ["sglang", "vllm"]
+    serve_on = [e for e in ("sglang", "vllm") if any(x.split("==")[0] == e for x in loads_in)]
+    # The commands run from this directory (the export is `.`), so every path in them exists.
+    sglang = "python -m sglang.launch_server --model-path . --tp 8 --trust-remote-code"
     if shared_bf16 and routed_q:
         sglang += " --disable-shared-experts-fusion"
-    vllm = f"vllm serve {out_name} --tensor-parallel-size 8"
-    if mtp:
+    vllm = "vllm serve . --tensor-parallel-size 8"
+    if mtp:  # the same draft depth as `quant eval --mtp-depth` (3)
         sglang += (" \\\n    --speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
                    "--speculative-num-draft-tokens 4")
-        vllm += " \\\n    --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"
+        vllm += " \\\n    --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'"
+    serve = []
+    for engine in serve_on:
+        serve += [{"sglang": "SGLang:", "vllm": "vLLM:"}[engine], "", "```bash",
+                  sglang if engine == "sglang" else vllm, "```", ""]
+    missing = [e for e in ("sglang", "vllm") if e not in serve_on]
+    if missing:
+        serve += [f"{' and '.join({'sglang': 'SGLang', 'vllm': 'vLLM'}[e] for e in missing)} cannot load this "
+                  f"scheme ({scheme}); only the commands above apply.", ""]
+    checked_words = (f"The export passed the preflight for {', '.join(checked)} when it was written."
+                     if checked else "The export was written without the engine self-check (--check-engines '').")
+    source_words = f"`{hub_id}`" if hub else f"The local checkpoint `{base}`"
+    engine_words = " and ".join({"sglang": "SGLang", "vllm": "vLLM"}[e] for e in serve_on) or "no serving engine"
     lines = [
         "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
         f"# {base} ({short})", "",
-        f"`{base}` ({arch}) quantized with moe-quant {settings.get('version', '')}: {words}, scale rule "
+        f"{source_words} ({arch}) quantized with moe-quant {settings.get('version', '')}: {words}, scale rule "
         f"`{settings.get('scale_mode', 'even')}`, {_method_words(settings)}, in the AMD Quark checkpoint format "
-        "(`quant_method: quark`) that SGLang, vLLM and transformers load.", "",
+        f"(`quant_method: quark`) that {engine_words} load.", "",
         "## Recipe", "",
         f"`{recipe['name']}`: {recipe.get('description', '')}.",
         "Roles and what they get: " + ", ".join(f"{role} → {scheme if what == 'scheme' else what}"
@@ -144,17 +163,20 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
         "Relative MSE and SQNR of each quantized weight against its source (quant_manifest.json lists every "
         "tensor with source and output sha256).", "",
         "## Serve", "",
-        "SGLang:", "", "```bash", sglang, "```", "", "vLLM:", "", "```bash", vllm, "```", "",
+        "Run from this directory (the export is `.`).", "",
+        *serve,
         "Set the tensor-parallel degree for your machine; "
-        + ("the MTP flags enable speculative decoding with the checkpoint's MTP layer." if mtp
-           else "this model has no MTP layer.") + " Check the export against an engine first with "
-        f"`quant verify-manifest {out_name}`.", "",
+        + ("the MTP flags enable speculative decoding with the checkpoint's MTP layer, three draft tokens as "
+           "`quant eval` measures it." if mtp else "this model has no MTP layer.") + f" {checked_words} Check it "
+        "against an engine release with `quant verify-manifest . --engine vllm==0.32`.", "",
         "## Accuracy", "", ACCURACY_START,
-        f"Not evaluated yet. `quant eval --candidate {out_name} --baseline <FP8 baseline> --card {out_name}` "
+        "Not evaluated yet. `quant eval --candidate . --baseline <FP8 baseline> --card .` (from this directory) "
         "fills this section.", ACCURACY_END, "",
-        "## Reproduce", "", "```bash",
-        f"quant quantize {source_ref if base == source_ref else base} {out_name} --scheme {scheme}{recipe_arg}"
-        f"{scale_arg}{_method_args(settings)}", "```", "",
+        "## Reproduce", "", "From this directory" + ("" if hub else f", with SOURCE the path of the local checkpoint "
+                                                   f"`{base}` (its shards' sha256 are in quant_manifest.json)") + ":",
+        "", "```bash",
+        f"quant quantize {hub_id if hub else 'SOURCE'} ../{base.split('/')[-1]}-{short}-again --scheme {scheme}"
+        f"{recipe_arg}{scale_arg}{_method_args(settings)}", "```", "",
     ]
     return "\n".join(lines)
 

@@ -33,9 +33,10 @@ STAGING_DIR = ".quant-staging"
 TMP_DIR = ".quant-tmp"
 GPTQ_DIR = ".quant-gptq"  # GPTQ's solved weights per decoder layer (quant.gptq.run), until the run is published
 MANIFEST_FILE = "quant_manifest.json"
+RECIPE_FILE = "quant_recipe.yaml"  # a user's recipe, copied beside the model card that names it
 # The final files, in publishing order: config.json last, so its presence means the rest is in place. A new
 # final file (written with `Output.stage`) goes here, before config.json.
-FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, CARD_FILE, "config.json")
+FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, RECIPE_FILE, CARD_FILE, "config.json")
 OWN_FILES = set(FINAL_FILES) | {COMPLETE_MARKER}
 LEGACY_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
 BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, LOCK_FILE, OWNER_FILE}

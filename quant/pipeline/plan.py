@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 from quant import __version__
@@ -73,6 +74,7 @@ class Plan:
     quantized: dict[str, str]  # module -> scheme name
     mtp_layers: list[int]
     settings: dict
+    recipe_path: Path | None = None  # a user's recipe file (saved beside the model card), None for built-ins
 
     def digest(self) -> str:
         """Identifies the output: equal digests mean byte-identical output shards."""

@@ -26,7 +26,7 @@ from quant.validate import require_valid
 from quant.errors import EngineFailure, QuantError
 from quant.pipeline.files import sha256_bytes, sha256_file
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
-from quant.pipeline.output import COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, Output
+from quant.pipeline.output import COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, RECIPE_FILE, Output
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
@@ -118,7 +118,8 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
 
 
 def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, results: list[ShardResult],
-                  source_ref: str, devices: list[str] | None = None, earlier_card: str | None = None) -> dict:
+                  source_ref: str, devices: list[str] | None = None, earlier_card: str | None = None,
+                  checked_engines: list[str] | None = None, recipe_file: Path | None = None) -> dict:
     """Copy the side files into OUT and stage the final files (index, manifest, model card, config.json); they
     are published only after the self-check (`Output.publish`). Returns the manifest."""
     weight_map = {name: r.file for r in results for name in r.tensors}
@@ -136,12 +137,16 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
                    "copied_files": side},
         "mtp_layers": plan.mtp_layers,
         "run": {"devices": list(devices or [])},
+        "engines": {"checked": list(checked_engines or []), "scheme_loads_in": list(plan.scheme.engines)},
         "kept_bf16": plan.kept_modules,
         "exclude": config["quantization_config"].get("exclude",
                                                      config["quantization_config"].get("modules_to_not_convert")),
         "summary": summarize(results),
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
+    if recipe_file is not None:  # a user's recipe, saved beside the card whose reproduce line names it
+        output.stage(RECIPE_FILE, Path(recipe_file).read_bytes())
+        manifest["recipe_file"] = RECIPE_FILE
     output.stage(MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
     source_card = src / CARD_FILE
     card = render_card(manifest, config, source_ref,
@@ -195,6 +200,17 @@ def summarize(results: list[ShardResult]) -> dict:
             else None, "output_bytes": sum(r.bytes for r in results)}
 
 
+def scale_check(out: Path, metadata_dir: Path | None = None) -> None:
+    """Every scale the export wrote is one an engine can use (quant.verify.scales: no E8M0 0x00/0xFF expert or
+    block, no zero/inf/NaN FP8 scale): run on every export, whatever --check-engines says."""
+    from quant.verify.scales import scan_scales
+
+    errors = [f for f in scan_scales(out, metadata_dir) if f.severity == "error"]
+    if errors:
+        raise EngineFailure(f"{out}: self-check failed, {len(errors)} scale error(s), nothing published; first: "
+                            f"{errors[0].message}")
+
+
 def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) -> None:
     from quant.verify import verify_checkpoint
 
@@ -208,7 +224,7 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
-                        workers: int = 1, check_engines: list[str] | None = ("sglang==latest", "vllm==latest"),
+                        workers: int = 1, check_engines: list[str] | str | None = "auto",
                         progress: bool = False, method: str = "rtn", gptq=None, overwrite: bool = False,
                         log=print) -> dict:
     """Quantize checkpoint `src` into directory `out` (new, empty, or an earlier run's output to resume or
@@ -230,6 +246,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
                          f"or w_mxfp4)")
     if scale_mode not in SCALE_MODES:
         raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
+    if check_engines == "auto" or (isinstance(check_engines, (list, tuple)) and list(check_engines) == ["auto"]):
+        check_engines = list(scheme_obj.engines)  # the engines that load this scheme (schemes.py)
     if check_engines:
         select_profiles(list(check_engines))  # an unknown engine release is refused before any work
     if workers < 1:
@@ -243,6 +261,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     require_valid(ckpt)
     family = family_for_config(ckpt.config, src_path / "config.json")
     plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
+    if recipe and Path(recipe).is_file():
+        plan.recipe_path = Path(recipe)
     calibrated = None  # (GptqSettings, what the family's decoder layer returns) when GPTQ solves the weights
     if method == "gptq":
         from quant.gptq.run import GptqSettings
@@ -300,7 +320,9 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     elapsed = time.perf_counter() - started
 
     ordered = [results[s.file] for s in plan.shards]
-    manifest = stage_outputs(output, plan, ckpt.config, src_path, ordered, source_ref, device_list, earlier_card)
+    manifest = stage_outputs(output, plan, ckpt.config, src_path, ordered, source_ref, device_list, earlier_card,
+                             list(check_engines or []), plan.recipe_path)
+    scale_check(out, output.staging_dir)
     if check_engines:
         self_check(out, list(check_engines), output.staging_dir)
     card = without_accuracy((output.staging_dir / CARD_FILE).read_text()).encode()

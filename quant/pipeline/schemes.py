@@ -28,6 +28,10 @@ class Scheme:
     row_align: int = 1  # rows() takes whole windows of this many rows
     # (sum of squared errors, sum of squares) of weight rows against their parts; None: dequantize and compare
     error_sums: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[float, float]] | None = None
+    # The engine releases that load this scheme: the default self-check and the serve commands of the model card.
+    # Weight-only MXFP4: SGLang's QuarkConfig knows only w_mxfp4_a_mxfp4 among MX schemes, and vLLM 0.31 cannot
+    # build it (engines.yaml, `schemes`), so vLLM 0.32 and newer only.
+    engines: tuple[str, ...] = ("sglang==latest", "vllm==latest")
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
@@ -102,7 +106,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("w_mxfp4_a_mxfp4", "MXFP4 weights, dynamic MXFP4 activations (what AMD publishes)", 32, "quark",
                _mxfp4, _mxfp4_back, _row_select, error_sums=_mxfp4_error),
         Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back,
-               _row_select, error_sums=_mxfp4_error),
+               _row_select, error_sums=_mxfp4_error, engines=("vllm==latest",)),
         Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
                "quark", _fp8_channel, _fp8_back, _row_select),
         Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
