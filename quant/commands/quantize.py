@@ -21,9 +21,10 @@ def command(
                                 "comma-separated torch devices, one worker each, e.g. cuda:0,cuda:1 or cpu"),
     workers: int = typer.Option(1, help="CPU workers when no GPU is used"),
     check_engines: str = typer.Option(
-        "sglang==latest,vllm==latest",
-        help="Engine releases the self-check must pass for ('' to skip; 'sglang' = its default releases, "
-             "'vllm==0.31' one release). `quant verify-manifest` checks every default release."),
+        "auto",
+        help="Engine releases the self-check must pass for: auto (the newest release of each engine that loads "
+             "the scheme), '' to skip, 'sglang' (its default releases), 'vllm==0.32' (one release). "
+             "`quant verify-manifest` checks every default release."),
     progress: bool = typer.Option(True, help="Show a progress bar"),
     method: str = typer.Option("rtn", help="rtn (round to nearest) | gptq (error-aware rounding, calibrated layer "
                                "by layer; MXFP4 schemes; same output format)"),
@@ -44,7 +45,7 @@ def command(
 
     reuse_freed_memory()
 
-    engines = [e for e in check_engines.split(",") if e.strip()]
+    engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
     gptq = None
     if method == "gptq":
         from quant.gptq import CalibrationSettings, GptqSettings

@@ -8,6 +8,7 @@ accuracy section is a placeholder between markers that `quant eval --card` fills
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -50,6 +51,10 @@ def _source_name(source_ref: str) -> str:
         else Path(source_ref).name
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def _role_table(tensors: dict) -> list[str]:
     by_role: dict[str, list[dict]] = defaultdict(list)
     for rec in tensors.values():
@@ -57,10 +62,13 @@ def _role_table(tensors: dict) -> list[str]:
             by_role[(rec.get("role") or "?", rec.get("scheme") or "?")].append(rec)
     lines = ["| role | scheme | modules | mean rel. MSE | worst rel. MSE | min SQNR (dB) |", "|---|---|---|---|---|---|"]
     for (role, scheme), recs in sorted(by_role.items()):
-        mse = [r["rel_mse"] for r in recs if "rel_mse" in r]
-        sqnr = [r["sqnr_db"] for r in recs if "sqnr_db" in r]
-        lines.append(f"| {role} | {scheme} | {len(recs)} | {sum(mse) / len(mse):.3%} | {max(mse):.3%} | "
-                     f"{min(sqnr):.1f} |" if mse else f"| {role} | {scheme} | {len(recs)} | | | |")
+        # Error figures of extreme weights can overflow float32 sums (a source value near 3e38): such records
+        # hold None or a non-finite number and are left out of the summary, not allowed to break it.
+        mse = [r["rel_mse"] for r in recs if _finite(r.get("rel_mse"))]
+        sqnr = [r["sqnr_db"] for r in recs if _finite(r.get("sqnr_db"))]
+        lines.append(f"| {role} | {scheme} | {len(recs)} | "
+                     + (f"{sum(mse) / len(mse):.3%} | {max(mse):.3%} | " if mse else "| | ")
+                     + (f"{min(sqnr):.1f} |" if sqnr else " |"))
     return lines
 
 

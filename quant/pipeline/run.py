@@ -260,7 +260,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     ckpt = open_checkpoint(src_path)
     require_valid(ckpt)
     family = family_for_config(ckpt.config, src_path / "config.json")
-    plan = make_plan(ckpt, family, load_recipe(recipe), scheme_obj, scale_mode)
+    plan = make_plan(ckpt, family, load_recipe(recipe, family), scheme_obj, scale_mode)
     if recipe and Path(recipe).is_file():
         plan.recipe_path = Path(recipe)
     calibrated = None  # (GptqSettings, what the family's decoder layer returns) when GPTQ solves the weights
