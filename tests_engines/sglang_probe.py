@@ -217,7 +217,10 @@ def expert_value(ckpt, rows, stacked):
 
 
 def candidate_modules(module, draft, mtp_index):
-    """Checkpoint module names a SGLang module name may have been loaded from."""
+    """Checkpoint module names a SGLang module name may have been loaded from: the NextN draft's model.decoder /
+    model.{eh_proj,enorm,hnorm,shared_head} (DeepSeek/GLM: model.layers.{N}.*), the Qwen3.5 draft's mtp.*, the
+    Qwen3.5 wrapper's model.language_model.* / model.visual.*, and Qwen3-Next-style attention modules SGLang builds
+    directly on the decoder layer (checkpoint: layers.{i}.self_attn.*)."""
     out = [module]
     if draft:
         n = mtp_index
@@ -226,9 +229,16 @@ def candidate_modules(module, draft, mtp_index):
         if module.startswith("model.") and not module.startswith("model.layers."):
             out.append(f"model.layers.{n}." + module[len("model."):])
         out.append(module.replace("model.layers.0.", f"model.layers.{n}.", 1))
-    for prefix, ck in (("language_model.model.", "model.language_model."), ("language_model.", "")):
+        if module.startswith("model."):
+            out.append("mtp." + module[len("model."):])
+        out.append("mtp." + module)
+    for prefix, ck in (("language_model.model.", "model.language_model."), ("language_model.", ""),
+                       ("model.", "model.language_model."), ("visual.", "model.visual.")):
         if module.startswith(prefix):
             out.append(ck + module[len(prefix):])
+    m = re.match(r"(.*\.layers\.\d+)\.(qkv_proj|o_proj|q_norm|k_norm|q_proj|k_proj|v_proj)$", module)
+    if m:
+        out += [f"{c}" for c in candidate_modules(f"{m.group(1)}.self_attn.{m.group(2)}", draft, mtp_index)]
     return out
 
 
@@ -305,6 +315,9 @@ def compare(param, value, padded=False):
     if (held.dim() == value.dim() == 2 and held.shape[1] == value.shape[1] and held.shape[0] > value.shape[0]
             and padded):
         held = held[: value.shape[0]]  # vocabulary rows padded by VocabParallelEmbedding / ParallelLMHead
+    if tuple(held.shape) != tuple(value.shape) and held.numel() == value.numel() and \
+            [d for d in held.shape if d != 1] == [d for d in value.shape if d != 1]:
+        value = value.reshape(held.shape)  # singleton axes (conv1d weights)
     if tuple(held.shape) != tuple(value.shape):
         return 1.0
     if held.dtype != value.dtype:
@@ -355,6 +368,27 @@ def _innermost_prefix(tb):
     return prefix
 
 
+def init_dp_attention(server_args, release, ckpt_path):
+    if release < (0, 5, 20):  # ModelRunner.init_torch_distributed's third call in 0.5.12
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+        initialize_dp_attention(server_args=server_args,
+                                model_config=ModelConfig.from_server_args(server_args, model_path=ckpt_path))
+
+
+def _names_in_trace(tb):
+    """Tensor/parameter names held in local variables of the failing frames, outermost first."""
+    seen = []
+    while tb is not None:
+        for key in ("name", "weight_name", "param_name", "ckpt_name", "loaded_name"):
+            v = tb.tb_frame.f_locals.get(key)
+            if isinstance(v, str) and "." in v and v not in seen:
+                seen.append(v)
+        tb = tb.tb_next
+    return seen
+
+
 def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
     import torch
 
@@ -394,7 +428,9 @@ def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
         with L.set_default_torch_dtype(model_config.dtype):
             model.load_weights(tracked(loader._get_all_weights(model_config, model)))
     except Exception as e:
-        return {**result, "outcome": "load-error", "error": _first_line(e), "tensor": last["name"],
+        names = _names_in_trace(e.__traceback__)
+        return {**result, "outcome": "load-error", "error": _first_line(e),
+                "tensor": names[0] if names else last["name"], "names": names, "last_read": last["name"],
                 "module": _innermost_prefix(e.__traceback__), "trace": traceback.format_exc()[-3000:]}
     unwritten, mismatched = [], []
     for name, (value, srcs) in sources.items():
@@ -412,7 +448,10 @@ def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
     if reference:
         result["decoded"] = decode_against_reference(params, sources, reference, draft, mtp_index)
     try:
-        L.DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+        for module in model.modules():  # DefaultModelLoader.load_weights_and_postprocess's second half
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(module)
         result["postprocess"] = "ok"
     except Exception as e:
         result["postprocess"] = _first_line(e)
@@ -479,6 +518,7 @@ def main() -> int:
     try:
         SERVER_ARGS = ServerArgs(**kwargs)
         init_distributed(SERVER_ARGS, release)
+        init_dp_attention(SERVER_ARGS, release, args.checkpoint)
     except Exception as e:
         print(json.dumps({"release": sglang.__version__, "setup-error": _first_line(e),
                           "trace": traceback.format_exc()[-3000:]}))
