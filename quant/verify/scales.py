@@ -305,12 +305,13 @@ class ScanStats:
     files: int = 0
 
 
-def scan_scales(path, metadata_dir=None, stats: ScanStats | None = None) -> list:
+def scan_scales(path, metadata_dir=None, stats: ScanStats | None = None, threads: int | None = None) -> list:
     """Findings (`quant.verify.report.Finding`, rules "scales: ...") about the scale values of the checkpoint at
     `path` (a directory, or an open `quant.checkpoint.Checkpoint`): E8M0 bytes of 0x00 / 0xFF, float scales of
     zero / inf / NaN / negative. `metadata_dir`: read config.json and the index from there (staged files).
     Reads only the scale tensors. Shards that cannot be read are skipped (the header preflight reports them);
-    a read failing midway is an "integrity: corrupt-shard" finding. `stats`, when given, is filled in."""
+    a read failing midway is an "integrity: corrupt-shard" finding. `stats`, when given, is filled in. Shards
+    are read by `threads` threads (default: up to 4, at most the CPUs)."""
     from quant.checkpoint import Checkpoint, open_checkpoint
 
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, metadata_dir)
@@ -321,36 +322,56 @@ def scan_scales(path, metadata_dir=None, stats: ScanStats | None = None) -> list
         kind = scale_kind(name, info.dtype, mx)
         if kind is not None:
             by_file.setdefault(info.file, []).append((name, kind))
+    files = sorted(by_file)
+    workers = max(1, min(threads or min(4, os.cpu_count() or 1), len(files)))
+    if workers == 1:
+        results = [_scan_shard(ckpt, f, by_file[f]) for f in files]
+    else:  # preads and numpy's reductions release the GIL: shards overlap I/O and checking
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(lambda f: _scan_shard(ckpt, f, by_file[f]), files))
     issues: list[Issue] = []
     findings: list[Finding] = []
-    for file in sorted(by_file):
-        fpath = ckpt.shard_path(file)
-        try:
-            start, offsets = _offsets(fpath)
-            fd = os.open(fpath, os.O_RDONLY)
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-            findings.append(_unreadable(fpath, None, e))
-            continue
-        try:
-            if hasattr(os, "posix_fadvise"):  # small reads among the weights: no readahead into them
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            stats.files += 1
-            wanted = sorted((offsets[n][0], n, k) for n, k in by_file[file] if n in offsets)
-            for begin, name, kind in wanted:
-                info = ckpt.tensors[name]
-                length = offsets[name][1] - begin
-                raw = os.pread(fd, length, start + begin)
-                if len(raw) != length:
-                    findings.append(_unreadable(fpath, name, f"{len(raw)} of {length} bytes"))
-                    continue
-                stats.tensors += 1
-                stats.bytes += length
-                issues += tensor_issues(name, kind, decode(raw, info.dtype, info.shape))
-        except (OSError, ValueError) as e:
-            findings.append(_unreadable(fpath, None, e))
-        finally:
-            os.close(fd)
+    for shard_findings, shard_issues, shard_stats in results:
+        findings += shard_findings
+        issues += shard_issues
+        stats.tensors += shard_stats.tensors
+        stats.bytes += shard_stats.bytes
+        stats.files += shard_stats.files
     return findings + group_issues(issues)
+
+
+def _scan_shard(ckpt, file: str, wanted_names: list[tuple[str, str]]) -> tuple[list[Finding], list[Issue], ScanStats]:
+    stats = ScanStats()
+    findings: list[Finding] = []
+    issues: list[Issue] = []
+    fpath = ckpt.shard_path(file)
+    try:
+        start, offsets = _offsets(fpath)
+        fd = os.open(fpath, os.O_RDONLY)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        return [_unreadable(fpath, None, e)], [], stats
+    try:
+        if hasattr(os, "posix_fadvise"):  # small reads among the weights: no readahead into them
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        stats.files += 1
+        wanted = sorted((offsets[n][0], n, k) for n, k in wanted_names if n in offsets)
+        for begin, name, kind in wanted:
+            info = ckpt.tensors[name]
+            length = offsets[name][1] - begin
+            raw = os.pread(fd, length, start + begin)
+            if len(raw) != length:
+                findings.append(_unreadable(fpath, name, f"{len(raw)} of {length} bytes"))
+                continue
+            stats.tensors += 1
+            stats.bytes += length
+            issues += tensor_issues(name, kind, decode(raw, info.dtype, info.shape))
+    except (OSError, ValueError) as e:
+        findings.append(_unreadable(fpath, None, e))
+    finally:
+        os.close(fd)
+    return findings, issues, stats
 
 
 def _unreadable(path: Path, tensor: str | None, why) -> Finding:
