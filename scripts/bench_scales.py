@@ -10,10 +10,10 @@ of `--runs`, in the same process:
     range, one thread, no checks;
   - peer, safetensors + torch: safe_open(framework="pt").get_tensor of each scale tensor and its min/max (the
     same check the safetensors way; torch imported beforehand; get_tensor alone only maps the bytes);
-each from a warm page cache and, with `--cold` (default), after evicting the checkpoint's own pages
-(posix_fadvise DONTNEED on each shard, nothing else on the machine), and prints (median and best of the runs) scan / floor and the GB/s of
-checkpoint covered (checkpoint bytes / scan seconds). Last, the CLI: `quant verify-manifest` with and without
---scales (fresh processes, warm cache).
+each from a warm page cache and (unless `--no-cold`) after evicting the checkpoint's own pages (posix_fadvise
+DONTNEED on each shard, nothing else on the machine), and prints, median and best of the runs, scan / floor and
+the GB/s of checkpoint covered (checkpoint bytes / scan seconds). Last, the CLI: `quant verify-manifest` with and
+without --scales (fresh processes, warm cache).
 
     .venv/bin/python scripts/bench_scales.py [--gb 3] [--shards 8] [--runs 3] [--out DIR] [--keep]
 """
