@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "report.png"
-VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow"}
+VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta"}
 
 METHODS = {
     "accuracy_stderr": "lm-eval's standard error of the mean (sample sd with n-1 over sqrt(n)); for several seeds "
@@ -112,6 +112,16 @@ def mtp_status(report: dict) -> list[str]:
     return lines
 
 
+def verdict_notes(report: dict) -> list[str]:
+    """Why a verdict is invalid, and what would decide an inconclusive one (evals/evidence.py)."""
+    lines = []
+    if report.get("problems"):
+        lines += ["Why no verdict on accuracy can be given:", ""] + [f"- {p}" for p in report["problems"]] + [""]
+    if report.get("next_steps"):
+        lines += ["Next steps to decide:", ""] + [f"- {p}" for p in report["next_steps"]] + [""]
+    return lines
+
+
 def markdown(report: dict) -> str:
     header = table_header(report)
     lines = [
@@ -120,6 +130,7 @@ def markdown(report: dict) -> str:
         f"**Verdict: {report['verdict'].upper()}** (non-inferiority margin {report['margin_points']:g} points; "
         f"exit code {report['exit_code']})",
         "",
+        *verdict_notes(report),
         f"- baseline: `{report['baseline']['source']}` — {report['baseline']['description']}"
         + (f" (answers reused from `{report['baseline']['reused_from']}`)" if "reused_from" in report["baseline"]
            else ""),
@@ -252,6 +263,9 @@ def print_table(report: dict) -> None:
         console.print(table)
     for line in mtp_status(report):
         console.print(escape("MTP " + line[2:]))
+    for line in verdict_notes(report):
+        if line:
+            console.print(escape(line))
 
 
 def write_report(report: dict, out_dir: Path) -> dict[str, Path]:

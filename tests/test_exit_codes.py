@@ -1,0 +1,167 @@
+"""The README's exit-code table, walked: every code it lists is produced by a real run of `quant` for the reason
+the table gives, and the table lists no code this test does not produce."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOY_ARITH = REPO / "evals" / "data" / "toy_arith" / "model"
+QUANT = [sys.executable, "-m", "quant.cli"]
+
+pytestmark = [pytest.mark.slow]
+
+
+def readme_codes() -> list[int]:
+    text = (REPO / "README.md").read_text()
+    table = text.split("| code | meaning |", 1)[1].split("\n\n", 1)[0]
+    return [int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)]
+
+
+def quant(*args, **kw):
+    return subprocess.run(QUANT + [str(a) for a in args], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          **kw)
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    """Lists a model, fails every completion with HTTP 500."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def _case_0(tmp_path, toy_factory):
+    return quant("--version")
+
+
+def _case_1(tmp_path, toy_factory):
+    bad = tmp_path / "bad"
+    src = toy_factory("qwen3-moe")
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    config["num_hidden_layers"] += 3  # layers the engines build and cannot load
+    (bad / "config.json").write_text(json.dumps(config))
+    return quant("verify-manifest", bad)
+
+
+def _case_2(tmp_path, toy_factory):
+    return quant("eval", "--candidate", TOY_ARITH, "--baseline", toy_factory("glm5"), "--limit", "-1")
+
+
+def _eval(tmp_path, candidate, baseline, *extra):
+    return quant("eval", "--candidate", candidate, "--baseline", baseline, "--tasks", "toy_arith",
+                 "--out", tmp_path / "out", "--dtype", "float32", *extra)
+
+
+def _case_3(tmp_path, toy_factory):
+    from quant.pipeline import quantize_checkpoint
+
+    mxfp4 = tmp_path / "mxfp4"
+    quantize_checkpoint(TOY_ARITH, mxfp4, log=lambda m: None)
+    return _eval(tmp_path, mxfp4, TOY_ARITH, "--limit", "10", "--max-gen-toks", "24", "--no-mtp")
+
+
+def _case_4(tmp_path, toy_factory):
+    from quant.toy import build_toy
+
+    a, b = build_toy("glm5", tmp_path / "a", seed=0), build_toy("glm5", tmp_path / "b", seed=1)
+    return _eval(tmp_path, a, b, "--limit", "6", "--max-gen-toks", "4", "--no-mtp")
+
+
+def _case_69(tmp_path, toy_factory):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        return _eval(tmp_path, TOY_ARITH, f"http://127.0.0.1:{server.server_address[1]}/v1", "--limit", "3",
+                     "--max-retries", "1", "--no-mtp")
+    finally:
+        server.shutdown()
+
+
+def _case_70(tmp_path, toy_factory):
+    # A bug cannot be asked for from the outside (that would itself be a bug): one is planted in a command.
+    code = ("import sys; from quant import cli\n"
+            "@cli.app.command('planted-bug')\n"
+            "def planted():\n    raise RuntimeError('planted')\n"
+            "sys.argv = ['quant', 'planted-bug']; cli.main()")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def _case_74(tmp_path, toy_factory):
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    return subprocess.run(QUANT + ["quantize", str(toy_factory("qwen3-moe")), str(tmp_path / "q"), "--no-progress"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit)
+
+
+def _case_130(tmp_path, toy_factory):
+    import time
+
+    proc = subprocess.Popen(QUANT + ["eval", "--candidate", str(TOY_ARITH), "--baseline", str(toy_factory("glm5")),
+                                     "--tasks", "toy_arith", "--limit", "200", "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    time.sleep(8)  # inside the baseline arm
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _case_141(tmp_path, toy_factory):
+    from quant.pipeline import quantize_checkpoint
+
+    out = tmp_path / "q"
+    quantize_checkpoint(toy_factory("qwen3-moe"), out, log=lambda m: None)
+    proc = subprocess.Popen(QUANT + ["verify-manifest", str(out), "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.close()  # `| head -0`: the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    code = 128 + signal.SIGPIPE if proc.returncode == -signal.SIGPIPE else proc.returncode
+    return subprocess.CompletedProcess(proc.args, code, "", err)
+
+
+CASES = {0: _case_0, 1: _case_1, 2: _case_2, 3: _case_3, 4: _case_4, 69: _case_69, 70: _case_70, 74: _case_74,
+         130: _case_130, 141: _case_141}
+
+
+def test_the_table_lists_exactly_the_walked_codes():
+    assert readme_codes() == sorted(CASES)
+
+
+@pytest.mark.parametrize("code", sorted(CASES))
+def test_each_code_of_the_table(code, tmp_path, toy_factory):
+    result = CASES[code](tmp_path, toy_factory)
+    assert result.returncode == code, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+    if code not in (0, 1, 3, 4, 141):  # errors: exactly one `error:` line
+        lines = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+        assert len(lines) == 1, result.stderr[-2000:]
