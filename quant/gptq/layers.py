@@ -53,24 +53,65 @@ class _Recorder(torch.nn.Module):
         return (hidden_states, *(kwargs.get(name) for name in self.returns[1:]))
 
 
+def _unsupported(ckpt: Checkpoint, why: str) -> QuantError:
+    from quant.families import family_for_config
+
+    family = family_for_config(ckpt.config, ckpt.root / "config.json").name
+    return QuantError(f"--method gptq does not support {family} checkpoints yet: {why}; round to nearest "
+                      f"(--method rtn, the default) works")
+
+
+def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' causal LM for the checkpoint's config.json, on the meta device (no memory), after checking
+    that every decoder layer it builds can be read from the checkpoint's tensors; a family where it cannot (a
+    vision-language wrapper AutoModelForCausalLM has no model for, tensor names transformers only maps while
+    loading) is one QuantError naming the family, before any work."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except Exception as e:
+        raise QuantError(f"{root / 'config.json'}: transformers cannot build a config from it "
+                         f"({str(e).splitlines()[0][:160]})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise _unsupported(ckpt, f"transformers' AutoModelForCausalLM has no model for {type(config).__name__} "
+                                 f"(model_type {config.model_type})")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise _unsupported(ckpt, f"transformers cannot build the model from config.json "
+                                 f"({str(e).splitlines()[0][:160]})") from None
+    prefix = text_prefix(ckpt.tensors)
+    for index, layer in enumerate(model.get_decoder().layers):
+        for key, _ in list(layer.named_parameters()) + list(layer.named_buffers()):  # what load_layer reads
+            name = f"{prefix}layers.{index}.{key}"
+            if name in ckpt.tensors:
+                continue
+            if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+                base = name.rsplit(".", 1)[0]
+                projs = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
+                count = layer.get_parameter(key).shape[0]
+                if all(f"{base}.{e}.{p}.weight" in ckpt.tensors for e in range(count) for p in projs):
+                    continue
+            raise _unsupported(ckpt, f"transformers' decoder layer {index} has {key}, which the checkpoint does not "
+                                     f"store as {name} (its tensors are named differently, a mapping transformers "
+                                     f"applies only when it loads the whole model)")
+    return model
+
+
 class DecoderStack:
     """The decoder layers of `ckpt`, built by transformers from its config.json, run one at a time."""
 
-    def __init__(self, root: Path, ckpt: Checkpoint, returns: list[str], device: str, dtype: torch.dtype):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+    def __init__(self, root: Path, ckpt: Checkpoint, returns: list[str], device: str, dtype: torch.dtype,
+                 model: torch.nn.Module | None = None):
         from quant.pipeline.execute import SourceReader
 
         self.ckpt, self.device, self.dtype, self.returns = ckpt, device, dtype, returns
         self.reader = SourceReader(ckpt, device)
         self.prefix = text_prefix(ckpt.tensors)
-        try:
-            config = AutoConfig.from_pretrained(root)
-        except Exception as e:
-            raise QuantError(f"{root / 'config.json'}: transformers cannot build a config from it "
-                             f"({str(e).splitlines()[0][:160]})") from None
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model if model is not None else meta_model(root, ckpt, dtype)
         self.text = model.get_decoder()
         self.layers = list(self.text.layers)
         self.text.layers = torch.nn.ModuleList(_Recorder(i, returns, self) for i in range(len(self.layers)))

@@ -26,6 +26,7 @@ columns / tokens, so their rank-deficient Hessian is regularised in proportion.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -124,28 +125,38 @@ def _layer_digest(plan_digest: str, index: int) -> str:
     return hashlib.sha256(f"{plan_digest}:{index}".encode()).hexdigest()
 
 
-def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, settings: GptqSettings,
+def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str | list[str], settings: GptqSettings,
                      layer_returns: list[str], digest: str, log=print) -> SolvedWeights:
     """Solve every MXFP4 weight of the decoder layers with GPTQ into OUT/.quant-gptq/ (resuming what an earlier
     run of the same plan solved). `log` gets a line before calibration, one when the first layer begins, progress
     within each layer (weights and experts solved, ETAs; at most one line every PROGRESS_SECONDS) and one per
-    finished layer."""
+    finished layer.
+
+    `devices` (one device string or the run's device list): the calibration forward passes and the Hessians run
+    on the first; each layer's solves (independent groups of experts, and plain linears) are shared among all of
+    them by `Workers`, the result byte-identical to one worker's (see there). A family whose decoder layer
+    transformers cannot build from the checkpoint is refused (QuantError) before calibration starts."""
     import torch
 
-    from quant.gptq.layers import DecoderStack
+    from quant.gptq.layers import DecoderStack, meta_model
 
+    devices = [devices] if isinstance(devices, str) else list(devices)
+    device = devices[0]
+    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    model = meta_model(src_path, ckpt, dtype)  # before any work: a family GPTQ cannot run is one line
     store = out / GPTQ_DIR
     store.mkdir(exist_ok=True)
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     cal = settings.calibration
+    shared = f", solved on {len(devices)} workers ({','.join(devices)})" if len(devices) > 1 else ""
     log(f"gptq: calibration: {cal.samples} windows x {cal.seq_len} tokens ({cal.samples * cal.seq_len:,} tokens) "
-        f"of {cal.data}, on {device}; tokenizing, then running them to the first decoder layer")
+        f"of {cal.data}, on {device}{shared}; tokenizing, then running them to the first decoder layer")
     started = time.perf_counter()
     tokens = calibration_tokens(cal, src_path)
-    stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype)
+    stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype, model)
+    workers = Workers(devices)
     by_layer = quantized_jobs_by_layer(plan)
     progress = Progress(log, {i: _work(ckpt, by_layer.get(i, [])) for i in range(len(stack))}, len(stack))
-    with torch.no_grad():
+    with torch.no_grad(), workers:
         hidden = stack.capture(tokens, settings.batch)
         carry: list[dict] = [{} for _ in hidden]
         first = True
@@ -164,7 +175,8 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, device: str, s
                         f"inputs ready after {time.perf_counter() - started:.1f} s)")
                     first = False
                 progress.begin_layer(index, jobs, {j.output: _job_work(ckpt, j) for j in jobs})
-                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, progress.solved)
+                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, progress.solved,
+                                      workers)
                 _save_layer_solution(store, index, solved, _layer_digest(digest, index))
                 resumed = False
             _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
@@ -306,12 +318,128 @@ def _forward(stack, index: int, layer, hidden: list, carry: list[dict]) -> tuple
     return new_hidden, new_carry
 
 
+class Workers:
+    """The devices that share each layer's solves: worker i solves on devices[i], in a thread of its own (torch
+    releases the GIL inside its kernels, so CPU workers share the cores and CUDA workers drive their own GPUs).
+    With one device everything runs in the calling thread, as before.
+
+    The result does not depend on the number of workers, byte for byte: what is solved together (a plain
+    linear, or a group of experts of one fused parameter) is decided by the tensors and the settings alone
+    (`_groups`), never by the workers; each group is solved from the same fp32 weights and Hessians, by the same
+    code, wherever it runs; and the groups' results are merged in one fixed order. Which worker solves which
+    group is a deterministic greedy balance of estimated costs (largest first, to the least loaded worker), so
+    the manifest's `worker` records repeat between runs on the same devices. CPU workers each get
+    `process.cpu_threads(workers)` intra-op threads (OpenMP keeps the count per thread). Devices of one kind
+    give identical bytes; a CPU worker beside CUDA ones would not (different kernels)."""
+
+    def __init__(self, devices: list[str]):
+        self.devices = list(devices)
+        self.pool = None
+
+    def __enter__(self) -> "Workers":
+        from concurrent.futures import ThreadPoolExecutor
+
+        if len(self.devices) > 1:
+            self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="gptq-worker")
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        return False
+
+    def assign(self, costs: list[float]) -> list[int]:
+        """The worker of each task: largest estimated cost first, each to the least loaded worker (lowest index
+        on ties)."""
+        loads = [0.0] * len(self.devices)
+        owner = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            w = min(range(len(loads)), key=lambda w: (loads[w], w))
+            owner[i] = w
+            loads[w] += costs[i]
+        return owner
+
+    def run(self, tasks: list, costs: list[float]) -> list[tuple[int, object]]:
+        """Run `tasks` (callables taking the worker's device string); returns (worker, result) in task order. The
+        first failure stops every worker at its next task and is raised here."""
+        owner = self.assign(costs)
+        if self.pool is None or len(tasks) < 2:
+            return [(owner[i], task(self.devices[owner[i]])) for i, task in enumerate(tasks)]
+        import threading
+
+        import torch
+
+        from quant.process import cpu_threads, set_threads
+
+        all_cpu = all(torch.device(d).type == "cpu" for d in self.devices)
+        threads = cpu_threads(len(self.devices)) if all_cpu else None
+        failed = threading.Event()
+
+        def loop(w: int) -> list[tuple[int, object]]:
+            device = self.devices[w]
+            if threads is not None:
+                set_threads(threads)
+            if torch.device(device).type == "cuda":
+                torch.cuda.set_device(torch.device(device))
+            done = []
+            try:
+                with torch.no_grad():
+                    for i in (i for i in range(len(tasks)) if owner[i] == w):
+                        if failed.is_set():
+                            break
+                        done.append((i, tasks[i](device)))
+            except BaseException:
+                failed.set()
+                raise
+            return done
+
+        futures = [self.pool.submit(loop, w) for w in range(len(self.devices)) if w in owner]
+        results: list = [None] * len(tasks)
+        error = None
+        for future in futures:  # every worker has stopped before anything is raised
+            try:
+                for i, result in future.result():
+                    results[i] = (owner[i], result)
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+
+def _groups(param, count: int, settings: GptqSettings) -> list[list[int]]:
+    """The groups of a parameter's `count` matrices solved together: as many as keep the solver's working set
+    (float64 Cholesky factors, fp32 weights) within settings.solve_bytes. A function of the tensor's shape and
+    the settings only (never of the workers), so every run batches the same matrices together."""
+    k = param.shape[-1]
+    group = max(1, settings.solve_bytes // (k * k * 8 * 3 + param.shape[-2] * k * 4 * 4))
+    return [list(range(g0, min(g0 + group, count))) for g0 in range(0, count, group)]
+
+
+def _group_cost(param, size: int) -> float:
+    """A group's estimated solve time, for balancing the workers: R K (R + K) per matrix, plus the column loop's
+    fixed cost per column (small kernels: launch and interpreter time dominate toy sizes)."""
+    r, k = param.shape[-2], param.shape[-1]
+    return float(size) * r * k * (r + k) + 2e5 * k
+
+
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
-                 settings: GptqSettings, progress=None) -> dict:
+                 settings: GptqSettings, progress=None, workers: Workers | None = None) -> dict:
     """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}.
-    `progress(jobs)` is called as groups of weights are solved."""
-    progress = progress or (lambda jobs: None)
+    `progress(jobs)` is called as groups of weights are solved. The Hessians are collected on the layer's device;
+    the solves of each pass are shared among `workers` (default: one, the layer's device), each solved weight's
+    record naming its worker and device."""
+    import threading
+
     from quant.gptq.hessians import HessianCollector, supported
+
+    progress = progress or (lambda jobs: None)
+    lock = threading.Lock()
+
+    def report(done: list[TensorJob]) -> None:  # from the worker threads
+        with lock:
+            progress(done)
 
     records: dict[str, dict] = {}
     parts: dict[str, dict] = {}
@@ -342,6 +470,7 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
     if plain:
         passes[:1] = [(plain + passes[0][0], passes[0][1])] if passes else [(plain, None)]
 
+    workers = workers or Workers([stack.device])
     for pass_keys, pass_experts in passes:
         collector = HessianCollector(layer, set(pass_keys), pass_experts)
         try:
@@ -349,64 +478,77 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
                 pass
         finally:
             collector.close()
+        tasks, costs = [], []
         for key in pass_keys:
             experts = None if key in plain else pass_experts
             hessians, counts = collector.hessians.pop(key), collector.tokens[key]
             jobs_here = [j for j in eligible if slots[j.output].key == key
                          and (experts is None or slots[j.output].expert in experts)]
-            _solve_parameter(layer.get_parameter(key), experts, hessians, counts, jobs_here, slots, plan.scale_mode,
-                             settings, records, parts, progress)
-            del hessians
+            param = layer.get_parameter(key)
+            for sel in _groups(param, counts.shape[0], settings):
+                tasks.append(functools.partial(_solve_group, param, experts, sel, hessians, counts, jobs_here, slots,
+                                               plan.scale_mode, settings, report))
+                costs.append(_group_cost(param, len(sel)))
+        del collector
+        for worker, (group_records, group_parts) in workers.run(tasks, costs):
+            for record in group_records.values():
+                if record["method"] == "gptq":
+                    record.update(worker=worker, device=workers.devices[worker])
+            records.update(group_records)
+            parts.update(group_parts)
+        del tasks
     return {"records": records, "parts": parts}
 
 
-def _solve_parameter(param, experts: list[int] | None, hessians, counts, jobs: list[TensorJob], slots: dict,
-                     scale_mode: str, settings: GptqSettings, records: dict, parts: dict, progress=None) -> None:
-    """Solve one layer parameter (a linear's weight, or the rows of the fused experts `experts`) given the Hessians
-    [E, K, K] and token counts [E] collected for it, in groups of experts whose solver working set (float64
-    Cholesky factors, fp32 weights) stays within settings.solve_bytes; fill `records` and `parts` for `jobs`."""
+def _solve_group(param, experts: list[int] | None, sel: list[int], hessians, counts, jobs: list[TensorJob],
+                 slots: dict, scale_mode: str, settings: GptqSettings, progress, device: str
+                 ) -> tuple[dict, dict]:
+    """Solve the matrices `sel` (indices into `hessians` [E, K, K] and `counts` [E]) of one layer parameter (a
+    linear's weight, or rows `experts[i]` of fused experts) on `device`; returns the records and parts of the
+    `jobs` they hold, and reports those jobs to `progress`."""
     import torch
 
     from quant.gptq.solve import gptq_mxfp4, output_error
     from quant.numerics import mxfp4
 
+    records: dict[str, dict] = {}
+    parts: dict[str, dict] = {}
     k = param.shape[-1]
-    group = max(1, settings.solve_bytes // (k * k * 8 * 3 + param.shape[-2] * k * 4 * 4))
-    for g0 in range(0, counts.shape[0], group):
-        sel = list(range(g0, min(g0 + group, counts.shape[0])))
-        w = (param.unsqueeze(0) if experts is None else param[[experts[i] for i in sel]]).to(torch.float32)
-        h, n = hessians[sel], counts[sel]
-        ok = n >= (MIN_EXPERT_TOKENS if experts is not None else 1)
-        # Fewer tokens than inputs: a rank-deficient H, damped in proportion (up to its whole mean diagonal).
-        damp = torch.where(ok & (n < k), torch.clamp(settings.damp * k / n.clamp_min(1), max=1.0),
-                           torch.full((len(sel),), settings.damp))
-        eye = torch.eye(k, device=h.device).expand_as(h)
-        h = torch.where(ok.to(h.device)[:, None, None], h, eye)  # identity H: rounds to nearest exactly
-        solved = gptq_mxfp4(w, h, scale_mode, damp.to(h.device))
-        err_gptq = output_error(w, solved.values, h)
-        rtn = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w, mode=scale_mode), dtype=torch.float32)
-        err_rtn = output_error(w, rtn, h)
-        done = []
-        for job in jobs:
-            slot = slots[job.output]
-            i = 0 if experts is None else experts.index(slot.expert) - g0
-            if not 0 <= i < len(sel):
-                continue
-            done.append(job)
-            r0, r1 = slot.rows if slot.rows else (0, w.shape[1])
-            tokens = int(n[i])
-            if not bool(ok[i]):
-                records[job.output] = {"method": "rtn", "tokens": tokens,
-                                       "why": f"{tokens} calibration tokens (< {MIN_EXPERT_TOKENS})"}
-                continue
-            records[job.output] = {"method": "gptq", "tokens": tokens, "damping": float(solved.damping[i]),
-                                   "calib_rel_error_rtn": float(err_rtn[i]),
-                                   "calib_rel_error_gptq": float(err_gptq[i])}
-            parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
-                                 "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
-        del h, solved, rtn, w
-        if progress is not None:
-            progress(done)
+    g0 = sel[0]
+    w = (param.unsqueeze(0) if experts is None else param[[experts[i] for i in sel]]).to(device=device,
+                                                                                       dtype=torch.float32)
+    h, n = hessians[sel].to(device), counts[sel]
+    ok = n >= (MIN_EXPERT_TOKENS if experts is not None else 1)
+    # Fewer tokens than inputs: a rank-deficient H, damped in proportion (up to its whole mean diagonal).
+    damp = torch.where(ok & (n < k), torch.clamp(settings.damp * k / n.clamp_min(1), max=1.0),
+                       torch.full((len(sel),), settings.damp))
+    eye = torch.eye(k, device=h.device).expand_as(h)
+    h = torch.where(ok.to(h.device)[:, None, None], h, eye)  # identity H: rounds to nearest exactly
+    solved = gptq_mxfp4(w, h, scale_mode, damp.to(h.device))
+    err_gptq = output_error(w, solved.values, h)
+    rtn = mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w, mode=scale_mode), dtype=torch.float32)
+    err_rtn = output_error(w, rtn, h)
+    done = []
+    for job in jobs:
+        slot = slots[job.output]
+        i = 0 if experts is None else experts.index(slot.expert) - g0
+        if not 0 <= i < len(sel):
+            continue
+        done.append(job)
+        r0, r1 = slot.rows if slot.rows else (0, w.shape[1])
+        tokens = int(n[i])
+        if not bool(ok[i]):
+            records[job.output] = {"method": "rtn", "tokens": tokens,
+                                   "why": f"{tokens} calibration tokens (< {MIN_EXPERT_TOKENS})"}
+            continue
+        records[job.output] = {"method": "gptq", "tokens": tokens, "damping": float(solved.damping[i]),
+                               "calib_rel_error_rtn": float(err_rtn[i]),
+                               "calib_rel_error_gptq": float(err_gptq[i])}
+        parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
+                             "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
+    del h, solved, rtn, w
+    progress(done)
+    return records, parts
 
 
 def _save_layer_solution(store: Path, index: int, solved: dict, digest: str) -> None:

@@ -305,8 +305,10 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
         from quant.gptq.run import solve_checkpoint
 
         settings, layer_returns = calibrated
+        # Calibration and Hessians on the first device, at one worker's thread count (so the Hessians are the same
+        # bytes whatever the device list); each layer's solves shared among every worker (quant.gptq.run.Workers).
         with _compute_runtime(device_list[:1]):
-            solved = solve_checkpoint(plan, ckpt, src_path, out, device_list[0], settings, layer_returns, digest, log)
+            solved = solve_checkpoint(plan, ckpt, src_path, out, device_list, settings, layer_returns, digest, log)
         timing["gptq_s"] = time.perf_counter() - started
     # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
     # shard order, from before torch loads to beside the quantizing workers.

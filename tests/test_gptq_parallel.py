@@ -1,0 +1,99 @@
+"""GPTQ on several workers (`--devices cpu,cpu`, `--workers 2`): each layer's solves are shared among the workers,
+and the export is byte-identical to one worker's; the manifest says which worker (and device) solved each weight.
+Families whose decoder layers GPTQ cannot build are refused with one line before any calibration work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quant.errors import QuantError
+from quant.gptq import CalibrationSettings, GptqSettings
+from quant.pipeline import quantize_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+CALIB = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
+FAST = GptqSettings(CalibrationSettings(str(CALIB), samples=8, seq_len=64), batch=4)  # as tests/test_gptq.py
+
+
+def _solved_by(manifest: dict) -> dict[str, tuple[int, str]]:
+    return {name: (r["method"]["worker"], r["method"]["device"]) for name, r in manifest["tensors"].items()
+            if r.get("method", {}).get("method") == "gptq"}
+
+
+def _without_workers(manifest: dict) -> dict:
+    manifest = json.loads(json.dumps(manifest))
+    for record in manifest["tensors"].values():
+        for key in ("worker", "device"):
+            record.get("method", {}).pop(key, None)
+    manifest["run"].pop("devices", None)
+    manifest.pop("timing", None)
+    return manifest
+
+
+@pytest.mark.parametrize("family, devices", [("qwen3-moe", "cpu,cpu"), ("glm5", None)])
+def test_two_workers_give_the_bytes_of_one(family, devices, toy_factory, tmp_path, one_torch_thread):
+    src = toy_factory(family)
+    one = quantize_checkpoint(src, tmp_path / "one", recipe="all-linear", method="gptq", gptq=FAST, devices="cpu",
+                              check_engines=None, log=lambda m: None)
+    logs = []
+    # devices=None: `--devices auto` with --workers 2 (this machine has no GPU)
+    two = quantize_checkpoint(src, tmp_path / "two", recipe="all-linear", method="gptq", gptq=FAST,
+                              devices=devices, workers=2, check_engines=None, log=logs.append)
+    files = sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "two").glob("*.safetensors"))
+    for name in files + ["config.json"]:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    assert set(_solved_by(one).values()) == {(0, "cpu")}
+    assert set(_solved_by(two).values()) == {(0, "cpu"), (1, "cpu")}
+    assert _solved_by(one).keys() == _solved_by(two).keys()
+    assert _without_workers(one) == _without_workers(two)  # the manifests differ only in who solved what
+    assert two["run"]["devices"] == ["cpu", "cpu"]
+    assert any("solved on 2 workers (cpu,cpu)" in m for m in logs), logs
+
+
+def test_worker_assignment_is_deterministic_and_balanced():
+    from quant.gptq.run import Workers
+
+    costs = [5.0, 1.0, 4.0, 3.0, 3.0, 1.0]
+    owner = Workers(["cpu", "cpu"]).assign(costs)
+    assert owner == Workers(["cpu", "cpu"]).assign(costs) == [0, 1, 1, 1, 0, 0]
+    assert Workers(["cpu"]).assign(costs) == [0] * len(costs)
+
+
+def test_a_failing_worker_stops_the_others_and_is_raised():
+    from quant.gptq.run import Workers
+
+    ran = []
+
+    def ok(i):
+        return lambda device: ran.append(i) or i
+
+    def boom(device):
+        raise RuntimeError("solver failed")
+
+    with Workers(["cpu", "cpu"]) as workers:
+        assert workers.run([ok(0), ok(1), ok(2)], [1.0, 1.0, 1.0]) == [(0, 0), (1, 1), (0, 2)]
+        with pytest.raises(RuntimeError, match="solver failed"):
+            workers.run([boom, ok(3), ok(4)], [3.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("family, name", [("kimi-k2.5", "kimi_k25"), ("minimax-m3", "minimax_m3_vl"),
+                                          ("minimax-m2", "minimax_m2")])
+def test_families_gptq_cannot_build_are_refused_before_calibration(family, name, toy_factory, tmp_path,
+                                                                    monkeypatch):
+    import quant.gptq.run as run
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibration started")
+
+    monkeypatch.setattr(run, "calibration_tokens", no_calibration)
+    with pytest.raises(QuantError) as error:
+        quantize_checkpoint(toy_factory(family), tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
+                            check_engines=None, log=lambda m: None)
+    message = str(error.value)
+    assert message.startswith(f"--method gptq does not support {name} checkpoints yet: ")
+    assert "--method rtn" in message and "\n" not in message
+    assert not (tmp_path / "out" / "config.json").exists()
