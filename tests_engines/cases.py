@@ -5,6 +5,7 @@ scripts/engine_matrix.py (which writes docs/engine-matrix.md)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -214,3 +215,158 @@ def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     moves one token a lot; the mean measures the whole prompt)."""
     diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     return sum(diffs) / len(diffs)
+
+
+# --- SGLang tier (tests_engines/test_sglang.py, scripts/engine_matrix.py) -------------------------------------------
+# SGLang has no CPU build to serve with; tests_engines/sglang_probe.py builds and loads each checkpoint's main model
+# and MTP draft with SGLang's own code in .venv-sglang (`make .venv-sglang/.installed`) and compares what it holds
+# with the checkpoint. 0.5.23 is the venv's own sglang; 0.5.12 (the release of the MTP alias incident) is installed
+# --no-deps beside it with the transformers it pins, and put first on PYTHONPATH.
+ROOT = Path(__file__).resolve().parent.parent
+SGLANG_VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
+SGLANG_PROBE = Path(__file__).with_name("sglang_probe.py")
+SGLANG_RELEASES = {
+    "0.5.23": [],
+    "0.5.12": ["releases/sglang-0.5.12", "releases/transformers-5.6.0"],
+}
+# GLM-5's release config.json carries no layer_types (moe-layouts.md 1.1); transformers 5.19 writes
+# ["indexed_attention", ...] into the toy's, which the transformers 5.6 SGLang 0.5.12 pins rejects while parsing the
+# config ("The `layer_types` entries must be in (...)"). The SGLang tier's toys drop it, as the release has it.
+SGLANG_TOY_DROP_KEYS = {"glm5": ["layer_types"]}
+
+
+@dataclass
+class SglangCase:
+    toy: str
+    scheme: str = ""
+    recipe: str = ""
+    damage: str = ""
+    fast: bool = False  # in the fast slice (.ci/run: pytest -m sglang_fast)
+
+    @property
+    def name(self) -> str:
+        return "-".join(x for x in (self.toy, self.scheme or "bf16", self.recipe, self.damage) if x)
+
+    @property
+    def base(self) -> Case:
+        kind = "broken" if self.damage in DAMAGE else ("export" if self.scheme else "bf16")
+        return Case(self.toy, kind, self.scheme, self.recipe,
+                    self.damage if self.damage in DAMAGE else "",
+                    overrides={"moe_intermediate_size": 96} if self.damage == "moe-intermediate-96" else None)
+
+
+SGLANG_EXPORTS = (("w_mxfp4_a_mxfp4", "experts-only"), ("w_mxfp4_a_mxfp4", "all-linear"),
+                  ("w_mxfp4", "experts-only"), ("fp8-block", "all-linear"),
+                  ("w_mxfp4_a_mxfp4", "experts-only-mtp-bf16"))
+SGLANG_FAST = {("glm5", "w_mxfp4_a_mxfp4", "experts-only"), ("deepseek-v3", "w_mxfp4_a_mxfp4", "experts-only"),
+               ("qwen3-moe", "w_mxfp4_a_mxfp4", "all-linear"), ("qwen3.5", "w_mxfp4_a_mxfp4", "experts-only")}
+
+
+def sglang_cases() -> list[SglangCase]:
+    out = []
+    for toy in ("glm5", "deepseek-v3", "qwen3-moe", "qwen3.5"):
+        for scheme, recipe in SGLANG_EXPORTS:
+            out.append(SglangCase(toy, scheme, recipe, fast=(toy, scheme, recipe) in SGLANG_FAST))
+    out += [SglangCase(c.toy, c.scheme, c.recipe, c.damage) for c in cases() if c.kind == "broken"]
+    # The MTP alias incident: GLM-5 export whose MTP layer stays BF16, with and without SGLang's model.decoder.*
+    # aliases in quantization_config.exclude.
+    out += [SglangCase("glm5", "w_mxfp4_a_mxfp4", "experts-only-mtp-bf16", "decoder-aliases-dropped", fast=True)]
+    return out
+
+
+def _drop_decoder_aliases(config: dict) -> None:
+    q = config["quantization_config"]
+    q["exclude"] = [e for e in q["exclude"] if not e.startswith(("model.decoder.", "model.eh_proj"))
+                    and e not in ("model.decoder", "model.eh_proj")]
+
+
+SGLANG_CONFIG_DAMAGE = {"decoder-aliases-dropped": _drop_decoder_aliases}
+
+
+def materialize_sglang(case: SglangCase, root: Path) -> tuple[Path, Path | None]:
+    """(the checkpoint SGLang loads, quant.dequant's BF16 reading of the intact export or None for BF16 toys)."""
+    from quant.dequant import dequantize_checkpoint
+
+    base = case.base
+    toy = root / f"toy-{base.toy}{'-' + base.damage if base.overrides else ''}"
+    if not toy.exists():
+        build_toy(base.toy, toy, overrides={**TIER_OVERRIDES.get(base.toy, {}), **(base.overrides or {})})
+        drops = SGLANG_TOY_DROP_KEYS.get(base.toy)
+        if drops:
+            _edit_config(toy, lambda c: [c.pop(k, None) for k in drops])
+    if not case.scheme:
+        return toy, None
+    path, _, _ = materialize(base, root)
+    if case.damage in SGLANG_CONFIG_DAMAGE:
+        out = root / case.name
+        if not out.exists():
+            shutil.copytree(path, out)
+            _edit_config(out, SGLANG_CONFIG_DAMAGE[case.damage])
+        path = out
+    intact = Case(base.toy, "export", base.scheme, base.recipe, damage=base.damage if base.overrides else "",
+                  overrides=base.overrides)
+    reference = root / (intact.name + "-dequantized")
+    if not reference.exists():
+        dequantize_checkpoint(root / intact.name, reference)
+    return path, reference
+
+
+def sglang_command(release: str) -> tuple[list[str], dict]:
+    """The interpreter and environment that run SGLang `release` (raises when the venv lacks it)."""
+    python = SGLANG_VENV / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{python} missing: run `make .venv-sglang/.installed`")
+    paths = [str(SGLANG_VENV / p) for p in SGLANG_RELEASES[release]]
+    for p in paths:
+        if not Path(p).is_dir():
+            raise FileNotFoundError(f"{p} missing: run `make .venv-sglang/.installed`")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [str(ROOT)])
+    return [str(python), str(SGLANG_PROBE)], env
+
+
+def run_sglang(release: str, path: Path, reference: Path | None = None, timeout: int = 900) -> dict:
+    """The probe's JSON for `path` under SGLang `release`. An engine that cannot be imported or set up raises
+    (a test error, never a pass)."""
+    command, env = sglang_command(release)
+    command = command + [str(path)] + (["--reference", str(reference)] if reference else [])
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"SGLang {release} probe exited {proc.returncode}: {proc.stderr[-2000:]}")
+    result = json.loads(lines[-1])
+    if "setup-error" in result:
+        raise RuntimeError(f"SGLang {release} could not be set up: {result['setup-error']}\n{result.get('trace')}")
+    if result["release"] != release:
+        raise RuntimeError(f"asked for SGLang {release}, the probe imported {result['release']}")
+    return result
+
+
+def sglang_prediction(path: Path, release: str) -> list:
+    """The preflight's errors for SGLang `release` (empty: predicted to load)."""
+    report = verify_checkpoint(path, engines=[f"sglang=={release}"])
+    return [f for f in report.errors if f.engine in ("sglang", "all")]
+
+
+def sglang_outcome(result: dict) -> str:
+    """"pass" when every model SGLang builds (main and draft) loads right, else "error"."""
+    bad = [m for m in result["models"].values() if m["outcome"] not in ("loaded", "absent")]
+    return "error" if bad else "pass"
+
+
+def sglang_named_modules(model: dict, mtp_index: int) -> set[str]:
+    """Checkpoint module names a failing SGLang model points at (the module being built, the tensors of the
+    failing load, the parameters it loaded wrong or never wrote), in checkpoint spelling."""
+    names = set()
+    for n in ([model.get("module")] + list(model.get("names", [])) + [model.get("tensor")]
+              + list(model.get("unwritten", [])) + [m["param"] for m in model.get("mismatched", [])]
+              + [s for m in model.get("mismatched", []) for s in m.get("sources", [])]):
+        if not n:
+            continue
+        n = n.rstrip(".")
+        n = n.replace("model.decoder.", f"model.layers.{mtp_index}.")
+        n = re.sub(r"\.(weight|weight_scale|weight_scale_inv|input_scale|bias)$", "", n)
+        n = re.sub(r"\.w(13|2)_\w+$", "", n)
+        names.add(n)
+    return names

@@ -169,6 +169,31 @@ def _merged_rule(profile: Profile, fused: str) -> str | None:
     return rule.get(fused, rule.get("default")) if isinstance(rule, dict) else rule
 
 
+def _partition_findings(ckpt: Checkpoint, profile: Profile, fused: str, shards: list[str]) -> list[tuple[str, int]]:
+    """Checkpoint shards an engine splits into several output partitions of the fused GEMM
+    (`block_fp8_partitions` in manifests/engines.yaml, sizes as text-config products): (shard, partition rows) for
+    each partition that is not a whole number of 128-row blocks."""
+    spec = (profile.rules.get("block_fp8_partitions") or {}).get(fused)
+    if not spec:
+        return []
+    cfg = text_config(ckpt.config)
+    sizes = {}
+    for key, factors in (spec.get("sizes") or {}).items():
+        value = 1
+        for factor in factors:
+            if not isinstance(cfg.get(factor), int):
+                return []
+            value *= cfg[factor]
+        sizes[key] = value
+    bad = []
+    for shard in shards:
+        for part in (spec.get("partitions") or {}).get(shard, []):
+            rows = sizes.get(part)
+            if rows is not None and rows % FP8_BLOCK:
+                bad.append((shard, rows))
+    return bad
+
+
 def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     """Engines that build fused modules (qkv_proj, gate_up_proj, ...) as one block-FP8 GEMM need their shards to
     end on 128-row blocks (`block_fp8_merged` in manifests/engines.yaml): every shard but the last
@@ -194,6 +219,8 @@ def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Find
                     continue
                 checked = present[:-1] if rule == "last_shard_only" else present
                 bad = [(s, t.shape[0]) for s, t in checked if t.shape[0] % FP8_BLOCK]
+                if not bad:
+                    bad = _partition_findings(ckpt, profile, fused, [s for s, _ in checked])
                 if bad:
                     shard, rows = bad[0]
                     which = "only the last shard may end in a partial block" if rule == "last_shard_only" else \

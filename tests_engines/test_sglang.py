@@ -1,0 +1,102 @@
+"""The SGLang tier (`make test-engines`; the fast slice `pytest -m sglang_fast` runs in .ci/run): SGLang 0.5.12 and
+0.5.23 build the main model and the MTP draft of every toy family and export kind with their own config parsing,
+module construction and weight loaders (tests_engines/sglang_probe.py; what its shim replaces is at its top), and
+the outcome must be what `quant verify-manifest --engine sglang==<release>` predicts:
+
+- predicted to load: both models load, no parameter with a checkpoint source is left unwritten, every parameter
+  equals the checkpoint's bytes (fused modules concatenated as SGLang fuses them), and every MXFP4 weight decoded
+  independently (ml_dtypes) from what SGLang holds equals quant.dequant's BF16 reading of the export;
+- predicted to fail: SGLang raises or loads wrong values ("loads-wrong": silently wrong loads are failures too),
+  and the module SGLang names is one the preflight names.
+
+Runs with .venv-sglang's interpreter (`make .venv-sglang/.installed`). An engine that cannot be imported or set up
+is an ERROR of the test, never a pass or a skip.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests_engines.cases import (SGLANG_RELEASES, materialize_sglang, run_sglang, sglang_cases, sglang_named_modules,
+                                 sglang_outcome, sglang_prediction)
+
+CASES = sglang_cases()
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("sglang")
+
+
+def _params():
+    out = []
+    for case in CASES:
+        for release in SGLANG_RELEASES:
+            marks = [pytest.mark.sglang_fast] if case.fast else []
+            out.append(pytest.param(case, release, id=f"{case.name}@{release}", marks=marks))
+    return out
+
+
+def _mtp_index(path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return config.get("text_config", config).get("num_hidden_layers", 0)
+
+
+def _covers(predicted: str, named: str) -> bool:
+    return predicted == named or predicted.startswith(named + ".") or named.startswith(predicted + ".")
+
+
+def describe(result: dict) -> str:
+    parts = []
+    for which, m in result["models"].items():
+        detail = m.get("error") or ""
+        if m["outcome"] == "loads-wrong":
+            detail = f"unwritten {m['unwritten'][:3]}, mismatched {[x['param'] for x in m['mismatched'][:3]]}"
+        parts.append(f"{which}: {m['outcome']} {detail} {m.get('module') or m.get('tensor') or ''}".strip())
+    return "; ".join(parts)
+
+
+@pytest.mark.parametrize("case,release", _params())
+def test_sglang_agrees_with_preflight(case, release, work):
+    path, reference = materialize_sglang(case, work)
+    result = run_sglang(release, path, reference)
+    errors = sglang_prediction(path, release)
+    predicted = "error" if errors else "pass"
+    actual = sglang_outcome(result)
+    assert actual == predicted, (f"SGLang {release}: {describe(result)}; preflight predicted {predicted}"
+                                 + (f" ({errors[0].tensor}: {errors[0].message[:300]})" if errors else ""))
+    if actual == "pass":
+        for which, model in result["models"].items():
+            if model["outcome"] == "absent":
+                continue
+            bad = {k: v for k, v in model.get("decoded", {}).items() if v != 0.0}
+            assert not bad, f"{which}: SGLang's MXFP4 weights decode differently from quant.dequant: {bad}"
+            assert model["checked"] > 0, f"{which}: no parameter compared"
+        return
+    # Failures: the module SGLang names must be one the preflight names.
+    mtp_index = _mtp_index(path)
+    named = set()
+    for model in result["models"].values():
+        if model["outcome"] not in ("loaded", "absent"):
+            named |= sglang_named_modules(model, mtp_index)
+    predicted_names = {f.tensor for f in errors if f.tensor}
+    assert any(_covers(p, n) for p in predicted_names for n in named), (
+        f"SGLang {release} names {sorted(named)}; the preflight names {sorted(predicted_names)[:8]}")
+
+
+@pytest.mark.sglang_fast
+def test_incident_mtp_aliases(work):
+    """The incident: SGLang 0.5.12's NextN draft crashes on a GLM-5 export whose MTP layer is BF16 when
+    quantization_config.exclude lacks the model.decoder.* aliases, and loads it with them; 0.5.23 loads both."""
+    by_damage = {c.damage: c for c in CASES if c.toy == "glm5" and c.recipe == "experts-only-mtp-bf16"}
+    without, _ = materialize_sglang(by_damage["decoder-aliases-dropped"], work)
+    with_aliases, reference = materialize_sglang(by_damage[""], work)
+    old = run_sglang("0.5.12", without)
+    assert old["models"]["main"]["outcome"] == "loaded"
+    assert old["models"]["draft"]["outcome"] == "load-error", describe(old)
+    assert old["models"]["draft"]["class"] == "DeepseekV3ForCausalLMNextN"
+    fixed = run_sglang("0.5.12", with_aliases, reference)
+    assert sglang_outcome(fixed) == "pass", describe(fixed)
+    assert sglang_outcome(run_sglang("0.5.23", without)) == "pass"
