@@ -84,13 +84,25 @@ def gsm8k_data_files(data_dir: Path) -> dict[str, str]:
     files = {}
     for split in GSM8K_SPLITS:
         path = Path(data_dir) / f"{split}.jsonl"
+        first = None
         try:
-            with path.open() as f:
-                first = json.loads(f.readline())
+            with path.open(encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):  # every line: a broken one fails here, not inside datasets
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except ValueError as e:
+                        raise QuantError(f"{path}:{number}: not a JSON object ({e})") from None
+                    if not isinstance(record, dict):
+                        raise QuantError(f"{path}:{number}: not a JSON object")
+                    first = record if first is None else first
         except FileNotFoundError:
             raise QuantError(f"{path}: not found (a GSM8K-format directory needs train.jsonl and test.jsonl)")
-        except (OSError, ValueError) as e:
-            raise QuantError(f"{path}: not a JSON-lines file ({e})")
+        except (OSError, UnicodeDecodeError) as e:
+            raise QuantError(f"{path}: not a UTF-8 JSON-lines file ({e})")
+        if first is None:
+            raise QuantError(f"{path}: no records")
         missing = [c for c in GSM8K_COLUMNS if c not in first]
         if missing:
             raise QuantError(f"{path}: first record lacks the column(s) {', '.join(missing)}")

@@ -171,3 +171,26 @@ def test_a_recipe_typo_is_exit_2_naming_the_key(toy_factory, tmp_path):
     result = quant("quantize", toy_factory("glm5"), tmp_path / "q", "--recipe", recipe, "--no-progress")
     assert result.returncode == 2 and "mtp_layr" in result.stderr, result.stderr
     assert not (tmp_path / "q").exists()
+
+
+def test_a_failed_calibration_leaves_no_directory_behind(toy_factory, tmp_path):
+    bad = tmp_path / "cal.jsonl"
+    bad.write_text('hello\n{"text": "broken\n')
+    out = tmp_path / "q"
+    result = quant("quantize", toy_factory("qwen3-moe"), out, "--method", "gptq", "--calib-data", bad,
+                   "--calib-samples", "2", "--calib-seq-len", "16", "--no-progress")
+    assert result.returncode == 2 and "cal.jsonl:1" in result.stderr, result.stderr
+    assert not out.exists()
+
+
+def test_a_broken_line_in_a_gsm8k_file_is_one_line_exit_2_before_any_work(tmp_path):
+    data = tmp_path / "gsm"
+    data.mkdir()
+    record = json.dumps({"question": "1+1?", "answer": "#### 2"})
+    (data / "train.jsonl").write_text(record + "\n")
+    (data / "test.jsonl").write_text(record + "\n" + '{"question": "broken\n')
+    result = quant("eval", "--candidate", Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model",
+                   "--baseline", "http://127.0.0.1:9/v1", "--tasks", "gsm8k", "--data-dir", data,
+                   "--out", tmp_path / "out")
+    assert result.returncode == 2 and "test.jsonl:2: not a JSON object" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()

@@ -128,9 +128,10 @@ class Output:
         if exc[0] is not None:  # a failed run leaves its finished shards (resumable), never half-made temporaries
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             shutil.rmtree(self.staging_dir, ignore_errors=True)
-            progress = self.root / PROGRESS_DIR
-            if progress.is_dir() and not any(progress.iterdir()) and not (self.root / GPTQ_DIR).is_dir():
-                progress.rmdir()
+            for name in (GPTQ_DIR, PROGRESS_DIR):  # bookkeeping that holds no finished work goes too
+                path = self.root / name
+                if path.is_dir() and not any(p for p in path.rglob("*") if p.is_file()):
+                    shutil.rmtree(path)
         self.claim.__exit__(*exc)
 
     def _remove_earlier_run(self) -> None:
