@@ -225,6 +225,7 @@ def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
 SGLANG_PROBE = Path(__file__).with_name("sglang_probe.py")
+from tests_engines.sglang_probe import FUSED  # noqa: E402  (imports nothing of SGLang)
 SGLANG_RELEASES = {
     "0.5.23": [],
     "0.5.12": ["releases/sglang-0.5.12", "releases/transformers-5.6.0"],
@@ -369,4 +370,6 @@ def sglang_named_modules(model: dict, mtp_index: int) -> set[str]:
         n = re.sub(r"\.(weight|weight_scale|weight_scale_inv|input_scale|bias)$", "", n)
         n = re.sub(r"\.w(13|2)_\w+$", "", n)
         names.add(n)
+        head, _, last = n.rpartition(".")
+        names.update(f"{head}.{shard}" for shard in FUSED.get(last, []))  # SGLang's fused module -> its shards
     return names

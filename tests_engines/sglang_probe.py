@@ -377,10 +377,15 @@ def init_dp_attention(server_args, release, ckpt_path):
                                 model_config=ModelConfig.from_server_args(server_args, model_path=ckpt_path))
 
 
-def _names_in_trace(tb):
-    """Tensor/parameter names held in local variables of the failing frames, outermost first."""
+def _names_in_trace(tb, param_names=None):
+    """Tensor/parameter names held in local variables of the failing frames, outermost first; `param_names`
+    (id -> name) also names the parameters the failing frames were writing."""
     seen = []
     while tb is not None:
+        for key in ("param", "parameter"):
+            v = tb.tb_frame.f_locals.get(key)
+            if param_names and id(v) in param_names and param_names[id(v)] not in seen:
+                seen.append(param_names[id(v)])
         for key in ("name", "weight_name", "param_name", "ckpt_name", "loaded_name"):
             v = tb.tb_frame.f_locals.get(key)
             if isinstance(v, str) and "." in v and v not in seen:
@@ -428,7 +433,7 @@ def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
         with L.set_default_torch_dtype(model_config.dtype):
             model.load_weights(tracked(loader._get_all_weights(model_config, model)))
     except Exception as e:
-        names = _names_in_trace(e.__traceback__)
+        names = _names_in_trace(e.__traceback__, {id(p): n for n, p in params.items()})
         return {**result, "outcome": "load-error", "error": _first_line(e),
                 "tensor": names[0] if names else last["name"], "names": names, "last_read": last["name"],
                 "module": _innermost_prefix(e.__traceback__), "trace": traceback.format_exc()[-3000:]}
