@@ -380,7 +380,7 @@ class Workers:
             device = self.devices[w]
             if threads is not None:
                 set_threads(threads)
-            if torch.device(device).type == "cuda":
+            if torch.device(device).type == "cuda" and torch.device(device).index is not None:
                 torch.cuda.set_device(torch.device(device))
             done = []
             try:
@@ -401,7 +401,8 @@ class Workers:
             try:
                 for i, result in future.result():
                     results[i] = (owner[i], result)
-            except BaseException as e:
+            except BaseException as e:  # a worker's failure, or an interrupt of this thread while it waits
+                failed.set()
                 error = error or e
         if error is not None:
             raise error
