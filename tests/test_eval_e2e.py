@@ -159,11 +159,13 @@ def read_samples(path: Path) -> list[dict]:
 
 def test_gpqa_seeds_sample_differently_and_pair_per_question(tmp_path):
     csv_path = write_gpqa_csv(tmp_path / "gpqa.csv", n=6)
+    twin = tmp_path / "twin"  # the same weights under another path (a model compared with itself is refused)
+    shutil.copytree(FIXTURE, twin)
     with pytest.raises(QuantError, match="max_gen_toks 32768 leaves no room for the prompt"):
-        run(FIXTURE, FIXTURE, tmp_path / "default-length", tasks="gpqa_diamond", limit=None, gpqa_csv=csv_path,
+        run(FIXTURE, twin, tmp_path / "default-length", tasks="gpqa_diamond", limit=None, gpqa_csv=csv_path,
             max_gen_toks=None)
     out = tmp_path / "out"
-    report = run(FIXTURE, FIXTURE, out, tasks="gpqa_diamond", limit=None, seeds=2, gpqa_csv=csv_path,
+    report = run(FIXTURE, twin, out, tasks="gpqa_diamond", limit=None, seeds=2, gpqa_csv=csv_path,
                  max_gen_toks=12)
     row = primary(report)
     assert row["seeds"] == [0, 1]
@@ -179,4 +181,7 @@ def test_gpqa_seeds_sample_differently_and_pair_per_question(tmp_path):
     # too few to show non-inferiority, and the interval says so instead of collapsing to [0, 0].
     comparison = row["comparison"]
     assert comparison["difference"] == 0.0 and comparison["ci_low"] < -0.3 < 0.3 < comparison["ci_high"]
-    assert report["verdict"] == "inconclusive" and comparison["n_to_pass"] > 6
+    assert comparison["verdict"] == "inconclusive" and comparison["n_to_pass"] > 6
+    # The arithmetic toy cannot answer GPQA: an arm at or below chance (25%) gets no verdict (invalid).
+    at_floor = min(comparison["baseline_accuracy"], comparison["candidate_accuracy"]) <= 0.25
+    assert report["verdict"] == ("invalid" if at_floor else "inconclusive"), comparison
