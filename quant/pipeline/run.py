@@ -267,8 +267,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     if method == "gptq":
         from quant.gptq.run import GptqSettings
 
+        from quant.gptq.layers import meta_model
+
         gptq = gptq or GptqSettings()
         gptq.calibration.check()
+        meta_model(src_path, ckpt)  # a family GPTQ cannot build is refused before OUT is touched
         plan.settings.update(gptq.to_dict())  # part of the plan's digest: other settings, other output
         calibrated = (gptq, family.layer_returns)
 
