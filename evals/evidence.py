@@ -6,8 +6,9 @@
   good, and a broken candidate server is not a quantization regression.
 - Every arm is above its floor: a task's accuracy at or below its floor (`TaskSpec.floor`: chance level for
   multiple choice, a documented minimum for free-form answers) means the setup is broken (prompt format, chat
-  template, tokenizer, server), not that two models are equally good; so is depth-1 draft acceptance at or below
-  `ACCEPTANCE_FLOOR`. Such a verdict is `invalid` (exit 4).
+  template, tokenizer, server), not that two models are equally good; so is the baseline's depth-1 draft
+  acceptance at or below `ACCEPTANCE_FLOOR` (a dead candidate draft beside a working baseline one is a fail: the
+  damage the check exists for). Such a verdict is `invalid` (exit 4).
 - Accuracy and acceptance are judged together: a candidate whose accuracy collapsed to the floor while its draft
   acceptance stays non-inferior (ROCm/ATOM#646: GSM8K 0 with 96.6% acceptance) is reported as inconsistent.
 - An inconclusive verdict says what would decide it.
@@ -52,8 +53,10 @@ def floor_problems(rows: list[dict], floors: dict[str, float]) -> list[str]:
                             f"template, tokenizer or server), not evidence about the weights")
         a = row.get("acceptance")
         if a and a.get("verdict_on", "").startswith("depth-1"):
+            # A dead candidate draft beside a working baseline draft is the failure the check exists for (fail);
+            # a dead baseline draft leaves nothing to compare with.
             dead = [arm for arm in ("baseline", "candidate") if a[f"{arm}_rate"] <= ACCEPTANCE_FLOOR]
-            if dead:
+            if "baseline" in dead:
                 a["validity"] = f"{' and '.join(dead)} at or below {ACCEPTANCE_FLOOR:.0%} depth-1 acceptance"
                 problems.append(f"{row['label']} MTP: depth-1 acceptance of {' and '.join(dead)} is at or below "
                                 f"{ACCEPTANCE_FLOOR:.0%}: the draft does not work in that arm, so acceptance "

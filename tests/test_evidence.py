@@ -38,6 +38,8 @@ def test_arms_at_their_floor_are_invalid_and_healthy_arms_are_not():
     # the draft dead in both arms (untrained MTP): acceptance cannot be compared
     problems = evidence.floor_problems([_row(acceptance=_acc(0.001, 0.001))], {"gsm8k": 0.05})
     assert len(problems) == 1 and "depth-1 acceptance" in problems[0]
+    # a dead candidate draft beside a working baseline draft is the damage the check exists for: a fail, not invalid
+    assert evidence.floor_problems([_row(acceptance=_acc(0.97, 0.003, "fail"))], {"gsm8k": 0.05}) == []
     # ROCm/ATOM#646: accuracy collapsed while the draft keeps agreeing: invalid and called inconsistent
     problems = evidence.floor_problems([_row(cand=0.0, acceptance=_acc(0.96, 0.966))], {"gsm8k": 0.05})
     assert any("inconsistent" in p for p in problems)

@@ -128,11 +128,18 @@ def _case_130(tmp_path, toy_factory):
 
     proc = subprocess.Popen(QUANT + ["eval", "--candidate", str(TOY_ARITH), "--baseline", str(toy_factory("glm5")),
                                      "--tasks", "toy_arith", "--limit", "200", "--out", str(tmp_path / "out")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    time.sleep(8)  # inside the baseline arm
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    seen = []
+    deadline = time.monotonic() + 300
+    for line in proc.stderr:  # wait until the baseline arm is under way, whatever the machine's load
+        seen.append(line)
+        if line.startswith("baseline: loading") or time.monotonic() > deadline:
+            break
+    time.sleep(1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    err = "".join(seen) + proc.stderr.read()
+    proc.wait(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
 
 
 def _case_141(tmp_path, toy_factory):

@@ -5,9 +5,11 @@ through `quant eval`."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -109,7 +111,9 @@ def test_a_family_without_mtp_says_so(toy_factory, tmp_path):
     from evals.compare import EvalRequest, evaluate
 
     toy = toy_factory("qwen3-moe")
-    report = evaluate(EvalRequest(candidate=str(toy), baseline=str(toy), tasks="toy_arith", limit=2, max_gen_toks=4,
+    twin = tmp_path / "twin"  # the same weights elsewhere: a model compared with itself is refused
+    shutil.copytree(toy, twin)
+    report = evaluate(EvalRequest(candidate=str(toy), baseline=str(twin), tasks="toy_arith", limit=2, max_gen_toks=4,
                                   margin=50.0, out=tmp_path / "eval", dtype="float32"), log=lambda m: None)
     assert report["candidate"]["mtp"] == {"measured": False, "why": "the checkpoint has no MTP layers"}
     assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None
@@ -121,7 +125,9 @@ def test_mtp_off_runs_without_the_draft(tmp_path):
     path once crashed unpacking the loader's result)."""
     from evals.compare import EvalRequest, evaluate
 
-    report = evaluate(EvalRequest(candidate=str(FIXTURE), baseline=str(FIXTURE), tasks="toy_arith", limit=2,
+    twin = tmp_path / "twin"
+    shutil.copytree(FIXTURE, twin)
+    report = evaluate(EvalRequest(candidate=str(FIXTURE), baseline=str(twin), tasks="toy_arith", limit=2,
                                   max_gen_toks=4, margin=50.0, out=tmp_path / "eval", mtp=False), log=lambda m: None)
     assert report["candidate"]["mtp"]["measured"] is False and "--mtp off" in report["candidate"]["mtp"]["why"]
     assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None

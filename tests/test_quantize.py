@@ -91,16 +91,19 @@ def test_other_schemes(toy_factory, tmp_path, scheme, weight_dtype, scale_name):
 
 
 def test_weight_only_mxfp4_fails_the_sglang_self_check(toy_factory, tmp_path):
+    """Asked for SGLang, which cannot load weight-only MXFP4, the self-check fails (exit 1) and publishes nothing;
+    by default the scheme is checked for the engines that load it (vLLM) and succeeds."""
     from quant.errors import QuantError
 
-    with pytest.raises(QuantError, match="self-check failed"):
-        quantize_checkpoint(toy_factory("glm5"), tmp_path / "q", scheme="w_mxfp4")
+    with pytest.raises(QuantError, match="self-check failed") as e:
+        quantize_checkpoint(toy_factory("glm5"), tmp_path / "q", scheme="w_mxfp4", check_engines=["sglang==latest"])
+    assert e.value.exit_code == 1
     out = tmp_path / "q"
     # Nothing that makes it look like a checkpoint: no marker, no config.json, index or card beside the shards.
     assert not any((out / name).exists() for name in (COMPLETE_MARKER, "config.json", INDEX_FILE, "README.md"))
     assert (out / ".quant-staging" / "config.json").exists()
     # The same OUT resumes into a published, complete export once the check it must pass is one it can pass.
-    quantize_checkpoint(toy_factory("glm5"), out, scheme="w_mxfp4", check_engines=["vllm==0.32"])
+    quantize_checkpoint(toy_factory("glm5"), out, scheme="w_mxfp4")
     assert (out / COMPLETE_MARKER).exists() and (out / "config.json").exists()
     assert not (out / ".quant-staging").exists()
 

@@ -376,10 +376,11 @@ def test_several_workers_write_the_same_bytes_as_one(sharded, tmp_path):
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(sharded, tmp_path):
     from quant.errors import QuantError
     from quant.ownership import claim
+    from quant.pipeline.output import earlier_quantize
 
     out = tmp_path / "q"
     (out / ".quant-progress").mkdir(parents=True)  # a first run under way has its progress records started
-    with claim(out, "quantize"):  # and holds the lock
+    with claim(out, "quantize", recognise=earlier_quantize):  # and holds the lock
         with pytest.raises(QuantError, match="another quant command is writing into this directory"):
             quantize_checkpoint(sharded, out, check_engines=None)
     quantize_checkpoint(sharded, out, check_engines=None)  # free again: runs

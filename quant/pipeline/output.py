@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from quant.checkpoint import INDEX_FILE
-from quant.errors import QuantError
+from quant.errors import EngineFailure, QuantError
 from quant.ownership import LOCK_FILE, OWNER_FILE, claim, same_job
 from quant.pipeline.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE
@@ -127,7 +127,8 @@ class Output:
     def __exit__(self, *exc) -> None:
         if exc[0] is not None:  # a failed run leaves its finished shards (resumable), never half-made temporaries
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            if not isinstance(exc[1], EngineFailure):  # a failed self-check leaves its config to inspect (--fix)
+                shutil.rmtree(self.staging_dir, ignore_errors=True)
             for name in (GPTQ_DIR, PROGRESS_DIR):  # bookkeeping that holds no finished work goes too
                 path = self.root / name
                 if path.is_dir() and not any(p for p in path.rglob("*") if p.is_file()):
