@@ -55,6 +55,14 @@ def refuse_protected(out: Path, inputs: dict[str, Path | None] | None = None, *,
                              f"directory")
 
 
+def remove_path(path: Path) -> None:
+    """Delete a file, link or directory tree if it is there (callers decide that it is ours)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def read_owner(out: Path) -> dict | None:
     try:
         record = json.loads((Path(out) / OWNER_FILE).read_text())
@@ -84,7 +92,6 @@ class Claim:
     identity: dict | None
     previous: dict | None
     created: bool
-    overwrite_foreign: bool = False
     written: list[str] = field(default_factory=list)
     _lock = None
 
@@ -122,11 +129,7 @@ class Claim:
         """Delete `name` (a file or directory inside the claim) if our records say we wrote it."""
         if name not in self.written_before() and name not in self.written:
             raise AssertionError(f"{name} is not ours to delete")
-        path = self.root / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
+        remove_path(self.root / name)
 
     def replace_with(self, staging: Path) -> None:
         """Move every entry of `staging` (a directory of ours beside the claim) into the claim, replacing
@@ -183,7 +186,7 @@ class claim:
                              f"choose a new directory, or pass {self.flag} to replace it (only files this tool "
                              f"wrote there are removed)")
         if self.overwrite:
-            return Claim(out, self.kind, self.identity, None, created=False, overwrite_foreign=True)
+            return Claim(out, self.kind, self.identity, None, created=False)
         owner = f"a quant {previous['kind']} output" if previous else "not an output of this tool"
         raise QuantError(f"{out}: directory is not empty and is {owner}; choose a new or empty directory, or pass "
                          f"{self.flag} to write into it anyway (nothing this tool did not write is deleted)")
@@ -194,7 +197,7 @@ class claim:
         c._acquire()
         try:
             again = self.check()  # another run may have written between the check and the lock
-            c.previous, c.overwrite_foreign = again.previous, again.overwrite_foreign
+            c.previous = again.previous
             c.written = list(again.written_before()) if same_job(again.previous, self.identity) else []
             c.save()
         except BaseException:

@@ -151,26 +151,16 @@ def warm(ckpt: Path) -> None:
                 pass
 
 
-def median_time(fn, runs: int, before) -> float:
-    """Median wall seconds of `runs` calls, `before()` ahead of each (untimed)."""
+def run_times(fn, runs: int, before) -> dict[str, float]:
+    """Median and fastest wall seconds of `runs` calls, `before()` ahead of each (untimed); on a shared machine
+    the fastest is the least disturbed run."""
     times = []
     for _ in range(runs):
         before()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def best_time(fn, runs: int, before) -> float:
-    """Fastest of `runs`: on a shared machine the least disturbed run."""
-    times = []
-    for _ in range(runs):
-        before()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return {"median": sorted(times)[len(times) // 2], "best": min(times)}
 
 
 def cli_time(ckpt: Path, scales: bool, runs: int) -> float:
@@ -219,11 +209,11 @@ def main() -> None:
               f"{len(findings)} findings")
         modes = [("warm", lambda: warm(ckpt))] + ([("cold", lambda: evict(ckpt))] if args.cold else [])
         for mode, before in modes:
-            for stat, timer in (("median", median_time), ("best", best_time)):
-                scan = timer(lambda: scan_scales(ckpt), args.runs, before)
-                scan1 = timer(lambda: scan_scales(ckpt, threads=1), args.runs, before)
-                pread = timer(lambda: floor_pread(ckpt), args.runs, before)
-                st = timer(lambda: peer_safetensors(ckpt), args.runs, before)
+            timed = {name: run_times(fn, args.runs, before) for name, fn in (
+                ("scan", lambda: scan_scales(ckpt)), ("scan1", lambda: scan_scales(ckpt, threads=1)),
+                ("pread", lambda: floor_pread(ckpt)), ("st", lambda: peer_safetensors(ckpt)))}
+            for stat in ("median", "best"):
+                scan, scan1, pread, st = (timed[k][stat] for k in ("scan", "scan1", "pread", "st"))
                 print(f"{mode} cache, {stat} of {args.runs}: scan {scan:.3f} s ({total / 1e9 / scan:.1f} GB/s of "
                       f"checkpoint), one thread {scan1:.3f} s; floor pread (one thread) {pread:.3f} s "
                       f"(scan = {scan / pread:.2f}x, one thread {scan1 / pread:.2f}x); peer safetensors+torch "

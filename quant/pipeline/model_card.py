@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 CARD_FILE = "README.md"
+ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}  # the serving engines a card gives commands for
 ACCURACY_START = "<!-- quant:accuracy:start -->"
 ACCURACY_END = "<!-- quant:accuracy:end -->"
 SCHEME_WORDS = {
@@ -129,7 +130,7 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
     engines = manifest.get("engines") or {}
     checked = engines.get("checked") or []
     loads_in = engines.get("scheme_loads_in") or ["sglang", "vllm"]
-    serve_on = [e for e in ("sglang", "vllm") if any(x.split("==")[0] == e for x in loads_in)]
+    serve_on = [e for e in ENGINE_NAMES if any(x.split("==")[0] == e for x in loads_in)]
     # The commands run from this directory (the export is `.`), so every path in them exists.
     sglang = "python -m sglang.launch_server --model-path . --tp 8 --trust-remote-code"
     if shared_bf16 and routed_q:
@@ -139,18 +140,18 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
         sglang += (" \\\n    --speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
                    "--speculative-num-draft-tokens 4")
         vllm += " \\\n    --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'"
+    commands = {"sglang": sglang, "vllm": vllm}
     serve = []
     for engine in serve_on:
-        serve += [{"sglang": "SGLang:", "vllm": "vLLM:"}[engine], "", "```bash",
-                  sglang if engine == "sglang" else vllm, "```", ""]
-    missing = [e for e in ("sglang", "vllm") if e not in serve_on]
+        serve += [f"{ENGINE_NAMES[engine]}:", "", "```bash", commands[engine], "```", ""]
+    missing = [e for e in ENGINE_NAMES if e not in serve_on]
     if missing:
-        serve += [f"{' and '.join({'sglang': 'SGLang', 'vllm': 'vLLM'}[e] for e in missing)} cannot load this "
-                  f"scheme ({scheme}); only the commands above apply.", ""]
+        serve += [f"{' and '.join(ENGINE_NAMES[e] for e in missing)} cannot load this scheme ({scheme}); only the "
+                  f"commands above apply.", ""]
     checked_words = (f"The export passed the preflight for {', '.join(checked)} when it was written."
                      if checked else "The export was written without the engine self-check (--check-engines '').")
     source_words = f"`{hub_id}`" if hub else f"The local checkpoint `{base}`"
-    engine_words = " and ".join({"sglang": "SGLang", "vllm": "vLLM"}[e] for e in serve_on) or "no serving engine"
+    engine_words = " and ".join(ENGINE_NAMES[e] for e in serve_on) or "no serving engine"
     lines = [
         "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
         f"# {base} ({short})", "",

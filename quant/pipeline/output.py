@@ -23,7 +23,7 @@ from pathlib import Path
 
 from quant.checkpoint import INDEX_FILE
 from quant.errors import EngineFailure, QuantError
-from quant.ownership import LOCK_FILE, OWNER_FILE, claim, same_job
+from quant.ownership import LOCK_FILE, OWNER_FILE, claim, remove_path, same_job
 from quant.pipeline.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE
 from quant.pipeline.progress import PROGRESS_DIR
@@ -42,7 +42,8 @@ LEGACY_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
 BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, LOCK_FILE, OWNER_FILE}
 
 
-def _read_json(path: Path):
+def read_record(path: Path):
+    """A JSON record of ours, or None when it is missing or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -51,7 +52,7 @@ def _read_json(path: Path):
 
 def _is_progress_record(record: Path, out: Path) -> bool:
     """A progress record of ours: our keys, naming the shard it is named after, which is there beside it."""
-    data = _read_json(record)
+    data = read_record(record)
     if not isinstance(data, dict) or not isinstance(data.get("plan_digest"), str):
         return False
     shard = record.name[: -len(".json")]
@@ -64,13 +65,13 @@ def earlier_quantize(out: Path) -> dict | None:
     completion marker of ours, a progress record that matches a shard beside it, or nothing but our own
     bookkeeping (a run killed before its first shard). A foreign directory with an empty or made-up
     `.quant-progress/` is not. Returns an owner-like record ({"identity": {"plan_digest": ...}}) or None."""
-    marker = _read_json(out / COMPLETE_MARKER)
+    marker = read_record(out / COMPLETE_MARKER)
     if isinstance(marker, dict) and isinstance(marker.get("plan_digest"), str):
         return {"identity": {"plan_digest": marker["plan_digest"]}}
     progress = out / PROGRESS_DIR
     records = [r for r in progress.glob("*.json") if _is_progress_record(r, out)] if progress.is_dir() else []
     if records:
-        return {"identity": {"plan_digest": _read_json(records[0])["plan_digest"]}}
+        return {"identity": {"plan_digest": read_record(records[0])["plan_digest"]}}
     if all(p.name in BOOKKEEPING for p in out.iterdir()):
         return {"identity": {}}
     return None
@@ -82,13 +83,13 @@ def files_of_earlier_run(out: Path) -> set[str]:
     names = set(FINAL_FILES) | {COMPLETE_MARKER} | (BOOKKEEPING - {LOCK_FILE, OWNER_FILE})
     progress = out / PROGRESS_DIR
     for record in progress.glob("*.json") if progress.is_dir() else []:
-        data = _read_json(record)
+        data = read_record(record)
         if isinstance(data, dict) and isinstance(data.get("result"), dict):
             names.add(str(data["result"].get("file")))
-    index = _read_json(out / INDEX_FILE)
+    index = read_record(out / INDEX_FILE)
     if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
         names |= {str(f) for f in index["weight_map"].values()}
-    manifest = _read_json(out / MANIFEST_FILE)
+    manifest = read_record(out / MANIFEST_FILE)
     if isinstance(manifest, dict):
         names |= {str(f) for f in (manifest.get("output") or {}).get("copied_files") or []}
         names |= {str(f) for f in (manifest.get("output") or {}).get("shards") or {}}
@@ -139,13 +140,8 @@ class Output:
         """--overwrite over an earlier quantize of other settings: its files go (ours, by its records); nothing
         else in OUT is touched."""
         for name in sorted(files_of_earlier_run(self.root) | set(self.hold.written_before())):
-            path = self.root / name
-            if name in (LOCK_FILE, OWNER_FILE) or not (path.exists() or path.is_symlink()):
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            if name not in (LOCK_FILE, OWNER_FILE):
+                remove_path(self.root / name)
         self.hold.written = []
         self.hold.save()
 

@@ -26,7 +26,8 @@ from quant.validate import require_valid
 from quant.errors import EngineFailure, QuantError
 from quant.pipeline.files import sha256_bytes, sha256_file
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
-from quant.pipeline.output import COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, RECIPE_FILE, Output
+from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, RECIPE_FILE, Output,
+                                   read_record)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
@@ -163,13 +164,12 @@ def kept_card_parts(out: Path, overwrite: bool) -> str | None:
     accuracy section `quant eval --card` fills (returned, to carry over when the weights stay the same). A card
     edited by hand is refused, or with --overwrite kept beside as README.md.edited."""
     card_path = out / CARD_FILE
-    marker = _read_marker(out)
-    if not card_path.is_file() or marker is None:
+    marker = read_record(out / COMPLETE_MARKER)
+    if not card_path.is_file() or not isinstance(marker, dict):
         return None
     text = card_path.read_text(errors="replace")
     recorded = marker.get("card_sha256")
-    ours = recorded is None or sha256_bytes(without_accuracy(text).encode()) == recorded \
-        or sha256_bytes(text.encode()) == recorded
+    ours = recorded is None or sha256_bytes(without_accuracy(text).encode()) == recorded
     if not ours:
         if not overwrite:
             raise QuantError(f"{card_path}: the model card was edited since this tool wrote it; move your edits "
@@ -177,14 +177,6 @@ def kept_card_parts(out: Path, overwrite: bool) -> str | None:
         shutil.copy2(card_path, out / (CARD_FILE + ".edited"))
         return None
     return accuracy_of(text)
-
-
-def _read_marker(out: Path) -> dict | None:
-    try:
-        marker = json.loads((out / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
 
 
 def summarize(results: list[ShardResult]) -> dict:
