@@ -518,3 +518,14 @@ def test_exclude_aliases_interface():
     assert exclude_aliases("model.layers.7.mlp.shared_experts.gate_proj", config) == [
         "model.layers.7.mlp.shared_experts.gate_proj"]
     assert exclude_aliases("lm_head", config) == ["lm_head"]
+
+
+def test_fix_never_replaces_an_existing_file_without_overwrite(tmp_path):
+    ckpt = write(tmp_path, *export())
+    mine = tmp_path / "notes.json"
+    mine.write_text("a user's file")
+    result = runner.invoke(app, [str(ckpt), "--fix", str(mine)])
+    assert isinstance(result.exception, QuantError) and result.exception.exit_code == 2
+    assert "--overwrite" in str(result.exception) and mine.read_text() == "a user's file"
+    result = runner.invoke(app, [str(ckpt), "--fix", str(mine), "--overwrite"])
+    assert result.exit_code in (0, 1) and mine.read_text() != "a user's file"

@@ -15,8 +15,10 @@ def command(
                                      help="sglang | vllm | transformers | all, or one release: sglang==0.5.12 "
                                           "(repeatable; default: every engine, strictest rules)."),
     json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
-    fix: Optional[Path] = typer.Option(None, "--fix", help="Write a corrected config.json to this path "
-                                                           "(never over the checkpoint's own)."),
+    fix: Optional[Path] = typer.Option(None, "--fix", help="Write a corrected config.json to this path (a new "
+                                       "file; never over the checkpoint's own, nor over an existing file unless "
+                                       "--overwrite)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Let --fix replace an existing file."),
     tp: Optional[int] = typer.Option(None, "--tp", min=1, help="Tensor-parallel degree to check MX splits for."),
     scales: bool = typer.Option(False, "--scales",
                                 help="Also read every scale tensor (never the weights; about 1/17 of an MXFP4 "
@@ -28,6 +30,8 @@ def command(
 
     from quant.verify import fix_config, verify_checkpoint
 
+    if fix is not None:
+        check_fix_target(ckpt, fix, overwrite)  # before any work
     report = verify_checkpoint(ckpt, engines=engine, tp=tp)
     scanned = None
     if scales:
@@ -54,3 +58,16 @@ def command(
         if fixed is not None:
             console.print(f"wrote corrected config to {fixed} (re-run verify-manifest on a copy using it)")
     raise typer.Exit(report.exit_code)
+
+
+def check_fix_target(ckpt: Path, fix: Path, overwrite: bool) -> None:
+    """`--fix PATH` writes one new file: never the checkpoint's own config.json, never a directory, never over an
+    existing file without --overwrite."""
+    from quant.errors import QuantError
+
+    if fix.resolve() == (ckpt / "config.json").resolve():
+        raise QuantError(f"--fix {fix}: refusing to overwrite the checkpoint's own config.json; write elsewhere")
+    if fix.is_dir():
+        raise QuantError(f"--fix {fix}: is a directory; give the path of the corrected config.json to write")
+    if fix.exists() and not overwrite:
+        raise QuantError(f"--fix {fix}: exists; choose a new path or pass --overwrite to replace it")
