@@ -367,6 +367,8 @@ def sglang_named_modules(model: dict, mtp_index: int) -> set[str]:
             continue
         n = n.rstrip(".")
         n = n.replace("model.decoder.", f"model.layers.{mtp_index}.")
+        # SGLang's NextN draft keeps the MTP glue on its model: model.eh_proj is checkpoint model.layers.N.eh_proj
+        n = re.sub(r"^model\.(eh_proj|enorm|hnorm|shared_head)\b", rf"model.layers.{mtp_index}.\1", n)
         n = re.sub(r"\.(weight|weight_scale|weight_scale_inv|input_scale|bias)$", "", n)
         n = re.sub(r"\.w(13|2)_\w+$", "", n)
         names.add(n)

@@ -242,6 +242,10 @@ def candidate_modules(module, draft, mtp_index):
     return out
 
 
+# The reference of a fused expert parameter whose checkpoint experts disagree in shape: whatever SGLang writes
+# there is a wrong load (it kept part of a tensor, or left zeros where a tensor was short).
+INCONSISTENT = "inconsistent"
+
 # Draft parameters SGLang shares with the target model instead of loading them (deepseek_nextn.py / glm4_moe.py
 # skip embed_tokens and shared_head.head; set_embed_and_head at runtime).
 DRAFT_SHARED = {"model.embed_tokens.weight", "lm_head.weight"}
@@ -256,8 +260,12 @@ def expected(ckpt, name, draft, mtp_index):
         return None, None  # the draft takes these from the target model (set_embed_and_head)
     rows, stacked = expert_sources(ckpt, modules, leaf)
     if rows:
-        return expert_value(ckpt, rows, stacked), [p for parts in rows[:1] for p in parts] + (
-            [f"... {len(rows)} experts"] if stacked else [])
+        srcs = [p for parts in rows[:1] for p in parts] + ([f"... {len(rows)} experts"] if stacked else [])
+        try:
+            return expert_value(ckpt, rows, stacked), srcs
+        except RuntimeError:  # experts of different shapes (a broken export): no load of them can be right
+            return INCONSISTENT, [p for parts in rows for p in parts]
+
     srcs = _leaf_sources(ckpt, modules, leaf)
     if not srcs:
         return None, None
@@ -440,6 +448,10 @@ def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
     unwritten, mismatched = [], []
     for name, (value, srcs) in sources.items():
         param = params[name]
+        if isinstance(value, str):  # INCONSISTENT: the load went through, so it read the experts wrongly
+            mismatched.append({"param": name, "sources": srcs, "share": 1.0, "held": [list(param.shape),
+                               str(param.dtype)], "expected": "experts of different shapes in the checkpoint"})
+            continue
         if bool(is_sentinel(param).all()) and value.numel() and not bool(_all_sentinel_value(value)):
             unwritten.append(name)
             continue
