@@ -128,7 +128,8 @@ def _case_130(tmp_path, toy_factory):
 
     proc = subprocess.Popen(QUANT + ["eval", "--candidate", str(TOY_ARITH), "--baseline", str(toy_factory("glm5")),
                                      "--tasks", "toy_arith", "--limit", "200", "--out", str(tmp_path / "out")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=_default_sigint)
     seen = []
     deadline = time.monotonic() + 300
     for line in proc.stderr:  # wait until the baseline arm is under way, whatever the machine's load
@@ -140,6 +141,11 @@ def _case_130(tmp_path, toy_factory):
     err = "".join(seen) + proc.stderr.read()
     proc.wait(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+
+
+def _default_sigint():
+    # A child of a background job in a non-interactive shell starts with SIGINT ignored; a user's terminal not.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _case_141(tmp_path, toy_factory):
@@ -172,3 +178,25 @@ def test_each_code_of_the_table(code, tmp_path, toy_factory):
     if code not in (0, 1, 3, 4, 141):  # errors: exactly one `error:` line
         lines = [l for l in result.stderr.splitlines() if l.startswith("error:")]
         assert len(lines) == 1, result.stderr[-2000:]
+
+
+def test_ctrl_c_while_torch_imports_exits_130():
+    """The CI failure behind this test: a Ctrl-C while `import torch` runs leaves torch half loaded and out of
+    sys.modules; the exit then finalized that half and died of SIGINT (-2) or exited 0. Interrupted at a dozen
+    moments of the import, every run exits 130."""
+    import time
+
+    code = ("import sys; sys.stderr.write('importing\\n'); sys.stderr.flush()\n"
+            "from quant.process import exit_now\n"
+            "try:\n    import torch, transformers\n    import time; time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    exit_now(130)\n")
+    codes = []
+    for i in range(12):
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE,
+                                preexec_fn=_default_sigint)
+        proc.stderr.readline()
+        time.sleep(0.05 + 0.12 * i)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        codes.append(proc.returncode)
+    assert codes == [130] * 12, codes
