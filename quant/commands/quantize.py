@@ -35,11 +35,32 @@ def command(
     calib_seq_len: int = typer.Option(2048, help="GPTQ: tokens per calibration window"),
     calib_seed: int = typer.Option(0, help="GPTQ: seed of the windows' offsets"),
     damp: float = typer.Option(0.01, help="GPTQ: damping, relative to the mean diagonal of each Hessian"),
+    hessian_budget: str = typer.Option("4GiB", help="GPTQ: the most fp32 expert Hessians one calibration pass "
+                                       "holds (e.g. 4GiB, 40GB); a layer's experts beyond it take more passes "
+                                       "over the calibration windows (same output, more time)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print, from SRC's config.json alone, the predicted peak "
+                                 "memory per device and the calibration passes per layer of this run; reads no "
+                                 "weights and neither creates nor touches OUT"),
+    device_memory: Optional[str] = typer.Option(None, help="--dry-run: the memory of each named accelerator "
+                                                "(e.g. 80GB) when it is not on this machine"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier export of another source or "
                                    "other settings in OUT, or write into a directory this tool did not make; "
                                    "files this tool did not write are never deleted"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
+    from quant.gptq.dry_run import parse_size
+
+    budget = parse_size(hessian_budget, "--hessian-budget")
+    if dry_run:
+        from quant.gptq import CalibrationSettings, GptqSettings
+        from quant.gptq.dry_run import predict
+
+        settings = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp,
+                                hessian_bytes=budget)
+        memory = parse_size(device_memory, "--device-memory") if device_memory else None
+        typer.echo(predict(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
+                           settings=settings, device_memory=memory).text())
+        return
     from quant.pipeline import quantize_checkpoint
     from quant.process import reuse_freed_memory
 
@@ -50,7 +71,8 @@ def command(
     if method == "gptq":
         from quant.gptq import CalibrationSettings, GptqSettings
 
-        gptq = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp)
+        gptq = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp,
+                            hessian_bytes=budget)
     manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
                                    workers=workers, check_engines=engines, progress=progress, method=method,
                                    gptq=gptq, overwrite=overwrite, log=lambda m: typer.echo(m, err=True))

@@ -33,7 +33,7 @@ FAMILY_KEYS = ("family", "inherit", "model_types", "required_config", "mtp", "fu
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
                   "zero_embedding_at_position_0", "decoder_config")
-DECODER_LAYER_KEYS = ("returns",)
+DECODER_LAYER_KEYS = ("returns", "carry_bytes_per_token", "workspace_bytes_per_token")
 MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
 
@@ -71,6 +71,11 @@ class Family:
     # What transformers' decoder layer returns after the hidden states, each fed to the next layer as the keyword
     # argument of that name (quant/gptq/layers.py runs the layers one at a time)
     layer_returns: list[str] = field(default_factory=lambda: ["hidden_states"])
+    # For `quant quantize --dry-run` (quant/gptq/dry_run.py): bytes per calibration token, as expressions over the
+    # text config's keys plus seq_len and dtype_bytes (min/max allowed), of what GPTQ holds beside the hidden
+    # states: each carried return ({name: expression}), and the largest transient of one decoder layer's forward
+    # ("workspace": attention scores and the like, per token of a batch)
+    layer_memory: dict = field(default_factory=dict)
     # Tensor-name prefixes of the language model, most specific first ("model.language_model.", ...)
     text_prefixes: list[str] = field(default_factory=lambda: ["model."])
     # Built-in recipes whose content is the family's own (AMD's published release of this family): name -> spec
@@ -186,6 +191,8 @@ def _load_family_file(path: Path) -> Family:
         shapes=shapes + (parent.shapes if parent else []),
         layer_returns=list((data.get("decoder_layer") or {}).get("returns")
                            or (parent.layer_returns if parent else ["hidden_states"])),
+        layer_memory={**(parent.layer_memory if parent else {}),
+                      **{k: v for k, v in (data.get("decoder_layer") or {}).items() if k != "returns"}},
         text_prefixes=list(data.get("text_prefixes") or (parent.text_prefixes if parent else ["model."])),
         release_recipes=recipes,
         mtp_unpublished=data.get("mtp_unpublished", parent.mtp_unpublished if parent else None),

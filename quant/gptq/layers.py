@@ -61,28 +61,36 @@ def _unsupported(ckpt: Checkpoint, why: str) -> QuantError:
                       f"(--method rtn, the default) works")
 
 
-def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """transformers' causal LM for the checkpoint's config.json, on the meta device (no memory), after checking
-    that every decoder layer it builds can be read from the checkpoint's tensors; a family where it cannot (a
-    vision-language wrapper AutoModelForCausalLM has no model for, tensor names transformers only maps while
-    loading) is one QuantError naming the family, before any work."""
+def config_model(root: Path, dtype: torch.dtype = torch.float32, unsupported=None) -> torch.nn.Module:
+    """transformers' causal LM built from `root`/config.json alone, on the meta device (no memory, no weights:
+    what `meta_model` checks against a checkpoint, and what `quant quantize --dry-run` sizes).
+    `unsupported(why)` makes the error for a config transformers has no causal LM for."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    unsupported = unsupported or (lambda why: QuantError(f"--method gptq cannot run this checkpoint: {why}"))
     try:
         config = AutoConfig.from_pretrained(root)
     except Exception as e:
         raise QuantError(f"{root / 'config.json'}: transformers cannot build a config from it "
                          f"({str(e).splitlines()[0][:160]})") from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise _unsupported(ckpt, f"transformers' AutoModelForCausalLM has no model for {type(config).__name__} "
-                                 f"(model_type {config.model_type})")
+        raise unsupported(f"transformers' AutoModelForCausalLM has no model for {type(config).__name__} "
+                          f"(model_type {config.model_type})")
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
-        raise _unsupported(ckpt, f"transformers cannot build the model from config.json "
-                                 f"({str(e).splitlines()[0][:160]})") from None
+        raise unsupported(f"transformers cannot build the model from config.json "
+                          f"({str(e).splitlines()[0][:160]})") from None
+
+
+def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' causal LM for the checkpoint's config.json, on the meta device (no memory), after checking
+    that every decoder layer it builds can be read from the checkpoint's tensors; a family where it cannot (a
+    vision-language wrapper AutoModelForCausalLM has no model for, tensor names transformers only maps while
+    loading) is one QuantError naming the family, before any work."""
+    model = config_model(root, dtype, lambda why: _unsupported(ckpt, why))
     prefix = text_prefix(ckpt.tensors)
     for index, layer in enumerate(model.get_decoder().layers):
         for key, _ in list(layer.named_parameters()) + list(layer.named_buffers()):  # what load_layer reads

@@ -186,8 +186,9 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
             elapsed = time.perf_counter() - t0
             eta = "" if resumed else progress.end_layer(index, elapsed)
             n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
+            passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
             log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
-                f"{len(jobs) - n_gptq} rounded to nearest, {elapsed:.1f} s{eta}")
+                f"{len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
     log(f"gptq: {len(stack)} decoder layers in {time.perf_counter() - started:.1f} s "
         f"({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
     return SolvedWeights(store, len(stack))
@@ -498,7 +499,7 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
             records.update(group_records)
             parts.update(group_parts)
         del tasks
-    return {"records": records, "parts": parts}
+    return {"records": records, "parts": parts, "passes": len(passes)}
 
 
 def _solve_group(param, experts: list[int] | None, sel: list[int], hessians, counts, jobs: list[TensorJob],

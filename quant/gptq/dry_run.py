@@ -1,0 +1,423 @@
+"""`quant quantize --dry-run`: what a run would hold in memory, per device, predicted from config.json alone.
+
+Nothing is read but config.json (no weights, no tokenizer, no calibration text) and nothing is written: OUT is
+neither created nor looked at. The decoder layers are the ones `--method gptq` runs: transformers builds the
+model from config.json on the meta device (`layers.config_model`, no memory), so every parameter's shape, which
+weights are `nn.Linear`s and which are fused `[E, ...]` expert parameters come from the same code the run uses.
+Which of them are quantized comes from the family's roles and the recipe (as the planner decides), the per-token
+sizes of what a layer carries to the next one and of its forward's largest transient from the family file
+(`decoder_layer.carry_bytes_per_token`, `workspace_bytes_per_token`).
+
+The memory model follows `quant.gptq.run.solve_checkpoint` layer by layer. On the first device (calibration,
+Hessians, and its share of the solves):
+  - resident: the text model outside the layers (embedding, final norm) and the layer kwargs (causal mask);
+  - the calibration activations: samples x seq_len x hidden in the compute dtype (bf16 on CUDA, fp32 on CPU),
+    plus each carried return (GLM-5's top-k indices); twice while a layer's forward builds the next inputs;
+  - the layer being solved, in the compute dtype; while it loads, one fused expert parameter twice (stacked
+    from per-expert tensors, then copied in);
+  - one calibration pass's fp32 Hessians (in_features^2 x 4 bytes per linear and per expert): the experts of a
+    fused parameter are split into passes of at most `hessian_bytes` (`--hessian-budget`), the plain linears
+    ride along with the first pass; each pass runs the layer's forward over every calibration window again;
+  - the solver's working set for one group of experts (`run._groups`): float64 H, its Cholesky factor, the
+    inverse and the inverse's factor, beside the fp32 H and weights (`solve.gptq_mxfp4`).
+Every other device only solves groups: one group's working set. The host holds the calibration tokens, the
+solved codes and scales of two layers (the finished layer's until the next one is solved, and the layer written
+to OUT/.quant-gptq/ with its serialised copy), and up to `SourceReader.REMAP_BYTES` of mapped source pages; with
+CPU devices everything above is host memory, each CPU worker adding its own group.
+
+Not predicted: the process's fixed cost (torch, transformers, CUDA contexts, compiled kernels: about 1.3 GB of
+host memory on CPU) and the shard-writing phase after GPTQ (one source shard per worker, whose size
+config.json does not say).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quant.errors import QuantError
+
+GIB = 1 << 30
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'80GB', '80GiB', '4g', '512MiB', '0.5TB' or a number of bytes -> bytes (GB = 10^9, GiB = 2^30)."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
+             "mib": 1 << 20, "g": GIB, "gb": 10 ** 9, "gib": GIB, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise QuantError(f"{flag} {text!r}: expected a size such as 80GB, 192GiB or 4GiB")
+    return int(value * units[unit])
+
+
+def human(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class LayerPlan:
+    index: int
+    weights: int  # weights GPTQ solves in this layer
+    passes: int  # calibration passes (forwards over every window) of this layer
+    experts_per_pass: int | None
+    layer_bytes: int
+    load_extra: int  # a fused expert parameter stacked before it is copied in
+    hessian_bytes: int  # the largest pass's Hessians
+    hessians_total: int  # every Hessian of the layer, were they held at once
+    solve_bytes: int  # the largest group's working set
+    parts_bytes: int  # the solved codes and scales kept on the host
+    groups: int
+    plain_hessians: int = 0  # the plain linears' Hessians (in the first pass)
+    per_expert: int = 0  # one expert's Hessians, of the layer's largest fused expert module
+    experts: int = 0  # experts of that module
+
+
+@dataclass
+class Prediction:
+    lines: list[str] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=dict)  # "device:<d>" / "host" -> bytes
+    passes: dict[int, int] = field(default_factory=dict)  # layer -> calibration passes
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _config_dir(src: str) -> tuple[Path, dict]:
+    path = Path(src)
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise QuantError(f"{path}: no config.json")
+    else:
+        from quant.pipeline.source import HUB_ID
+
+        if not HUB_ID.match(str(src)) or path.exists():
+            raise QuantError(f"{src}: not a directory with a config.json, nor a Hugging Face hub id")
+        if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True"):
+            raise QuantError(f"{src}: not a local directory, and the Hugging Face hub is offline")
+        from huggingface_hub import hf_hub_download
+
+        try:
+            config_path = Path(hf_hub_download(str(src), "config.json"))
+        except Exception as e:
+            raise QuantError(f"{src}: cannot fetch config.json ({str(e).splitlines()[0][:160]})") from None
+        path = config_path.parent
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise QuantError(f"{config_path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise QuantError(f"{config_path}: expected a JSON object")
+    return path, config
+
+
+def _device_list(devices: str, workers: int) -> list[str]:
+    """--devices as a dry run reads it: named devices need not be present (sizing 8 GPUs from a laptop)."""
+    import torch
+
+    if devices in (None, "auto"):
+        from quant.pipeline.run import auto_devices, visible_accelerators
+
+        return auto_devices(workers, visible_accelerators())
+    items = [d.strip() for d in devices.split(",") if d.strip()]
+    for d in items:
+        try:
+            torch.device(d)
+        except RuntimeError:
+            raise QuantError(f"--devices: {d!r} is not a torch device") from None
+    if not items:
+        raise QuantError("--devices: no device named")
+    return items
+
+
+def _capacity(device: str, device_memory: int | None) -> int | None:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    if device_memory:
+        return device_memory
+    if dev.type == "cuda" and torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    return None
+
+
+def _expression(expr, values: dict, what: str) -> int:
+    from quant.families.shapes import _evaluate
+
+    result = _evaluate(expr, {**values, "min": min, "max": max})
+    if result is None:
+        raise QuantError(f"family data {what} = {expr!r}: cannot be evaluated for this config.json "
+                         f"(a key it names is missing)")
+    return result
+
+
+def solver_bytes(group: int, rows: int, k: int) -> int:
+    """Peak bytes of `_solve_group` for `group` matrices [rows, k]: while `damped_inverse_factor` factors the
+    inverse, fp32 H (4) + float64 H (8) + Cholesky factor (8) + inverse (8) + its factor in float64 (8) and fp32
+    (4) = 40 k^2 per matrix, beside the fp32 weights; later, fp32 H with about six [rows, k] fp32 tensors
+    (weights, their working copy, GPTQ's values, the RTN reference and output_error's products)."""
+    return group * max(40 * k * k + 4 * rows * k, 4 * k * k + 24 * rows * k)
+
+
+def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> list[LayerPlan]:
+    """Each decoder layer's GPTQ work and memory, from the meta model (shapes only)."""
+    import torch
+
+    from quant.gptq.run import _groups
+    from quant.pipeline.recipes import SCHEME
+    from quant.pipeline.schemes import MXFP4_SCHEMES
+
+    prefix = family.text_prefixes[0]
+    mxfp4 = scheme.name in MXFP4_SCHEMES
+    plans = []
+    for index, layer in enumerate(model.get_decoder().layers):
+        modules = dict(layer.named_modules())
+
+        def solved(module_name: str) -> bool:
+            return mxfp4 and recipe.treatment(family.role_of(module_name), module_name) == SCHEME
+
+        plain, fused = {}, {}  # key -> param; fused: key -> (param, experts solved)
+        for key, param in layer.named_parameters():
+            path, name = key.rsplit(".", 1) if "." in key else ("", key)
+            module = modules.get(path)
+            base = f"{prefix}layers.{index}.{path}"
+            if isinstance(module, torch.nn.Linear) and name == "weight":
+                if solved(base):
+                    plain[key] = param
+            elif name in ("gate_up_proj", "down_proj") and hasattr(module, "gate_up_proj") and param.dim() == 3:
+                projs = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
+                experts = [e for e in range(param.shape[0]) if any(solved(f"{base}.{e}.{p}") for p in projs)]
+                if experts:
+                    fused[key] = (param, experts)
+        # Passes exactly as run._solve_layer cuts them.
+        passes: list[tuple[list[str], int]] = []  # (keys, experts in the pass)
+        per_expert_of, experts_of = {}, {}
+        for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
+            mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
+            experts = sorted({e for k in mine for e in fused[k][1]})
+            per_expert = sum(fused[k][0].shape[-1] ** 2 * 4 for k in mine)
+            chunk = max(1, settings.hessian_bytes // per_expert)
+            per_expert_of[path], experts_of[path] = per_expert, len(experts)
+            passes += [(mine, len(experts[i:i + chunk])) for i in range(0, len(experts), chunk)]
+        plain_h = sum(p.shape[-1] ** 2 * 4 for p in plain.values())
+        pass_h = [sum(len_e * fused[k][0].shape[-1] ** 2 * 4 for k in keys) for keys, len_e in passes] or [0]
+        pass_h[0] += plain_h
+        groups, solve = 0, 0
+        for key, param in plain.items():
+            groups += 1
+            solve = max(solve, solver_bytes(1, param.shape[0], param.shape[1]))
+        for keys, len_e in passes:
+            for key in keys:
+                param = fused[key][0]
+                for sel in _groups(param, len_e, settings):
+                    groups += 1
+                    solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
+        weights = len(plain) + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
+        elements = sum(p.numel() for p in plain.values()) + sum(len(e) * p[0].numel() for p, e in fused.values())
+        layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
+        layer_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
+        stacked = max([p.numel() * dtype_bytes for p, _ in fused.values()] or [0])
+        plans.append(LayerPlan(
+            index=index, weights=weights, passes=len(passes) or (1 if plain else 0),
+            experts_per_pass=max((n for _, n in passes), default=None), layer_bytes=layer_bytes,
+            load_extra=stacked, hessian_bytes=max(pass_h),
+            hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
+            solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, plain_hessians=plain_h,
+            per_expert=max(per_expert_of.values(), default=0),
+            experts=max((n for path, n in experts_of.items() if per_expert_of[path] == max(per_expert_of.values())),
+                        default=0)))
+    return plans
+
+
+def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
+            devices: str = "auto", workers: int = 1, settings=None, device_memory: int | None = None
+            ) -> Prediction:
+    """The dry run's prediction (see the module docstring); `settings` is the run's GptqSettings."""
+    import torch
+
+    from quant.families import family_for_config, text_config
+    from quant.gptq.layers import config_model
+    from quant.pipeline.execute import SourceReader
+    from quant.pipeline.recipes import load_recipe
+    from quant.pipeline.schemes import MXFP4_SCHEMES, get_scheme
+
+    if method not in ("rtn", "gptq"):
+        raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
+    if workers < 1:
+        raise QuantError(f"--workers {workers}: must be at least 1")
+    scheme_obj = get_scheme(scheme)
+    if method == "gptq" and scheme not in MXFP4_SCHEMES:
+        raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
+                         f"or w_mxfp4)")
+    root, config = _config_dir(src)
+    family = family_for_config(config, root / "config.json")
+    recipe_obj = load_recipe(recipe, family)
+    device_list = _device_list(devices, workers)
+    cfg = text_config(config)
+    mtp = family.mtp_layers(config)
+    out = Prediction()
+    say = out.lines.append
+    say(f"dry run: {root / 'config.json'} ({family.name}; {cfg.get('num_hidden_layers')} decoder layers"
+        + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "") + f"), {scheme}, recipe "
+        f"{recipe_obj.name}, method {method}, devices {','.join(device_list)}")
+    if method == "rtn":
+        say("method rtn: no calibration and no Hessians; each worker rounds one source shard at a time "
+            "(its peak is about one shard in and its output; shard sizes are not in config.json)")
+        return out
+
+    from quant.gptq.run import GptqSettings
+
+    settings = settings or GptqSettings()
+    first = torch.device(device_list[0])
+    dtype = torch.float32 if first.type == "cpu" else torch.bfloat16
+    dtype_bytes = 4 if dtype == torch.float32 else 2
+    model = config_model(root, dtype, lambda why: QuantError(f"--method gptq cannot run {family.name}: {why}"))
+    plans = plan_layers(model, family, recipe_obj, scheme_obj, settings, dtype_bytes)
+    cal = settings.calibration
+    tokens = cal.samples * cal.seq_len
+    batch = min(settings.batch, cal.samples)
+    values = {**{k: v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool)},
+              "seq_len": cal.seq_len, "dtype_bytes": dtype_bytes}
+    hidden = int(cfg["hidden_size"])
+    acts = tokens * hidden * dtype_bytes
+    carry_exprs = family.layer_memory.get("carry_bytes_per_token") or {}
+    carry = sum(tokens * _expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
+                for name in family.layer_returns[1:] if name in carry_exprs)
+    workspace_expr = family.layer_memory.get("workspace_bytes_per_token")
+    workspace = batch * cal.seq_len * _expression(workspace_expr, values, "workspace_bytes_per_token") \
+        if workspace_expr else 0
+    text = model.get_decoder()
+    resident = sum(p.numel() for n, p in text.named_parameters() if not n.startswith("layers.")) * dtype_bytes
+    resident += batch * cal.seq_len * cal.seq_len  # the causal mask the layers are handed (bool [B, 1, S, S])
+    token_bytes = tokens * 8
+
+    def held(p: LayerPlan) -> int:
+        return resident + acts + carry + p.layer_bytes
+
+    def device0(p: LayerPlan, groups_at_once: int, hessians: int | None = None) -> tuple[int, str]:
+        h = p.hessian_bytes if hessians is None else hessians
+        phases = {"loading the layer": held(p) + p.load_extra,
+                  "collecting Hessians": held(p) + h + workspace,
+                  "solving": held(p) + h + p.solve_bytes * groups_at_once,
+                  "running the layer forward to the next one": resident + 2 * (acts + carry) + p.layer_bytes
+                  + workspace}
+        phase = max(phases, key=phases.get)
+        return phases[phase], phase
+
+    cpu_workers = sum(torch.device(d).type == "cpu" for d in device_list)
+    first_is_cpu = first.type == "cpu"
+    at_once = cpu_workers if first_is_cpu else 1
+    worst = max(plans, key=lambda p: device0(p, at_once)[0])
+    peak0, phase = device0(worst, at_once)
+    solve_max = max(p.solve_bytes for p in plans)
+    parts = 2 * max(p.parts_bytes for p in plans)
+    mapped = min(SourceReader.REMAP_BYTES, resident + sum(p.layer_bytes for p in plans))
+    if first_is_cpu:
+        host = peak0 + parts + token_bytes + mapped
+    else:
+        host = parts + token_bytes + mapped + solve_max * cpu_workers
+
+    gptq_layers = [p for p in plans if p.weights]
+    say(f"calibration: {cal.samples} windows x {cal.seq_len} tokens, {batch} per forward, compute dtype "
+        f"{str(dtype).replace('torch.', '')}; Hessian budget per pass {human(settings.hessian_bytes)} "
+        f"(--hessian-budget)")
+    by_passes: dict[int, list[int]] = {}
+    for p in plans:
+        by_passes.setdefault(p.passes, []).append(p.index)
+    say("calibration passes per layer (forwards over every window, each collecting one share of the expert "
+        "Hessians):")
+    for n, layers in sorted(by_passes.items()):
+        example = next(p for p in plans if p.index == layers[0])
+        detail = (f"; {example.experts_per_pass} experts per pass, {human(example.hessians_total)} of Hessians "
+                  f"in all" if example.experts_per_pass else "")
+        what = f"{example.weights} weights solved{detail}" if n else "nothing to solve: forward only"
+        say(f"  {n} pass{'es' * (n != 1)}: {_ranges(layers)} ({what})")
+    say(f"  {sum(p.passes for p in plans)} passes over {len(plans)} layers; "
+        f"{sum(p.weights for p in gptq_layers)} weights solved"
+        + (f"; MTP {_ranges(mtp)} rounded to nearest (transformers does not run it)" if mtp else ""))
+    say(f"predicted peak memory (worst layer: {worst.index}, while {phase}; not counting the process's fixed "
+        f"cost: runtime, CUDA context, kernels):")
+    say(f"  {device_list[0]}: {human(peak0)}  [activations {human(acts)}"
+        + (f" + carried {human(carry)}" if carry else "") + f" (x2 in the forward), layer {human(worst.layer_bytes)}, "
+        f"Hessians {human(worst.hessian_bytes)} per pass, solver {human(worst.solve_bytes)} per group, forward "
+        f"workspace {human(workspace)}, embedding and mask {human(resident)}]")
+    out.peaks[f"device:{device_list[0]}"] = peak0
+    for d in device_list[1:]:
+        if torch.device(d).type == "cpu":
+            continue
+        out.peaks[f"device:{d}"] = solve_max
+    others = [d for d in device_list[1:] if torch.device(d).type != "cpu"]
+    if others:
+        say(f"  {_devices(others)}: {human(solve_max)} each  [the solver's working set of one group of experts]")
+    say(f"  host: {human(host)}  [" + ("everything above" + (f", {cpu_workers} solver groups at once"
+                                                             if cpu_workers > 1 else "") + ", " if first_is_cpu
+                                      else "") + f"solved codes and scales of two layers {human(parts)}, "
+        f"calibration tokens {human(token_bytes)}, mapped source pages {human(mapped)}]")
+    out.peaks["host"] = host
+    out.passes = {p.index: p.passes for p in plans}
+    # Does it fit?
+    for d in dict.fromkeys(device_list):
+        capacity = _capacity(d, device_memory)
+        need = host if torch.device(d).type == "cpu" else out.peaks[f"device:{d}"]
+        if capacity is None:
+            say(f"  {d}: capacity unknown (give --device-memory, e.g. 80GB)")
+            continue
+        if need > capacity:
+            say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; lower --calib-samples or "
+                f"--calib-seq-len (activations) or --hessian-budget (more passes)")
+        elif d == device_list[0] and any(p.per_expert for p in plans):
+            fewest, budget = _fewest_passes(plans, capacity - (host - peak0 if first_is_cpu else 0),
+                                            lambda p, h: device0(p, at_once, h)[0])
+            note = (f"; the fewest passes that fit: {fewest} per MoE layer with --hessian-budget {budget}"
+                    if fewest and fewest < max(p.passes for p in plans) else "")
+            say(f"  fits on {d}: {human(need)} of {human(capacity)}{note}")
+        else:
+            say(f"  fits on {d}: {human(need)} of {human(capacity)}")
+    return out
+
+
+def _fewest_passes(plans: list[LayerPlan], room: int, need) -> tuple[int | None, str | None]:
+    """The fewest passes per MoE layer, and the --hessian-budget that gives them, with which every layer's peak
+    `need(plan, hessian bytes of its largest pass)` stays within `room`. (None, None) when not even one expert
+    per pass fits."""
+    moe = [p for p in plans if p.per_expert]
+    for passes in range(1, max(p.experts for p in moe) + 1):
+        chunk = max(-(-p.experts // passes) for p in moe)
+        budget = chunk * max(p.per_expert for p in moe)
+        if all(need(p, p.plain_hessians + min(chunk, p.experts) * p.per_expert) <= room for p in moe):
+            fewest = max(-(-p.experts // chunk) for p in moe)
+            return fewest, f"{-(-budget // (1 << 20))}MiB"
+    return None, None
+
+
+def _ranges(indices) -> str:
+    indices = sorted(indices)
+    if not indices:
+        return "none"
+    parts, start, prev = [], indices[0], indices[0]
+    for i in indices[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"layer {start}" if start == prev else f"layers {start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(parts)
+
+
+def _devices(devices: list[str]) -> str:
+    return devices[0] if len(devices) == 1 else f"{devices[0]} .. {devices[-1]} ({len(devices)} devices)"

@@ -1,0 +1,87 @@
+"""`quant quantize --dry-run` (issue #24): the predicted peak memory and calibration passes of a GPTQ run, from
+config.json alone, against a real run of the same toy.
+
+The measured figure is the peak RSS of a whole `quant quantize --method gptq` process (`wait4`) minus that of the
+same command on the stock glm5 toy (whose data are a few MB): the process's fixed cost (torch, transformers,
+kernels, about 0.5 GB) cancels, what is left is what GPTQ holds. The toy is sized so that this is a few hundred
+MB: hidden 1024 (1024^2 fp32 Hessians per expert and per shared-expert linear, float64 factors in the solver),
+16 routed experts, a Hessian budget that splits them into two calibration passes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quant.errors import QuantError
+
+REPO = Path(__file__).resolve().parent.parent
+CALIB = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
+BIG = {"hidden_size": 1024, "n_routed_experts": 16, "moe_intermediate_size": 128, "num_experts_per_tok": 4}
+FLAGS = ["--method", "gptq", "--calib-data", str(CALIB), "--calib-samples", "8", "--calib-seq-len", "128",
+         "--hessian-budget", "40MiB", "--devices", "cpu"]
+
+
+def _quantize(src: Path, out: Path, *extra: str) -> tuple[int, str]:
+    """Peak RSS (bytes) and output of one `quant quantize` process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "quant.cli", "quantize", str(src), str(out), *FLAGS, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    text = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    return usage.ru_maxrss * 1024, text
+
+
+@pytest.fixture(scope="module")
+def big_toy(tmp_path_factory):
+    from quant.toy import build_toy
+
+    return build_toy("glm5", tmp_path_factory.mktemp("dry-run") / "big", overrides=BIG, seed=0)
+
+
+def test_dry_run_predicts_the_peak_and_the_passes(big_toy, toy_factory, tmp_path):
+    from quant.gptq import CalibrationSettings, GptqSettings
+    from quant.gptq.dry_run import predict
+
+    small = toy_factory("glm5")
+    settings = GptqSettings(CalibrationSettings(str(CALIB), 8, 128), hessian_bytes=40 << 20)
+    predicted = {name: predict(str(src), devices="cpu", settings=settings)
+                 for name, src in (("small", small), ("big", big_toy))}
+    assert predicted["big"].passes == {0: 0, 1: 2}  # 16 experts of 4 MiB of Hessians, 40 MiB a pass: 9 + 7
+
+    base, _ = _quantize(small, tmp_path / "small", "--check-engines", "")
+    peak, log = _quantize(big_toy, tmp_path / "big", "--check-engines", "")
+    measured = peak - base
+    expected = predicted["big"].peaks["host"] - predicted["small"].peaks["host"]
+    print(f"peak RSS {peak / 2**20:.0f} MiB - baseline {base / 2**20:.0f} MiB = {measured / 2**20:.0f} MiB; "
+          f"predicted {expected / 2**20:.0f} MiB ({expected / measured:.0%})")
+    assert abs(expected - measured) <= 0.2 * measured, (measured, expected)
+    # The run cut the same passes the dry run predicted.
+    assert "gptq: layer 2/2" in log and ", 2 calibration passes," in log, log
+
+
+def test_dry_run_reads_only_config_json_and_never_touches_out(tmp_path, toy_factory):
+    """A directory holding nothing but config.json is enough, and OUT is not created."""
+    src = tmp_path / "config-only"
+    src.mkdir()
+    (src / "config.json").write_bytes((toy_factory("glm5") / "config.json").read_bytes())
+    out = tmp_path / "out"
+    _, text = _quantize(src, out, "--dry-run", "--devices", "cuda:0,cuda:1", "--device-memory", "1GiB")
+    assert not out.exists()
+    assert "cuda:0:" in text and "cuda:1:" in text and "calibration passes per layer" in text
+    assert "1 pass: layer 1" in text and "MTP layer 2 rounded to nearest" in text
+
+
+def test_dry_run_refusals(tmp_path):
+    from quant.gptq.dry_run import parse_size, predict
+
+    assert parse_size("80GB", "--x") == 80 * 10 ** 9 and parse_size("4GiB", "--x") == 4 << 30
+    with pytest.raises(QuantError, match="--hessian-budget"):
+        parse_size("lots", "--hessian-budget")
+    with pytest.raises(QuantError, match="no config.json"):
+        predict(str(tmp_path), devices="cpu")
