@@ -181,6 +181,21 @@ def runtime_name(module: str, mapper: dict[str, str]) -> str:
     return module
 
 
+def build_prefixes(rules: dict, config: dict) -> tuple[tuple[str, str], ...]:
+    """The engine's (regex, replacement) rules for modules this architecture builds under a quant-config prefix
+    other than their checkpoint path (engines.yaml `build_prefixes`; () = none). Never applied to `exclude`."""
+    return tuple((str(r["match"]), str(r["replace"]))
+                 for r in (rules.get("build_prefixes") or {}).get(architecture(config)) or [])
+
+
+def module_runtime_name(module: str, mapper: dict[str, str], prefixes: tuple[tuple[str, str], ...] = ()) -> str:
+    """The name the engine looks `module` up by: its name mapper, then the build-prefix renames."""
+    name = runtime_name(module, mapper)
+    for pattern, replacement in prefixes:
+        name = re.sub(pattern, replacement, name, count=1)
+    return name
+
+
 def mtp_namespace(rules: dict, config: dict) -> dict | None:
     """The engine's rule for an MTP head stored under its own namespace (Qwen3.5 `mtp.*`), if this
     architecture has one."""
@@ -191,13 +206,28 @@ def mtp_namespace(rules: dict, config: dict) -> dict | None:
 
 
 def wrapper_aliases(module: str, config: dict) -> list[str]:
-    """Runtime names other engines build `module` under (VL wrappers: language_model.model.*, visual.*)."""
+    """Runtime names other engine releases build `module` under (VL wrappers: language_model.model.*, visual.*;
+    build prefixes: vLLM's MiniMax-M2 model.layers.N.mlp.* for the checkpoint's block_sparse_moe.*)."""
     out = []
-    for engine in engine_data()["engines"].values():
-        alias = runtime_name(module, name_mapper(engine, config))
+    for mapper, prefixes in _renamers(architecture(config)):
+        alias = module_runtime_name(module, dict(mapper), prefixes)
         if alias != module and alias not in out:
             out.append(alias)
     return out
+
+
+@lru_cache(maxsize=None)
+def _renamers(arch: str) -> tuple:
+    """The distinct (name mapper, build prefixes) pairs of every engine release for one architecture."""
+    config = {"architectures": [arch]}
+    pairs = []
+    for engine in engine_data()["engines"]:
+        for release in releases(engine):
+            rules = profile(engine, release).rules
+            pair = (tuple(name_mapper(rules, config).items()), build_prefixes(rules, config))
+            if (pair[0] or pair[1]) and pair not in pairs:
+                pairs.append(pair)
+    return tuple(pairs)
 
 
 def exclude_aliases(module: str, config: dict) -> list[str]:

@@ -71,13 +71,15 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
             and not (namespace and k.startswith(namespace))}
     exclude, lqc = _exclude_list(config), _lqc(config)
     # Wrapped architectures (VL models): units carry the engine's runtime names; `exclude` is rewritten with the
-    # same mapper only by releases whose quant config applies it.
+    # same mapper only by releases whose quant config applies it. Build prefixes (vLLM's MiniMax-M2 mlp.* for
+    # block_sparse_moe.*) rename units too but never `exclude`.
     mapper = engines.name_mapper(rules, config)
+    prefixes = engines.build_prefixes(rules, config)
     target_exclude = exclude
     if mapper and rules.get("maps_exclude"):
         target_exclude = [e if e.startswith("re:") else engines.runtime_name(e, mapper) for e in exclude]
     contexts = [BuildContext(
-        "target", _identity_units(main, packed, group_experts, False, cache, mapper),
+        "target", _identity_units(main, packed, group_experts, False, cache, mapper, prefixes),
         ExcludeMatcher(target_exclude, rules["exclude_match"]), LayerConfigMatcher(lqc, rules["layer_config_match"]),
         never)]
     if rules.get("mtp", {}).get("builds_mtp") is False:
@@ -132,15 +134,16 @@ def _any_of(patterns: list[str]) -> re.Pattern | None:
 
 
 def _identity_units(modules: dict[str, Module], packed: dict, group_experts: bool, mtp: bool,
-                    cache: dict, mapper: dict[str, str] | None = None) -> list[Unit]:
+                    cache: dict, mapper: dict[str, str] | None = None,
+                    prefixes: tuple[tuple[str, str], ...] = ()) -> list[Unit]:
     """Units under checkpoint names (or the engine's prefix-mapped names); engines sharing a packed mapping
     share them (a 120k-tensor checkpoint is grouped once per engine, not once per release)."""
     mapper = mapper or {}
     key = (tuple(sorted((k, tuple(v)) for k, v in packed.items())), group_experts, mtp,
-           tuple(sorted(mapper.items())))
+           tuple(sorted(mapper.items())), prefixes)
     if key not in cache:
-        cache[key] = build_units(modules, lambda n: engines.runtime_name(n, mapper), packed, group_experts,
-                                 lambda n: mtp)
+        cache[key] = build_units(modules, lambda n: engines.module_runtime_name(n, mapper, prefixes), packed,
+                                 group_experts, lambda n: mtp)
     return cache[key]
 
 
@@ -262,8 +265,10 @@ class ProfileChecker:
                      f"{', '.join(unit.missing_shards)}", "store every shard of the fused module",
                      "#5 fused shards")
             return None
-        # never-quantized patterns name module types (routers, eh_proj, heads): shards and experts share them
-        if ctx.never_quantized is not None and ctx.never_quantized.search(first):
+        # never-quantized patterns name module types (routers, eh_proj, heads): shards and experts share them;
+        # the engine's own name counts too (vLLM builds MiniMax-M2's block_sparse_moe.gate as mlp.gate)
+        if ctx.never_quantized is not None and (ctx.never_quantized.search(first)
+                                                or ctx.never_quantized.search(unit.shard_runtime[0])):
             return Resolution(None, "this module is never quantized by the engine (plain Linear / no quant "
                                     "method)")
         if not ctx.quantized:
