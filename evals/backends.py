@@ -248,6 +248,20 @@ def _torch_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _causal_lm(load_dir: Path, dtype):
+    """transformers' causal LM for the checkpoint; a vision-language wrapper AutoModelForCausalLM has no class for
+    (Kimi-K2.5, MiniMax-M3) is loaded as its image-text-to-text model, which generates from text alone and maps
+    the release's tensor names itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+
+    config = AutoConfig.from_pretrained(load_dir)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText.from_pretrained(load_dir, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype)
+
+
 def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16", device: str | None = None,
                           with_draft: bool = False):
     """(model, tokenizer, description, notes[, draft]) for a checkpoint directory; a quantized one is dequantized
@@ -278,7 +292,7 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
     # transformers lists every MTP-layer tensor as UNEXPECTED (it never builds the MTP layer): expected, not news.
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=getattr(torch, dtype))
+        model = _causal_lm(load_dir, getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(load_dir)
         draft = None
         if with_draft:

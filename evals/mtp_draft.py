@@ -73,8 +73,10 @@ def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
             raise QuantError(f"MTP layer {k}: no {what} tensor ({', '.join(resolve(t) + '.weight' for t in templates)})")
 
         if not any(n.startswith(block) for n in names):
-            raise QuantError(f"config.json declares {count} MTP layer(s) ({count_key}) but no tensor starts with "
-                             f"{block}")
+            # MiniMax: the config counts MTP modules the release never published (family data mtp_unpublished)
+            raise QuantError(family.unpublished_mtp(config, names)
+                             or f"config.json declares {count} MTP layer(s) ({count_key}) but no tensor starts with "
+                                f"{block}")
         layers.append(DraftNames(
             block=block, embed_norm=resolve(spec["embed_norm"]), hidden_norm=resolve(spec["hidden_norm"]),
             proj=resolve(spec["proj"]), final_norm=resolve(spec["final_norm"]),

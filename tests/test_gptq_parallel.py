@@ -80,8 +80,9 @@ def test_a_failing_worker_stops_the_others_and_is_raised():
             workers.run([boom, ok(3), ok(4)], [3.0, 1.0, 1.0])
 
 
-@pytest.mark.parametrize("family, name", [("kimi-k2.5", "kimi_k25"), ("minimax-m3", "minimax_m3_vl"),
-                                          ("minimax-m2", "minimax_m2")])
+@pytest.mark.parametrize("family, name", [("kimi-k2.5", "kimi_k25"), ("minimax-m3", "minimax_m3_vl")])
+# (minimax-m2 solves since its family data maps block_sparse_moe.experts.E.w1/w3/w2 to transformers' names:
+# tests/test_families_e2e.py)
 def test_families_gptq_cannot_build_are_refused_before_calibration(family, name, toy_factory, tmp_path,
                                                                     monkeypatch):
     import quant.gptq.run as run

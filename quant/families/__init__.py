@@ -29,13 +29,15 @@ GENERIC = "generic"
 
 # The keys a family file may hold (each read below); anything else is a misspelling.
 FAMILY_KEYS = ("family", "inherit", "model_types", "required_config", "mtp", "fused_experts", "mtp_draft", "roles",
-               "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished", "adapter")
+               "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished", "adapter",
+               "transformers_layer")
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
                   "zero_embedding_at_position_0", "decoder_config")
 DECODER_LAYER_KEYS = ("returns", "carry_bytes_per_token", "workspace_bytes_per_token")
 MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
+TRANSFORMERS_LAYER_KEYS = ("renames", "expert_projs")
 
 
 def families_dir() -> Path:
@@ -82,6 +84,10 @@ class Family:
     release_recipes: dict[str, dict] = field(default_factory=dict)
     # MTP modules the config declares but the release does not publish: {count_keys: [...], reason: ...}
     mtp_unpublished: dict | None = None
+    # Where transformers' decoder layer keeps a checkpoint tensor when the names differ (quant/gptq/layers.py builds
+    # the layer and loads it tensor by tensor): `renames` {checkpoint prefix: transformers prefix} within a layer,
+    # `expert_projs` {checkpoint expert leaf: gate_proj | up_proj | down_proj}
+    transformers_layer: dict = field(default_factory=lambda: {"renames": {}, "expert_projs": {}})
     file: Path | None = None
 
     def role_of(self, module: str) -> str | None:
@@ -196,8 +202,22 @@ def _load_family_file(path: Path) -> Family:
         text_prefixes=list(data.get("text_prefixes") or (parent.text_prefixes if parent else ["model."])),
         release_recipes=recipes,
         mtp_unpublished=data.get("mtp_unpublished", parent.mtp_unpublished if parent else None),
+        transformers_layer=_transformers_layer(data, parent, where),
         file=path,
     )
+
+
+def _transformers_layer(data: dict, parent: Family | None, where: str) -> dict:
+    if "transformers_layer" not in data:
+        return parent.transformers_layer if parent else {"renames": {}, "expert_projs": {}}
+    spec = check_keys(data["transformers_layer"], TRANSFORMERS_LAYER_KEYS, where, "transformers_layer")
+    renames = spec.get("renames") or {}
+    projs = spec.get("expert_projs") or {}
+    if not isinstance(renames, dict) or not isinstance(projs, dict) or \
+            not set(projs.values()) <= {"gate_proj", "up_proj", "down_proj"}:
+        raise BadData(f"{where}: transformers_layer needs renames {{checkpoint: transformers}} and expert_projs "
+                      "{checkpoint leaf: gate_proj | up_proj | down_proj}")
+    return {"renames": {str(k): str(v) for k, v in renames.items()}, "expert_projs": dict(projs)}
 
 
 def load_family(name: str) -> Family:

@@ -23,7 +23,44 @@ from quant.errors import QuantError
 from quant.families import text_prefix  # the language model's tensor prefix, per family data
 from quant.pipeline.plan import SCALE_INV, Source
 
-PER_EXPERT = re.compile(r"^(?P<experts>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"^(?P<experts>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Checkpoint names within a decoder layer <-> transformers' (family data `transformers_layer`: MiniMax-M2's
+    block_sparse_moe.experts.E.w1/w3/w2 are transformers' mlp.experts gate_up_proj / down_proj)."""
+
+    renames: tuple[tuple[str, str], ...] = ()  # (checkpoint prefix, transformers prefix)
+    projs: tuple[tuple[str, str], ...] = ()  # (checkpoint expert leaf, gate_proj | up_proj | down_proj)
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint) -> "LayerNames":
+        from quant.families import family_for_config
+
+        spec = family_for_config(ckpt.config, ckpt.root / "config.json").transformers_layer
+        return cls(tuple(spec["renames"].items()), tuple(spec["expert_projs"].items()))
+
+    def checkpoint(self, key: str) -> str:
+        """The checkpoint's name (relative to the layer) of transformers' layer key."""
+        for ours, theirs in self.renames:
+            if key.startswith(theirs):
+                return ours + key[len(theirs):]
+        return key
+
+    def transformers(self, rest: str) -> str:
+        for ours, theirs in self.renames:
+            if rest.startswith(ours):
+                return theirs + rest[len(ours):]
+        return rest
+
+    def leaf(self, proj: str) -> str:
+        """The checkpoint's per-expert leaf for gate_proj / up_proj / down_proj."""
+        return next((ours for ours, theirs in self.projs if theirs == proj), proj)
+
+    def proj(self, leaf: str) -> str | None:
+        return dict(self.projs).get(leaf, leaf if leaf in PROJS else None)
 
 
 @dataclass(frozen=True)
@@ -92,16 +129,17 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
     loading) is one QuantError naming the family, before any work."""
     model = config_model(root, dtype, lambda why: _unsupported(ckpt, why))
     prefix = text_prefix(ckpt.tensors)
+    names = LayerNames.of(ckpt)
     for index, layer in enumerate(model.get_decoder().layers):
         for key, _ in list(layer.named_parameters()) + list(layer.named_buffers()):  # what load_layer reads
-            name = f"{prefix}layers.{index}.{key}"
+            name = f"{prefix}layers.{index}.{names.checkpoint(key)}"
             if name in ckpt.tensors:
                 continue
             if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
                 base = name.rsplit(".", 1)[0]
                 projs = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
                 count = layer.get_parameter(key).shape[0]
-                if all(f"{base}.{e}.{p}.weight" in ckpt.tensors for e in range(count) for p in projs):
+                if all(f"{base}.{e}.{names.leaf(p)}.weight" in ckpt.tensors for e in range(count) for p in projs):
                     continue
             raise _unsupported(ckpt, f"transformers' decoder layer {index} has {key}, which the checkpoint does not "
                                      f"store as {name} (its tensors are named differently, a mapping transformers "
@@ -119,6 +157,7 @@ class DecoderStack:
         self.ckpt, self.device, self.dtype, self.returns = ckpt, device, dtype, returns
         self.reader = SourceReader(ckpt, device)
         self.prefix = text_prefix(ckpt.tensors)
+        self.names = LayerNames.of(ckpt)
         model = model if model is not None else meta_model(root, ckpt, dtype)
         self.text = model.get_decoder()
         self.layers = list(self.text.layers)
@@ -168,13 +207,13 @@ class DecoderStack:
     # -- one layer -------------------------------------------------------------------------------------------
     def slot(self, index: int, tensor: str, expert: int | None, rows: tuple[int, int] | None) -> Slot:
         """Where checkpoint tensor `tensor` (optionally a fused slice) of layer `index` sits in the layer."""
-        rest = tensor[len(f"{self.prefix}layers.{index}."):]
+        rest = self.names.transformers(tensor[len(f"{self.prefix}layers.{index}."):])
         if expert is not None:
             return Slot(rest, expert, rows)
         m = PER_EXPERT.match(rest)
-        if not m:
+        proj = self.names.proj(m.group("proj")) if m else None
+        if proj is None:
             return Slot(rest)
-        proj = m.group("proj")
         key = f"{m.group('experts')}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         try:
             height = self.layers[index].get_parameter(key).shape[1]
@@ -192,11 +231,11 @@ class DecoderStack:
         prefix = f"{self.prefix}layers.{index}."
         with torch.no_grad():
             for key, param in list(layer.named_parameters()) + list(layer.named_buffers()):
-                name = prefix + key
+                name = prefix + self.names.checkpoint(key)
                 if name in self.ckpt.tensors:
                     value = self.read(name)
                 elif key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
-                    value = self._stack_experts(prefix, key, tuple(param.shape))
+                    value = self._stack_experts(prefix, self.names.checkpoint(key), tuple(param.shape))
                 else:
                     raise QuantError(f"{self.ckpt.root}: tensor {name} is missing (decoder layer {index} as "
                                      f"transformers builds it from config.json)")
@@ -211,10 +250,12 @@ class DecoderStack:
         base = prefix + key.rsplit(".", 1)[0]
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         for e in range(shape[0]):
+            leaf = self.names.leaf
             if key.endswith("gate_up_proj"):
-                out[e] = torch.cat([self.read(f"{base}.{e}.gate_proj.weight"), self.read(f"{base}.{e}.up_proj.weight")])
+                out[e] = torch.cat([self.read(f"{base}.{e}.{leaf('gate_proj')}.weight"),
+                                    self.read(f"{base}.{e}.{leaf('up_proj')}.weight")])
             else:
-                out[e] = self.read(f"{base}.{e}.down_proj.weight")
+                out[e] = self.read(f"{base}.{e}.{leaf('down_proj')}.weight")
         return out
 
     def release_layer(self, index: int) -> None:
