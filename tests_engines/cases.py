@@ -198,9 +198,11 @@ def transformers_logprobs(path: Path, prompts: list[list[int]], qdq_inputs: set[
     return rows
 
 
-def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600) -> dict:
+def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600, emulation: str = "auto") -> dict:
+    """The probe's outcome line. emulation="force" routes every quantized MoE and block-FP8 linear through the
+    shim's emulation path (vllm_emulation.py) even where this CPU has vLLM's native kernels."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", "QUANT_VLLM_EMULATION": emulation}
     proc = subprocess.run([sys.executable, str(PROBE), str(path), json.dumps(prompts)], capture_output=True,
                           text=True, timeout=timeout, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]

