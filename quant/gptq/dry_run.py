@@ -41,6 +41,8 @@ from pathlib import Path
 from quant.errors import QuantError
 
 GIB = 1 << 30
+HEADROOM = 0.9  # the share of a device the suggested --hessian-budget may fill; the rest is the runtime's (CUDA
+# context, cuBLAS workspaces, the caching allocator's fragmentation), which the prediction does not count
 
 
 def parse_size(text: str, flag: str) -> int:
@@ -76,6 +78,7 @@ class LayerPlan:
     solve_bytes: int  # the largest group's working set
     parts_bytes: int  # the solved codes and scales kept on the host
     groups: int
+    gather_bytes: int = 0  # one group's weights, gathered on the first device for a solve on another
     plain_hessians: int = 0  # the plain linears' Hessians (in the first pass)
     per_expert: int = 0  # one expert's Hessians, of the layer's largest fused expert module
     experts: int = 0  # experts of that module
@@ -216,16 +219,18 @@ def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> li
         plain_h = sum(p.shape[-1] ** 2 * 4 for p in plain.values())
         pass_h = [sum(len_e * fused[k][0].shape[-1] ** 2 * 4 for k in keys) for keys, len_e in passes] or [0]
         pass_h[0] += plain_h
-        groups, solve = 0, 0
+        groups, solve, gather = 0, 0, 0
         for key, param in plain.items():
             groups += 1
             solve = max(solve, solver_bytes(1, param.shape[0], param.shape[1]))
+            gather = max(gather, param.numel() * dtype_bytes)
         for keys, len_e in passes:
             for key in keys:
                 param = fused[key][0]
                 for sel in _groups(param, len_e, settings):
                     groups += 1
                     solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
+                    gather = max(gather, len(sel) * param[0].numel() * dtype_bytes)
         weights = len(plain) + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
         elements = sum(p.numel() for p in plain.values()) + sum(len(e) * p[0].numel() for p, e in fused.values())
         layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
@@ -236,7 +241,7 @@ def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> li
             experts_per_pass=max((n for _, n in passes), default=None), layer_bytes=layer_bytes,
             load_extra=stacked, hessian_bytes=max(pass_h),
             hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
-            solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, plain_hessians=plain_h,
+            solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather, plain_hessians=plain_h,
             per_expert=max(per_expert_of.values(), default=0),
             experts=max((n for path, n in experts_of.items() if per_expert_of[path] == max(per_expert_of.values())),
                         default=0)))
@@ -312,13 +317,14 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         h = p.hessian_bytes if hessians is None else hessians
         phases = {"loading the layer": held(p) + p.load_extra,
                   "collecting Hessians": held(p) + h + workspace,
-                  "solving": held(p) + h + p.solve_bytes * groups_at_once,
+                  "solving": held(p) + h + p.solve_bytes * groups_at_once + p.gather_bytes * gathered,
                   "running the layer forward to the next one": resident + 2 * (acts + carry) + p.layer_bytes
                   + workspace}
         phase = max(phases, key=phases.get)
         return phases[phase], phase
 
     cpu_workers = sum(torch.device(d).type == "cpu" for d in device_list)
+    gathered = sum(d != device_list[0] for d in device_list)  # groups other workers solve, gathered on the first
     first_is_cpu = first.type == "cpu"
     at_once = cpu_workers if first_is_cpu else 1
     worst = max(plans, key=lambda p: device0(p, at_once)[0])
@@ -362,7 +368,8 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         out.peaks[f"device:{d}"] = solve_max
     others = [d for d in device_list[1:] if torch.device(d).type != "cpu"]
     if others:
-        say(f"  {_devices(others)}: {human(solve_max)} each  [the solver's working set of one group of experts]")
+        say(f"  {_devices(others)}: {human(solve_max)}{' each' * (len(others) > 1)}  [the solver's working set of "
+            f"one group of experts]")
     say(f"  host: {human(host)}  [" + ("everything above" + (f", {cpu_workers} solver groups at once"
                                                              if cpu_workers > 1 else "") + ", " if first_is_cpu
                                       else "") + f"solved codes and scales of two layers {human(parts)}, "
@@ -370,19 +377,30 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     out.peaks["host"] = host
     out.passes = {p.index: p.passes for p in plans}
     # Does it fit?
+    shown: set = set()
     for d in dict.fromkeys(device_list):
         capacity = _capacity(d, device_memory)
-        need = host if torch.device(d).type == "cpu" else out.peaks[f"device:{d}"]
+        if d != device_list[0] and torch.device(d).type != "cpu":
+            if (capacity, solve_max) in shown:
+                continue
+            shown.add((capacity, solve_max))
+            same = [o for o in others if _capacity(o, device_memory) == capacity]
+            d = _devices(same)
+        need = host if d == "cpu" else peak0 if d == device_list[0] else solve_max
         if capacity is None:
             say(f"  {d}: capacity unknown (give --device-memory, e.g. 80GB)")
             continue
         if need > capacity:
-            say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; lower --calib-samples or "
-                f"--calib-seq-len (activations) or --hessian-budget (more passes)")
+            floor = resident + worst.layer_bytes + worst.load_extra
+            advice = (f"the layer alone takes {human(floor)} while it loads: a device with more memory" if floor >=
+                      capacity else "lower --calib-samples or --calib-seq-len (activations) or --hessian-budget "
+                      "(more passes)")
+            say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; {advice}")
         elif d == device_list[0] and any(p.per_expert for p in plans):
-            fewest, budget = _fewest_passes(plans, capacity - (host - peak0 if first_is_cpu else 0),
+            fewest, budget = _fewest_passes(plans, HEADROOM * capacity - (host - peak0 if first_is_cpu else 0),
                                             lambda p, h: device0(p, at_once, h)[0])
-            note = (f"; the fewest passes that fit: {fewest} per MoE layer with --hessian-budget {budget}"
+            note = (f"; the fewest passes that fit in {HEADROOM:.0%} of it: {fewest} per MoE layer, with "
+                    f"--hessian-budget {budget}"
                     if fewest and fewest < max(p.passes for p in plans) else "")
             say(f"  fits on {d}: {human(need)} of {human(capacity)}{note}")
         else:
@@ -400,7 +418,8 @@ def _fewest_passes(plans: list[LayerPlan], room: int, need) -> tuple[int | None,
         budget = chunk * max(p.per_expert for p in moe)
         if all(need(p, p.plain_hessians + min(chunk, p.experts) * p.per_expert) <= room for p in moe):
             fewest = max(-(-p.experts // chunk) for p in moe)
-            return fewest, f"{-(-budget // (1 << 20))}MiB"
+            mib = -(-budget // (1 << 20))
+            return fewest, f"{mib // 1024}GiB" if mib % 1024 == 0 else f"{mib}MiB"
     return None, None
 
 
