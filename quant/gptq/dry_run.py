@@ -241,7 +241,8 @@ def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> li
             experts_per_pass=max((n for _, n in passes), default=None), layer_bytes=layer_bytes,
             load_extra=stacked, hessian_bytes=max(pass_h),
             hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
-            solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather, plain_hessians=plain_h,
+            solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather,
+            plain_hessians=plain_h,
             per_expert=max(per_expert_of.values(), default=0),
             experts=max((n for path, n in experts_of.items() if per_expert_of[path] == max(per_expert_of.values())),
                         default=0)))
