@@ -25,7 +25,7 @@ solved codes and scales of two layers (the finished layer's until the next one i
 to OUT/.quant-gptq/ with its serialised copy), and up to `SourceReader.REMAP_BYTES` of mapped source pages; with
 CPU devices everything above is host memory, each CPU worker adding its own group.
 
-Not predicted: the process's fixed cost (torch, transformers, CUDA contexts, compiled kernels: about 1.3 GB of
+Not predicted: the process's fixed cost (torch, transformers, CUDA contexts, compiled kernels: about 0.5 GB of
 host memory on CPU) and the shard-writing phase after GPTQ (one source shard per worker, whose size
 config.json does not say).
 """
