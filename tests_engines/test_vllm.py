@@ -5,8 +5,8 @@ layer to emulation with an independent (ml_dtypes) decode, so the tier gives the
 cases force that path on every machine.
 
 - every BF16 toy whose architecture vLLM's CPU backend runs gives the same teacher-forced log-probabilities as
-  transformers (GLM-5's sparse attention has no CPU backend and the Qwen3.5 VL class needs torchvision:
-  asserted as such, reasons in cases.UNSUPPORTED_ON_CPU);
+  transformers (GLM-5's sparse attention has no CPU backend: asserted as such, the reason in
+  cases.UNSUPPORTED_ON_CPU; the Qwen3.5 VL class runs text-only with an inert torchvision, stubs/torchvision);
 - every export loads, and its log-probabilities match transformers on the dequantized export far more closely
   than the unquantized toy: vLLM reads the packed values and scales exactly as we mean them;
 - deliberately broken exports: the preflight predicts a failure and vLLM either refuses them or loads them into

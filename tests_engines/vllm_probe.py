@@ -18,10 +18,18 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 # One process, no engine-core subprocess: the probe is itself a subprocess of the test.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _text_only(checkpoint: str) -> dict:
+    """A vision-language class (Qwen3.5) runs as vLLM's --language-model-only: the tier sends token ids, and the
+    toy, like the test prompts, has no image preprocessor config. The text model is built and loaded in full."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return {"language_model_only": True} if "vision_config" in config else {}
 
 
 def main() -> int:
@@ -33,7 +41,7 @@ def main() -> int:
     vllm_emulation.install()
     try:
         llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=256, enforce_eager=True, max_num_seqs=4,
-                  gpu_memory_utilization=0.1, seed=0)
+                  gpu_memory_utilization=0.1, seed=0, **_text_only(checkpoint))
     except Exception as e:  # the outcome under test: vLLM refused the checkpoint
         traceback.print_exc()  # on stderr, for the one reading a failing tier; the outcome line is on stdout
         message = (str(e).strip().splitlines() or [""])[0]
