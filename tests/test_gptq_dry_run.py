@@ -74,7 +74,7 @@ def test_dry_run_reads_only_config_json_and_never_touches_out(tmp_path, toy_fact
     _, text = _quantize(src, out, "--dry-run", "--devices", "cuda:0,cuda:1", "--device-memory", "1GiB")
     assert not out.exists()
     assert "cuda:0:" in text and "cuda:1:" in text and "calibration passes per layer" in text
-    assert "1 pass: layer 1" in text and "MTP layer 2 rounded to nearest" in text
+    assert "1 pass: layer 1" in text and "MTP layer 2 solved after them" in text
 
 
 def test_dry_run_refusals(tmp_path):
@@ -90,7 +90,7 @@ def test_dry_run_refusals(tmp_path):
 def test_glm52_on_80_and_192_gb_gpus():
     """The README's example: GLM-5.2's config.json alone (tests/data/glm52_config), 8 GPUs. 256 experts of
     (6144^2 + 2048^2) x 4 B of Hessians = 40.3 GiB a layer: 25 experts per 4 GiB pass, 11 passes per MoE layer;
-    the dense layers 0-2 solve nothing under experts-only; the MTP layer 78 is not calibrated."""
+    the dense layers 0-2 solve nothing under experts-only; the MTP layer 78 is solved after them (not in the passes counted here)."""
     from quant.gptq.dry_run import predict
 
     devices = ",".join(f"cuda:{i}" for i in range(8))
@@ -98,7 +98,7 @@ def test_glm52_on_80_and_192_gb_gpus():
     small = predict(src, devices=devices, device_memory=80 << 30)
     big = predict(src, devices=devices, device_memory=192 << 30)
     assert small.passes == big.passes == {**{i: 0 for i in range(3)}, **{i: 11 for i in range(3, 78)}}
-    assert "MTP layer 78 rounded to nearest" in small.text()
+    assert "MTP layer 78 solved after them" in small.text()
     assert "fewest passes that fit in 90% of it: 2 per MoE layer, with --hessian-budget 20GiB" in small.text()
     assert "fewest passes that fit in 90% of it: 1 per MoE layer, with --hessian-budget 40GiB" in big.text()
     assert set(small.peaks) == {f"device:cuda:{i}" for i in range(8)} | {"host"}

@@ -1,5 +1,6 @@
 """GPTQ on several workers (`--devices cpu,cpu`, `--workers 2`): each layer's solves are shared among the workers,
-and the export is byte-identical to one worker's; the manifest says which worker (and device) solved each weight.
+and the export is byte-identical to one worker's (the MTP layer's solves included); the manifest says which worker
+(and device) solved each weight.
 Families whose decoder layers GPTQ cannot build are refused with one line before any calibration work."""
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def test_two_workers_give_the_bytes_of_one(family, devices, toy_factory, tmp_pat
     assert set(_solved_by(one).values()) == {(0, "cpu")}
     assert set(_solved_by(two).values()) == {(0, "cpu"), (1, "cpu")}
     assert _solved_by(one).keys() == _solved_by(two).keys()
+    if family == "glm5":  # the MTP layer (model.layers.2) is solved too, on both workers' share
+        assert any(name.startswith("model.layers.2.") for name in _solved_by(two)), _solved_by(two)
     assert _without_workers(one) == _without_workers(two)  # the manifests differ only in who solved what
     assert two["run"]["devices"] == ["cpu", "cpu"]
     assert any("solved on 2 workers (cpu,cpu)" in m for m in logs), logs
@@ -98,3 +101,72 @@ def test_families_gptq_cannot_build_are_refused_before_calibration(family, name,
     assert message.startswith(f"--method gptq does not support {name} checkpoints yet: ")
     assert "--method rtn" in message and "\n" not in message
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def _mtp_outputs(manifest: dict, block: str = "model.layers.2.") -> dict[str, dict]:
+    return {name: r for name, r in manifest["tensors"].items() if name.startswith(block) and r["action"] == "quantize"}
+
+
+def test_the_mtp_layer_is_solved_after_the_main_layers(toy_factory, tmp_path, one_torch_thread):
+    """The GLM-5 toy's MTP layer (model.layers.2, beyond num_hidden_layers: transformers never runs it) is fed the
+    final-norm hidden states and next-token embeddings, as the engines run the draft, and its MXFP4 weights are
+    GPTQ-solved like a main layer's: records naming the solver's worker and device, weights that differ from
+    round-to-nearest, lower error on the calibration inputs. A recipe that keeps the MTP layer BF16 solves
+    nothing there."""
+    src = toy_factory("glm5")
+    logs = []
+    gptq = quantize_checkpoint(src, tmp_path / "gptq", recipe="all-linear", method="gptq", gptq=FAST,
+                               devices="cpu", check_engines=None, log=logs.append)
+    quantize_checkpoint(src, tmp_path / "rtn", recipe="all-linear", check_engines=None, log=lambda m: None)
+    mtp = _mtp_outputs(gptq)
+    assert mtp and {r["method"]["method"] for r in mtp.values()} <= {"gptq", "rtn"}
+    dense = {n: r for n, r in mtp.items() if ".experts." not in n}
+    assert dense and all(r["method"]["method"] == "gptq" for r in dense.values()), dense
+    solved = {n: r["method"] for n, r in mtp.items() if r["method"]["method"] == "gptq"}
+    assert all(m["worker"] == 0 and m["device"] == "cpu" and m["tokens"] > 0 for m in solved.values())
+    assert all(m["why"] for n, r in mtp.items() if (m := r["method"])["method"] == "rtn")  # too few tokens
+    assert sum(m["calib_rel_error_gptq"] for m in solved.values()) < sum(m["calib_rel_error_rtn"]
+                                                                          for m in solved.values())
+    # the solved codes are not round-to-nearest's
+    index = json.loads((tmp_path / "gptq" / "model.safetensors.index.json").read_text())["weight_map"]
+    from safetensors import safe_open
+
+    differ = 0
+    for name in solved:
+        key = f"{name}.weight"
+        with safe_open(str(tmp_path / "gptq" / index[key]), framework="pt") as a, \
+                safe_open(str(tmp_path / "rtn" / index[key]), framework="pt") as b:
+            differ += not bool((a.get_tensor(key) == b.get_tensor(key)).all())
+    assert differ == len(solved), (differ, len(solved))
+    assert any(m.startswith("gptq: MTP layer model.layers.2 ") for m in logs), logs
+
+    logs = []
+    kept = quantize_checkpoint(src, tmp_path / "kept", recipe="experts-only-mtp-bf16", method="gptq", gptq=FAST,
+                               devices="cpu", check_engines=None, log=logs.append)
+    assert not _mtp_outputs(kept) and not any("MTP layer" in m for m in logs), logs
+
+
+def test_the_mtp_block_computes_what_the_eval_draft_computes(toy_factory):
+    """`quant.gptq.mtp.MtpBlock` (what GPTQ calibrates the MTP layer with) and `evals.mtp_draft` (what the
+    acceptance measurement runs, as the engines do) give the same draft hidden states for the same inputs."""
+    import torch
+
+    from evals.mtp_draft import load_draft
+    from quant.checkpoint import open_checkpoint
+    from quant.gptq.layers import DecoderStack
+    from quant.gptq.mtp import MtpBlock, mtp_layers
+
+    src = toy_factory("glm5")
+    ckpt = open_checkpoint(src)
+    stack = DecoderStack(src, ckpt, ["hidden_states", "prev_topk_indices"], "cpu", torch.float32)
+    (ref,) = mtp_layers(ckpt)
+    block = MtpBlock(stack, ref)
+    draft = load_draft(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, ckpt.config["vocab_size"], (2, 24), generator=g)
+    hidden = torch.randn(2, 24, ckpt.config["hidden_size"], generator=g)
+    with torch.no_grad():
+        z, positions = block.inputs(tokens, hidden)
+        ours = block.run(z, positions)
+        theirs, _ = draft(0, tokens, hidden, positions)
+    torch.testing.assert_close(ours, theirs)

@@ -355,7 +355,9 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         say(f"  {n} pass{'es' * (n != 1)}: {_ranges(layers)} ({what})")
     say(f"  {sum(p.passes for p in plans)} passes over {len(plans)} layers; "
         f"{sum(p.weights for p in gptq_layers)} weights solved"
-        + (f"; MTP {_ranges(mtp)} rounded to nearest (transformers does not run it)" if mtp else ""))
+        + (f"; MTP {_ranges(mtp)} " + ("kept BF16 by the recipe" if recipe_obj.mtp_layer == "bf16" else
+                                        "solved after them, fed as the engines run the draft (about one more MoE "
+                                        "layer's passes and memory)") if mtp else ""))
     say(f"predicted peak memory (worst layer: {worst.index}, while {phase}; not counting the process's fixed "
         f"cost: runtime, CUDA context, kernels):")
     say(f"  {device_list[0]}: {human(peak0)}  [activations {human(acts)}"

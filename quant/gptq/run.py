@@ -12,9 +12,13 @@ safetensors file per layer with a JSON record beside it; the shard writer (`pipe
 there instead of rounding to nearest. A killed run resumes at the first layer without a record (earlier layers are
 re-run forward with their solved weights, not re-solved).
 
+The MTP / NextN draft layers (beyond num_hidden_layers; transformers never runs them) are solved after the main
+layers, with the same solver and settings: each is built and fed as the engines run it (`quant.gptq.mtp`: the
+final-norm hidden state of the quantized main layers at t and the embedding of token t+1, through the draft's
+BF16 glue), and its records and solved weights go to `mtp-NNNNN.*` beside the layers'. A recipe that keeps the
+MTP layers BF16 leaves nothing to solve there.
+
 What stays round-to-nearest, and why (each recorded in the manifest as `method`):
-  - MTP / NextN layers (beyond num_hidden_layers): transformers does not build them, so no calibration
-    activations reach them;
   - FP8-scheme modules of mixed recipes (GPTQ here is the MXFP4 grid's);
   - routed experts that fewer than `MIN_EXPERT_TOKENS` calibration tokens were routed to: their Hessian is too
     poorly estimated to steer the rounding (the damping would dominate it); with zero tokens there is nothing to
@@ -95,7 +99,8 @@ class SolvedWeights:
         self.root, self.decoder_layers = root, decoder_layers
         self.records: dict[str, dict] = {}
         self.files: dict[str, Path] = {}
-        for rec_path in sorted(root.glob("layer-*.json")) if root.is_dir() else []:
+        paths = sorted(root.glob("layer-*.json")) + sorted(root.glob("mtp-*.json")) if root.is_dir() else []
+        for rec_path in paths:
             data = json.loads(rec_path.read_text())
             for output, record in data["weights"].items():
                 self.records[output] = record
@@ -106,7 +111,7 @@ class SolvedWeights:
         if record is None:
             layer = layer_of(job)
             why = ("outside the decoder layers" if layer is None else
-                   "MTP/NextN layer: transformers does not run it, so no calibration activations reach it"
+                   "MTP/NextN layer: the family data has no MTP draft (mtp_draft) to run it on calibration data"
                    if layer >= self.decoder_layers else "no record of this layer")
             return None, {"method": "rtn", "why": why}
         if record["method"] != "gptq":
@@ -117,11 +122,12 @@ class SolvedWeights:
             return {s: f.get_tensor(f"{job.output}.{s}") for s in ("weight", "weight_scale")}, record
 
 
-def _layer_file(store: Path, index: int, suffix: str) -> Path:
-    return store / f"layer-{index:05d}{suffix}"
+def _layer_file(store: Path, index: int | str, suffix: str) -> Path:
+    """A main layer's file (`index` its number) or an MTP layer's (`index` "mtp-K")."""
+    return store / (f"{index}{suffix}" if isinstance(index, str) else f"layer-{index:05d}{suffix}")
 
 
-def _layer_digest(plan_digest: str, index: int) -> str:
+def _layer_digest(plan_digest: str, index: int | str) -> str:
     return hashlib.sha256(f"{plan_digest}:{index}".encode()).hexdigest()
 
 
@@ -139,6 +145,7 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
     import torch
 
     from quant.gptq.layers import DecoderStack, meta_model
+    from quant.gptq.mtp import mtp_layers
 
     devices = [devices] if isinstance(devices, str) else list(devices)
     device = devices[0]
@@ -154,8 +161,15 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
     tokens = calibration_tokens(cal, src_path)
     stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype, model)
     workers = Workers(devices)
+    mtp = mtp_layers(ckpt)
     by_layer = quantized_jobs_by_layer(plan)
-    progress = Progress(log, {i: _work(ckpt, by_layer.get(i, [])) for i in range(len(stack))}, len(stack))
+    mtp_jobs = {ref.k: [j for jobs in by_layer.values() for j in jobs if ref.owns(j.source.name)] for ref in mtp}
+    mtp_names = {j.output for jobs in mtp_jobs.values() for j in jobs}
+    by_layer = {i: [j for j in jobs if j.output not in mtp_names] for i, jobs in by_layer.items()}
+    mtp = [ref for ref in mtp if any(mtp_jobs[r.k] for r in mtp[ref.k:])]  # up to the last one quantized
+    work = {i: _work(ckpt, by_layer.get(i, [])) for i in range(len(stack))}
+    work.update({len(stack) + ref.k: _work(ckpt, mtp_jobs[ref.k]) for ref in mtp})
+    progress = Progress(log, work, len(stack))
     with torch.no_grad(), workers:
         hidden = stack.capture(tokens, settings.batch)
         carry: list[dict] = [{} for _ in hidden]
@@ -189,9 +203,64 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
             passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
             log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
                 f"{len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
-    log(f"gptq: {len(stack)} decoder layers in {time.perf_counter() - started:.1f} s "
-        f"({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
+        if mtp:
+            _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, progress, workers, log)
+    log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
+        + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
     return SolvedWeights(store, len(stack))
+
+
+def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Plan, settings: GptqSettings,
+               store: Path, digest: str, progress: "Progress", workers: "Workers", log) -> None:
+    """Solve the MTP draft layers `mtp` (`quant.gptq.mtp.MtpLayerRef`, in order) after the main layers: `hidden`
+    are the last main layer's outputs per calibration batch (of `tokens` [N, L], settings.batch windows each).
+    Draft layer k at position t sees the final-norm hidden state at t (layer k > 0: draft layer k-1's output at
+    t) and the embedding of token t+k+1, as `evals.mtp_draft` runs it; its quantized weights are then replaced
+    by their solved values before the next draft layer is fed its output."""
+    import torch
+
+    from quant.gptq.mtp import MtpBlock
+
+    norm = stack.text.norm
+    prev = [norm(h) for h in hidden]
+    batches = [tokens[b:b + settings.batch] for b in range(0, tokens.shape[0], settings.batch)]
+    for ref in mtp:
+        t0 = time.perf_counter()
+        block = MtpBlock(stack, ref)
+        jobs = mtp_jobs[ref.k]
+        inputs = [block.inputs(tok[:, ref.k + 1:], h[:, :-1]) for tok, h in zip(batches, prev)]
+        del prev
+        stem = f"mtp-{ref.k:05d}"
+        record_path = _layer_file(store, stem, ".json")
+        previous = json.loads(record_path.read_text()) if record_path.is_file() else None
+        name = f"MTP layer {ref.block.rstrip('.')}"
+
+        def slot_of(job, block=block):
+            return block.slot(job.source.name, job.source.expert, job.source.rows)
+
+        if previous and previous.get("digest") == _layer_digest(digest, stem):
+            solved, resumed = _load_layer_solution(store, stem, previous), True
+        else:
+            index = len(stack) + ref.k
+            progress.begin_layer(index, jobs, {j.output: _job_work(stack.ckpt, j) for j in jobs}, name=name)
+
+            def run_pass(block=block, inputs=inputs):
+                return (block.run(z, positions) for z, positions in inputs)
+
+            solved = _solve_layer(stack, index, block.layer, jobs, [], [], plan, settings, progress.solved, workers,
+                                  slot_of=slot_of, run_pass=run_pass)
+            _save_layer_solution(store, stem, solved, _layer_digest(digest, stem))
+            resumed = False
+        _apply_quantized(stack, None, block.layer, jobs, solved, plan.scale_mode, slot_of=slot_of)
+        with torch.no_grad():
+            prev = [block.run(z, positions) for z, positions in inputs] if ref is not mtp[-1] else []
+        del inputs, block
+        elapsed = time.perf_counter() - t0
+        eta = "" if resumed else progress.end_layer(len(stack) + ref.k, elapsed)
+        n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
+        passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
+        log(f"gptq: {name} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, {len(jobs) - n_gptq} rounded "
+            f"to nearest{passes}, {elapsed:.1f} s{eta}")
 
 
 def _job_work(ckpt, job: TensorJob) -> float:
@@ -228,8 +297,10 @@ class Progress:
         self.every = PROGRESS_SECONDS if every is None else every
         self.done_work = self.done_time = 0.0  # layers finished (solved, not resumed) in this run
 
-    def begin_layer(self, index: int, jobs: list[TensorJob], work: dict[str, float]) -> None:
+    def begin_layer(self, index: int, jobs: list[TensorJob], work: dict[str, float], name: str | None = None
+                    ) -> None:
         self.index, self.t0, self.last = index, time.perf_counter(), time.perf_counter()
+        self.name = name or f"layer {index + 1}/{self.layers}"
         eligible = [j for j in jobs if j.scheme in MXFP4_SCHEMES]
         self.work = {j.output: work.get(j.output, 1.0) for j in eligible}
         self.layer_work = sum(self.work.values()) or 1.0
@@ -268,7 +339,7 @@ class Progress:
             return
         self.last = now
         elapsed = now - self.t0
-        line = f"gptq: layer {self.index + 1}/{self.layers}: {self.solved_jobs}/{self.total} weights done"
+        line = f"gptq: {self.name}: {self.solved_jobs}/{self.total} weights done"
         if self.experts_total:
             done = sum(1 for left in self.experts.values() if left <= 0)
             line += f" (experts {done}/{self.experts_total})"
@@ -427,11 +498,14 @@ def _group_cost(param, size: int) -> float:
 
 
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
-                 settings: GptqSettings, progress=None, workers: Workers | None = None) -> dict:
+                 settings: GptqSettings, progress=None, workers: Workers | None = None, slot_of=None,
+                 run_pass=None) -> dict:
     """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}.
     `progress(jobs)` is called as groups of weights are solved. The Hessians are collected on the layer's device;
     the solves of each pass are shared among `workers` (default: one, the layer's device), each solved weight's
-    record naming its worker and device."""
+    record naming its worker and device. `slot_of(job)` (default: the stack's slot of the job in layer `index`)
+    and `run_pass()` (an iterable that runs the layer over every calibration batch; default: layer `index` of the
+    stack over `hidden` and `carry`) let an MTP draft layer (`_solve_mtp`) be solved by the same code."""
     import threading
 
     from quant.gptq.hessians import HessianCollector, supported
@@ -445,7 +519,9 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
 
     records: dict[str, dict] = {}
     parts: dict[str, dict] = {}
-    slots = {job.output: stack.slot(index, job.source.name, job.source.expert, job.source.rows) for job in jobs}
+    slot_of = slot_of or (lambda job: stack.slot(index, job.source.name, job.source.expert, job.source.rows))
+    run_pass = run_pass or (lambda: _run_layer(stack, index, layer, hidden, carry))
+    slots = {job.output: slot_of(job) for job in jobs}
     eligible = [j for j in jobs if j.scheme in MXFP4_SCHEMES]
     for job in jobs:
         if job.scheme not in MXFP4_SCHEMES:
@@ -476,7 +552,7 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
     for pass_keys, pass_experts in passes:
         collector = HessianCollector(layer, set(pass_keys), pass_experts)
         try:
-            for _ in _run_layer(stack, index, layer, hidden, carry):
+            for _ in run_pass():
                 pass
         finally:
             collector.close()
@@ -553,7 +629,7 @@ def _solve_group(param, experts: list[int] | None, sel: list[int], hessians, cou
     return records, parts
 
 
-def _save_layer_solution(store: Path, index: int, solved: dict, digest: str) -> None:
+def _save_layer_solution(store: Path, index: int | str, solved: dict, digest: str) -> None:
     from safetensors.torch import save_file
 
     from quant.pipeline.files import write_atomic
@@ -568,7 +644,7 @@ def _save_layer_solution(store: Path, index: int, solved: dict, digest: str) -> 
                  json.dumps({"digest": digest, "weights": solved["records"]}, sort_keys=True), store)
 
 
-def _load_layer_solution(store: Path, index: int, record: dict) -> dict:
+def _load_layer_solution(store: Path, index: int | str, record: dict) -> dict:
     from safetensors import safe_open
 
     parts: dict[str, dict] = {}
@@ -579,15 +655,19 @@ def _load_layer_solution(store: Path, index: int, record: dict) -> dict:
     return {"records": record["weights"], "parts": parts}
 
 
-def _apply_quantized(stack, index: int, layer, jobs: list[TensorJob], solved: dict, scale_mode: str) -> None:
+def _apply_quantized(stack, index: int | None, layer, jobs: list[TensorJob], solved: dict, scale_mode: str,
+                     slot_of=None) -> None:
     """Replace every quantized weight of the layer by the values the engines will compute with (GPTQ's, or the
     scheme's round-to-nearest), so the next layer calibrates on the quantized model's activations."""
     import torch
 
     from quant.pipeline.schemes import SCHEMES
 
+    params = dict(layer.named_parameters())
     for job in jobs:
-        slot = stack.slot(index, job.source.name, job.source.expert, job.source.rows)
+        slot = slot_of(job) if slot_of else stack.slot(index, job.source.name, job.source.expert, job.source.rows)
+        if slot.key not in params:
+            continue  # not a weight of the layer (MTP glue): nothing the next layer computes with
         param = layer.get_parameter(slot.key)
         target = param if slot.expert is None else param[slot.expert]
         if slot.rows:
