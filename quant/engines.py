@@ -230,7 +230,42 @@ def _renamers(arch: str) -> tuple:
     return tuple(pairs)
 
 
+def unexpanded_fused(rules: dict, config: dict) -> frozenset[str]:
+    """Fused modules this architecture builds that the engine's quant config looks up by the fused name only
+    (engines.yaml `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
+    return frozenset((rules.get("unexpanded_fused") or {}).get(architecture(config)) or [])
+
+
+@lru_cache(maxsize=None)
+def _unexpanded_shards(arch: str) -> tuple[tuple[str, str], ...]:
+    """(shard, fused) pairs over every engine release whose quant config matches `fused` by its own name for
+    this architecture."""
+    config = {"architectures": [arch]}
+    pairs: list[tuple[str, str]] = []
+    for engine in engine_data()["engines"]:
+        for release in releases(engine):
+            rules = profile(engine, release).rules
+            packed = rules.get("packed_modules_mapping") or {}
+            for fused in sorted(unexpanded_fused(rules, config)):
+                pairs += [(shard, fused) for shard in packed.get(fused, []) if (shard, fused) not in pairs]
+    return tuple(pairs)
+
+
 def exclude_aliases(module: str, config: dict) -> list[str]:
+    """`_exclude_names`, plus for a shard of a fused module some engine matches by the fused name only (SGLang's
+    Glm4MoeForCausalLM qkv_proj) that fused name under each of those spellings. Every shard of the module
+    yields it, so it is only honoured when all shards are kept alike (a mixed module fails to build anyway)."""
+    names = _exclude_names(module, config)
+    fused_of = dict(_unexpanded_shards(architecture(config)))
+    if fused_of:
+        for name in list(names):
+            parent, _, leaf = name.rpartition(".")
+            if leaf in fused_of and f"{parent}.{fused_of[leaf]}" not in names:
+                names.append(f"{parent}.{fused_of[leaf]}")
+    return names
+
+
+def _exclude_names(module: str, config: dict) -> list[str]:
     """Every exclude entry the engines need for checkpoint module `module`: the name itself first (vLLM,
     transformers and newer SGLang match checkpoint names), then SGLang's runtime names for the MTP layer
     SGLang builds (older SGLang does not remap the draft's exclude list), including the coarse FusedMoE

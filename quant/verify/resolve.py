@@ -32,6 +32,8 @@ class BuildContext:
     quantized: bool = True
     unquantized_reason: str = ""
     exclude_note: str = ""
+    # fused modules matched against exclude / layer_quant_config by the fused name, not per shard
+    whole_fused: frozenset = frozenset()
 
 
 @dataclass
@@ -70,6 +72,7 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     main = {k: m for k, m in modules.items() if (m.layer is None or m.layer < n_layers)
             and not (namespace and k.startswith(namespace))}
     exclude, lqc = _exclude_list(config), _lqc(config)
+    whole = engines.unexpanded_fused(rules, config)
     # Wrapped architectures (VL models): units carry the engine's runtime names; `exclude` is rewritten with the
     # same mapper only by releases whose quant config applies it. Build prefixes (vLLM's MiniMax-M2 mlp.* for
     # block_sparse_moe.*) rename units too but never `exclude`.
@@ -81,12 +84,13 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     contexts = [BuildContext(
         "target", _identity_units(main, packed, group_experts, False, cache, mapper, prefixes),
         ExcludeMatcher(target_exclude, rules["exclude_match"]), LayerConfigMatcher(lqc, rules["layer_config_match"]),
-        never)]
+        never, whole_fused=whole)]
     if rules.get("mtp", {}).get("builds_mtp") is False:
         return contexts
     rule = engines.mtp_namespace(rules, config)
     if rule is not None:
         contexts.append(_namespace_draft(profile, rule, exclude, lqc, modules, packed))
+        contexts[-1].whole_fused = whole
         return contexts
     if not len(mtp_range):
         return contexts
@@ -98,6 +102,7 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
             "draft", _identity_units(mtp_modules, packed, group_experts, True, cache),
             contexts[0].exclude, contexts[0].layer_config,
             _any_of(rules.get("never_quantized", []) + rules.get("mtp", {}).get("never_quantized", []))))
+    contexts[-1].whole_fused = whole  # the draft class inherits the target's packed mapping (engines.yaml)
     return contexts
 
 
@@ -279,8 +284,9 @@ class ProfileChecker:
             except _BuildFails:
                 return None
         else:
+            names = self._lookup_names(ctx, unit)
             try:
-                excluded = ignored(unit.shard_runtime if unit.fused else unit.shard_runtime[:1], ctx.exclude)
+                excluded = ignored(names if unit.fused else names[:1], ctx.exclude)
             except ShardConflict as c:
                 hit = [s for s, v in c.decisions.items() if v]
                 miss = [s for s, v in c.decisions.items() if not v]
@@ -291,7 +297,7 @@ class ProfileChecker:
                          f"give every shard the same decision: add {', '.join(miss)} to exclude, or remove the "
                          f"entries matching {', '.join(hit)}", "#5 fused shards")
                 return None
-            excluded = Resolution(None, "it is excluded", ctx.exclude.matching_entries(unit.shard_runtime[0])) \
+            excluded = Resolution(None, "it is excluded", ctx.exclude.matching_entries(names[0])) \
                 if excluded else None
         if excluded is not None:
             return excluded
@@ -315,8 +321,16 @@ class ProfileChecker:
                 return Resolution(None, f"exclude lists expert leaves under {unit.runtime}", leaves[:3])
         return None
 
+    @staticmethod
+    def _lookup_names(ctx: BuildContext, unit: Unit) -> list[str]:
+        """The names the engine checks exclude / layer_quant_config with: a fused module's shards, or the fused
+        name itself where the class's packed mapping does not expand it (BuildContext.whole_fused)."""
+        if unit.fused and unit.fused in ctx.whole_fused:
+            return [unit.runtime]
+        return unit.shard_runtime
+
     def _scheme(self, ctx: BuildContext, unit: Unit) -> Resolution | None:
-        names = unit.shard_runtime if unit.fused else [unit.runtime]
+        names = self._lookup_names(ctx, unit) if unit.fused else [unit.runtime]
         found = [self._layer_config(ctx, n, unit) for n in names]
         if any(f[1] != found[0][1] for f in found):
             text = self.p.rules.get("errors", {}).get("fused_config", "ValueError (shards differ)").format(
@@ -426,7 +440,7 @@ class ProfileChecker:
         if ".eh_proj" in unit.runtime:
             mtp_rule = "#4/#17 eh_proj"
         if unit.kind != "moe":
-            names = unit.shard_runtime
+            names = self._lookup_names(ctx, unit)
             return f"add {' and '.join(names)} to exclude", mtp_rule or "dtype mismatch"
         moe = self.p.rules["moe"]
         rule = mtp_rule or ("#2/#3 MoE coarse prefix" if ctx.label == "draft" else "#5 MoE coarse prefix")
