@@ -272,9 +272,10 @@ SGLANG_FAST = {("glm5", "w_mxfp4_a_mxfp4", "experts-only"), ("deepseek-v3", "w_m
 # toys' at num_hidden_layers), the export whose MTP layer stays whole in BF16.
 SGLANG_NEW_FAMILIES = ("deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7")
 SGLANG_MTP_FAMILIES = ("deepseek-v3.2", "glm4.7")
-SGLANG_NEW_FAST = {("deepseek-v3.2", "w_mxfp4_a_mxfp4", "experts-only"), ("glm4.7", "w_mxfp4_a_mxfp4", "experts-only"),
-                   ("minimax-m2", "w_mxfp4_a_mxfp4", "experts-only"), ("minimax-m3", "w_mxfp4_a_mxfp4", "experts-only"),
-                   ("kimi-k2.5", "w_mxfp4_a_mxfp4", "experts-only")}
+# None of them is in the fast slice: it already takes 325 s (11 tests, commit 8ae23f8) and one case per new family
+# adds ten probe runs (~20 s each here), past the ~6 minute budget. The GLM-4.7 qkv_proj rule the tier found is
+# guarded in the unit suite instead (tests/test_sglang_unexpanded_fused.py).
+SGLANG_NEW_FAST: set[tuple[str, str, str]] = set()
 
 # Checkpoints SGLang cannot build here, with the reason read from its error. The tier asserts the outcome (per
 # model: outcome and a piece of the error), so a release or toy that starts building the class shows up as a
