@@ -30,7 +30,7 @@ GENERIC = "generic"
 # The keys a family file may hold (each read below); anything else is a misspelling.
 FAMILY_KEYS = ("family", "inherit", "model_types", "required_config", "mtp", "fused_experts", "mtp_draft", "roles",
                "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished", "adapter",
-               "transformers_layer")
+               "transformers_layer", "bf16_under_schemes")
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
                   "zero_embedding_at_position_0", "decoder_config")
@@ -88,7 +88,13 @@ class Family:
     # the layer and loads it tensor by tensor): `renames` {checkpoint prefix: transformers prefix} within a layer,
     # `expert_projs` {checkpoint expert leaf: gate_proj | up_proj | down_proj}
     transformers_layer: dict = field(default_factory=lambda: {"renames": {}, "expert_projs": {}})
+    # Modules an engine cannot load in some schemes: {module regex: [scheme names]}; under those schemes they stay
+    # BF16 whatever the recipe says (the reason and the engine source sit beside the entry in the family file)
+    bf16_under_schemes: list[tuple[re.Pattern, frozenset]] = field(default_factory=list)
     file: Path | None = None
+
+    def kept_under(self, module: str, scheme: str) -> bool:
+        return any(scheme in schemes and pattern.search(module) for pattern, schemes in self.bf16_under_schemes)
 
     def role_of(self, module: str) -> str | None:
         for role, patterns in self.roles.items():
@@ -203,6 +209,9 @@ def _load_family_file(path: Path) -> Family:
         release_recipes=recipes,
         mtp_unpublished=data.get("mtp_unpublished", parent.mtp_unpublished if parent else None),
         transformers_layer=_transformers_layer(data, parent, where),
+        bf16_under_schemes=[(re.compile(p), frozenset(names))
+                            for p, names in (data.get("bf16_under_schemes") or {}).items()]
+        + (parent.bf16_under_schemes if parent else []),
         file=path,
     )
 

@@ -121,6 +121,8 @@ class Planner:
             return "mtp_keep", None
         role = self.family.role_of(module)
         treatment = self.recipe.treatment(role, module)
+        if treatment == SCHEME and self.family.kept_under(module, self.scheme.name):
+            return role, None
         if treatment == SCHEME:
             return role, self.scheme
         if treatment == FP8:

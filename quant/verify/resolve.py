@@ -253,6 +253,12 @@ class ProfileChecker:
             part.shard_runtime.append(runtime)
         return list(parts.values())
 
+    def _loader_dequantizes(self, member: str) -> bool:
+        """An unquantized module whose stored format the engine's loader dequantizes (rules: loader_dequantizes)."""
+        stored = contract.stored_family(self.modules[member])
+        return any(re.search(pattern, member) and stored in formats
+                   for pattern, formats in self.p.rules.get("loader_dequantizes", {}).items())
+
     def _built(self, unit: Unit) -> str:
         what = f"{self.p.title} builds {unit.runtime}"
         if unit.kind == "linear" and len(unit.members) > 1 and not unit.fused:
@@ -274,6 +280,8 @@ class ProfileChecker:
         # the engine's own name counts too (vLLM builds MiniMax-M2's block_sparse_moe.gate as mlp.gate)
         if ctx.never_quantized is not None and (ctx.never_quantized.search(first)
                                                 or ctx.never_quantized.search(unit.shard_runtime[0])):
+            if self._loader_dequantizes(first):
+                return None  # built unquantized, and the loader turns this stored format into it
             return Resolution(None, "this module is never quantized by the engine (plain Linear / no quant "
                                     "method)")
         if not ctx.quantized:

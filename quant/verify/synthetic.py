@@ -163,11 +163,11 @@ def quantized_tensors(module: str, shape: tuple[int, int], scheme: str) -> Tenso
     return {f"{module}.weight": ("U8", (out_f, in_f // 2)), f"{module}.weight_scale": ("U8", (out_f, in_f // 32))}
 
 
-# Modules a careful export keeps in BF16: engines never quantize routers, the indexer's weights_proj,
-# embeddings and heads. The MTP layer stays BF16 except its routed experts: vLLM before PR #46757 cannot
+# Modules a careful export keeps in BF16: engines never quantize routers, the indexer's weights_proj (nor, in
+# vLLM, its wk: fused with weights_proj into one unquantized GEMM; engines.yaml), embeddings and heads. The MTP layer stays BF16 except its routed experts: vLLM before PR #46757 cannot
 # build a BF16 FusedMoE from per-expert excludes (loader-contract §7 #2), so those are quantized like the
 # main layers' experts to load on old and new releases alike.
-KEEP_BF16 = ("mlp.gate", "indexer.weights_proj", "embed_tokens", "lm_head")
+KEEP_BF16 = ("mlp.gate", "indexer.weights_proj", "indexer.wk", "embed_tokens", "lm_head")
 _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
