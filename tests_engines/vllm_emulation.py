@@ -21,7 +21,14 @@ vLLM's config parsing, module construction, parameter shapes, packed-module fusi
 4. vLLM-CPU's MXFP4 MoE kernel lists only Default/Renormalize routing; DeepSeek's grouped top-k ids and
    weights come from vLLM's own router whatever the kernel, so the routing check is widened.
 
-`EMULATED` records which layer kinds took path (3), for the test to assert on.
+5. DeepSeek sparse attention (GLM-5, DeepSeek-V3.2) has no CPU backend ("Sparse Attention is not supported on
+   CPU"). With `index_topk` at least the prompt length the indexer selects every token, so dense MLA is exactly
+   the same attention: `install_dense_dsa` asks the CPU platform for its dense MLA backend, skips the
+   indexer's forward and its FP8 key cache (their kernels are GPU-only). The indexer's weights are still built
+   and loaded by vLLM's loaders; they take no part in the scores, which the test guards by keeping every prompt
+   shorter than the toy's `index_topk`.
+
+`EMULATED` records which layer kinds took paths (3) and (5), for the test to assert on.
 """
 
 from __future__ import annotations
@@ -211,3 +218,25 @@ def install() -> None:
     if MODE == "force":  # the W8A8 AMX-FP8 experts would otherwise come first on the CPUs that have them
         cpu_moe.CPUExpertsFp8W8A8._supports_current_device = staticmethod(lambda: False)
     _route_fp8_block_linear()
+
+
+def install_dense_dsa(index_topk: int, longest_prompt: int) -> None:
+    """Path (5): dense MLA for a DSA model whose indexer would select every token of every prompt."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+    from vllm.model_executor.models import deepseek_v2
+    from vllm.platforms.cpu import CpuPlatform
+
+    if longest_prompt > index_topk:
+        raise SystemExit(f"a prompt of {longest_prompt} tokens exceeds index_topk {index_topk}: dense attention "
+                         f"would differ from the sparse one")
+    select = CpuPlatform.get_attn_backend_cls.__func__
+
+    def dense(cls, selected_backend, attn_selector_config, num_heads=None):
+        return select(cls, selected_backend, attn_selector_config._replace(use_sparse=False), num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(dense)
+    deepseek_v2.Indexer.forward = lambda self, hidden_states, qr, positions, rotary_emb: self.topk_indices_buffer
+    deepseek_v2.DeepseekV32IndexerCache.get_kv_cache_spec = lambda self, vllm_config: None
+    # The sparse impl's "top-k indices are ready" signal; a dense impl has nothing to wait for.
+    MLACommonImpl.record_logical_topk_ready = lambda self: None
+    EMULATED.add("dense-dsa")

@@ -39,6 +39,10 @@ def main() -> int:
     import vllm_emulation  # beside this script
 
     vllm_emulation.install()
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    index_topk = config.get("index_topk", config.get("text_config", {}).get("index_topk"))
+    if index_topk is not None:
+        vllm_emulation.install_dense_dsa(index_topk, max(len(ids) for ids in prompts))
     try:
         llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=256, enforce_eager=True, max_num_seqs=4,
                   gpu_memory_utilization=0.1, seed=0, **_text_only(checkpoint))
