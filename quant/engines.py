@@ -265,6 +265,14 @@ def exclude_aliases(module: str, config: dict) -> list[str]:
     return names
 
 
+def unexpanded_fused_name(module: str, config: dict) -> str | None:
+    """The fused module name some engine looks shard `module` up by (SGLang's Glm4MoeForCausalLM qkv_proj: its
+    layer_quant_config keys and exclude entries must name it), or None."""
+    fused_of = dict(_unexpanded_shards(architecture(config)))
+    parent, _, leaf = module.rpartition(".")
+    return f"{parent}.{fused_of[leaf]}" if leaf in fused_of else None
+
+
 def _exclude_names(module: str, config: dict) -> list[str]:
     """Every exclude entry the engines need for checkpoint module `module`: the name itself first (vLLM,
     transformers and newer SGLang match checkpoint names), then SGLang's runtime names for the MTP layer

@@ -72,13 +72,19 @@ def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
     return items
 
 
-def secondary_patterns(plan: Plan) -> dict[str, str]:
+def secondary_patterns(plan: Plan, config: dict) -> dict[str, str]:
     """Glob patterns for modules whose scheme differs from the primary one (layer_quant_config keys).
-    A pattern drops the layer prefix ("*self_attn.o_proj") so it also matches SGLang's MTP runtime names."""
+    A pattern drops the layer prefix ("*self_attn.o_proj") so it also matches SGLang's MTP runtime names; a
+    shard some engine looks up by its fused name (engines.unexpanded_fused_name) gets that name's pattern too."""
+    from quant.engines import unexpanded_fused_name
+
     patterns = {}
     for module, scheme in plan.quantized.items():
         if scheme != plan.scheme.name:
             patterns["*" + LAYER_PREFIX.sub("", module)] = scheme
+            fused = unexpanded_fused_name(module, config)
+            if fused is not None:
+                patterns["*" + LAYER_PREFIX.sub("", fused)] = scheme
     for module, scheme in plan.quantized.items():
         if scheme == plan.scheme.name:
             hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p)), None)
@@ -105,7 +111,7 @@ def quantization_config(plan: Plan, config: dict) -> dict:
     if plan.scheme.output_format == "fp8-official":
         return official_fp8_config(sorted(plan.kept_modules))
     return quark_quantization_config(plan.scheme.name, plan.scale_mode, render_exclude(plan, config),
-                                     secondary_patterns(plan))
+                                     secondary_patterns(plan, config))
 
 
 def copy_side_files(src: Path, out: Path) -> list[str]:
