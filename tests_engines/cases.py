@@ -159,6 +159,23 @@ def prediction(path: Path) -> tuple[str, str]:
     return ("error", errors[0].message) if errors else ("pass", "")
 
 
+def prediction_tensors(path: Path) -> list[str]:
+    """The tensors the preflight's vLLM errors name."""
+    report = verify_checkpoint(path, engines=[VLLM_RELEASE])
+    return [f.tensor for f in report.errors if f.engine in ("vllm", "all")]
+
+
+_PLACE = re.compile(r"layers\.(\d+)\.(\w+)")
+
+
+def same_place(engine_name: str, tensors: list[str]) -> bool:
+    """Whether the module vLLM failed on sits in the layer and block (self_attn, mlp, ...) of a tensor the
+    preflight names (vLLM's names are runtime names: experts.w13_weight for the experts' gate/up leaves)."""
+    hit = _PLACE.search(engine_name)
+    return hit is not None and any(m is not None and m.groups() == hit.groups()
+                                   for m in (_PLACE.search(t) for t in tensors))
+
+
 def token_ids(path: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests_engines.cases import (activation_quantized_linears, unsupported, cases, materialize, mean_abs_diff, prediction, run_vllm,
+from tests_engines.cases import (activation_quantized_linears, unsupported, cases, materialize, mean_abs_diff,
+                                 prediction, prediction_tensors, run_vllm, same_place,
                                  token_ids, transformers_logprobs)
 
 # Mean |Δ log-probability| between two bf16 implementations of the same weights (toys built with a larger init).
@@ -73,6 +74,8 @@ def test_vllm_agrees(case, emulation, work):
             assert wrong > 2 * BF16_NOISE, f"vLLM loads {case.name} and computes like the intact export ({why})"
         else:
             assert result["outcome"] in ("load-error", "crash"), result
+            if result.get("where"):  # vLLM fails on the layer and block the preflight names
+                assert same_place(result["where"], prediction_tensors(path)), (result, why)
         return
     if case.kind == "export":
         assert prediction(path)[0] == "pass"

@@ -32,6 +32,32 @@ def _text_only(checkpoint: str) -> dict:
     return {"language_model_only": True} if "vision_config" in config else {}
 
 
+def _failing_name(tb) -> str | None:
+    """What vLLM was loading or building when it raised, read from the traceback's own locals: the innermost
+    `load_weights` frame's tensor `name` under the innermost `_load_module` prefix of vLLM's AutoWeightsLoader
+    (e.g. layers.1.mlp.experts + w13_weight_scale), else the module prefix of the innermost constructor. The tier
+    matches it against the tensors the preflight names."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+
+    def innermost(function: str, key: str) -> str | None:
+        for frame in reversed(frames):
+            value = frame.f_locals.get(key)
+            if frame.f_code.co_name == function and isinstance(value, str) and value:
+                return value
+        return None
+
+    name, module = innermost("load_weights", "name"), innermost("_load_module", "prefix")
+    if name and "layers." in name:
+        return name
+    if module and "layers." in module:
+        return f"{module}.{name}" if name else module
+    built = innermost("__init__", "prefix")
+    return built if built and "layers." in built else None
+
+
 def main() -> int:
     checkpoint, prompts = sys.argv[1], json.loads(sys.argv[2])
     from vllm import LLM, SamplingParams
@@ -49,7 +75,8 @@ def main() -> int:
     except Exception as e:  # the outcome under test: vLLM refused the checkpoint
         traceback.print_exc()  # on stderr, for the one reading a failing tier; the outcome line is on stdout
         message = (str(e).strip().splitlines() or [""])[0]
-        print(json.dumps({"outcome": "load-error", "error": f"{type(e).__name__}: {message}"[:400]}))
+        print(json.dumps({"outcome": "load-error", "error": f"{type(e).__name__}: {message}"[:400],
+                          "where": _failing_name(e.__traceback__)}))
         return 0
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
