@@ -89,6 +89,7 @@ class Prediction:
     lines: list[str] = field(default_factory=list)
     peaks: dict[str, int] = field(default_factory=dict)  # "device:<d>" / "host" -> bytes
     passes: dict[int, int] = field(default_factory=dict)  # layer -> calibration passes
+    mtp_passes: dict[int, int] = field(default_factory=dict)  # MTP layer solved after them -> calibration passes
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -178,75 +179,159 @@ def solver_bytes(group: int, rows: int, k: int) -> int:
 
 def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> list[LayerPlan]:
     """Each decoder layer's GPTQ work and memory, from the meta model (shapes only)."""
-    import torch
+    prefix = family.text_prefixes[0]
+    return [_plan_layer(index, layer, f"{prefix}layers.{index}.", _solved_rule(family, recipe, scheme), settings,
+                        dtype_bytes) for index, layer in enumerate(model.get_decoder().layers)]
 
-    from quant.gptq.run import _groups
+
+def _solved_rule(family, recipe, scheme, mtp: bool = False):
+    """Whether GPTQ solves module `name`: an MXFP4 weight of the plan (`pipeline.plan.Planner.treatment`: the
+    recipe's role treatment, the engines' BF16-only modules, and for an MTP layer the recipe's mtp_layer and the
+    family's MTP keep patterns)."""
     from quant.pipeline.recipes import SCHEME
     from quant.pipeline.schemes import MXFP4_SCHEMES
 
-    prefix = family.text_prefixes[0]
     mxfp4 = scheme.name in MXFP4_SCHEMES
+    mtp_keep = family.mtp_keep_patterns() if mtp else []
+
+    def solved(name: str) -> bool:
+        if not mxfp4 or (mtp and (recipe.mtp_layer == "bf16" or any(p.search(name) for p in mtp_keep))):
+            return False
+        return recipe.treatment(family.role_of(name), name) == SCHEME and not family.kept_under(name, scheme.name)
+
+    return solved
+
+
+def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes: int) -> LayerPlan:
+    """One decoder layer's GPTQ work and memory (`layer` on the meta device, its checkpoint names under
+    `base_name`), the passes and solve groups cut as `run._solve_layer` cuts them."""
+    import torch
+
+    from quant.gptq.run import _groups
+
+    modules = dict(layer.named_modules())
+    plain, fused = {}, {}  # key -> param; fused: key -> (param, experts solved)
+    for key, param in layer.named_parameters():
+        path, name = key.rsplit(".", 1) if "." in key else ("", key)
+        module = modules.get(path)
+        base = f"{base_name}{path}"
+        if isinstance(module, torch.nn.Linear) and name == "weight":
+            if solved(base):
+                plain[key] = param
+        elif name in ("gate_up_proj", "down_proj") and hasattr(module, "gate_up_proj") and param.dim() == 3:
+            projs = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
+            experts = [e for e in range(param.shape[0]) if any(solved(f"{base}.{e}.{p}") for p in projs)]
+            if experts:
+                fused[key] = (param, experts)
+    # Passes exactly as run._solve_layer cuts them.
+    passes: list[tuple[list[str], int]] = []  # (keys, experts in the pass)
+    per_expert_of, experts_of = {}, {}
+    for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
+        mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
+        experts = sorted({e for k in mine for e in fused[k][1]})
+        per_expert = sum(fused[k][0].shape[-1] ** 2 * 4 for k in mine)
+        chunk = max(1, settings.hessian_bytes // per_expert)
+        per_expert_of[path], experts_of[path] = per_expert, len(experts)
+        passes += [(mine, len(experts[i:i + chunk])) for i in range(0, len(experts), chunk)]
+    plain_h = sum(p.shape[-1] ** 2 * 4 for p in plain.values())
+    pass_h = [sum(len_e * fused[k][0].shape[-1] ** 2 * 4 for k in keys) for keys, len_e in passes] or [0]
+    pass_h[0] += plain_h
+    groups, solve, gather = 0, 0, 0
+    for key, param in plain.items():
+        groups += 1
+        solve = max(solve, solver_bytes(1, param.shape[0], param.shape[1]))
+        gather = max(gather, param.numel() * dtype_bytes)
+    for keys, len_e in passes:
+        for key in keys:
+            param = fused[key][0]
+            for sel in _groups(param, len_e, settings):
+                groups += 1
+                solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
+                gather = max(gather, len(sel) * param[0].numel() * dtype_bytes)
+    weights = len(plain) + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
+    elements = sum(p.numel() for p in plain.values()) + sum(len(e) * p[0].numel() for p, e in fused.values())
+    layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
+    layer_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
+    stacked = max([p.numel() * dtype_bytes for p, _ in fused.values()] or [0])
+    return LayerPlan(
+        index=index, weights=weights, passes=len(passes) or (1 if plain else 0),
+        experts_per_pass=max((n for _, n in passes), default=None), layer_bytes=layer_bytes,
+        load_extra=stacked, hessian_bytes=max(pass_h),
+        hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
+        solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather,
+        plain_hessians=plain_h,
+        per_expert=max(per_expert_of.values(), default=0),
+        experts=max((n for path, n in experts_of.items() if per_expert_of[path] == max(per_expert_of.values())),
+                    default=0))
+
+
+@dataclass
+class MtpPlan:
+    """One MTP draft layer GPTQ solves (`quant.gptq.mtp`, `run._solve_mtp`): its decoder layer's plan (index: the
+    layer's number, e.g. 78), what the draft holds beside it and the inputs it is fed."""
+
+    k: int
+    block: str  # its checkpoint prefix
+    plan: LayerPlan
+    glue_bytes: int  # enorm, hnorm, eh_proj [H, 2H] and the draft's final norm, in the compute dtype
+    source_bytes: int  # the decoder layer's state read from the source (`evals.mtp_draft._block_state`, host)
+    stack_extra: int  # one fused expert parameter stacked from per-expert tensors while that state is read
+    tokens: int  # calibration tokens it is fed: positions t whose token t+k+1 is in the window
+
+
+def plan_mtp(root: Path, config: dict, family, recipe, scheme, settings, dtype, dtype_bytes: int,
+             samples: int, seq_len: int) -> list[MtpPlan]:
+    """The MTP draft layers `--method gptq` solves after the main layers (`run.solve_checkpoint`: those of the
+    family data's `mtp_draft` up to the last one with a weight to solve; none when the recipe keeps the MTP layer
+    BF16 or the release publishes no MTP weights), each built as `quant.gptq.mtp.MtpBlock` builds it:
+    `evals.mtp_draft._one_layer_config` with the family's `decoder_config`, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from evals.mtp_draft import _one_layer_config
+    from quant.families import text_config
+
+    spec = family.mtp_draft
+    if not spec or family.unpublished_mtp(config):
+        return []
+    text = text_config(config)
+    count_key = spec.get("count_key") or (family.mtp or {}).get("count_key")
+    count = int(text.get(count_key) or 0) if count_key else 0
+    if not count:
+        return []
+    first = int(text.get((family.mtp or {}).get("first_layer_key", ""), 0) or 0)
+    prefix = family.text_prefixes[0]
+    cfg = _one_layer_config(AutoConfig.from_pretrained(root), spec.get("decoder_config") or {})
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(cfg, dtype=dtype).get_decoder().layers[0]
+    hidden = int(cfg.hidden_size)
+    source_elt = _source_element_bytes(config)
+    solved = _solved_rule(family, recipe, scheme, mtp=True)
     plans = []
-    for index, layer in enumerate(model.get_decoder().layers):
-        modules = dict(layer.named_modules())
-
-        def solved(module_name: str) -> bool:
-            return mxfp4 and recipe.treatment(family.role_of(module_name), module_name) == SCHEME
-
-        plain, fused = {}, {}  # key -> param; fused: key -> (param, experts solved)
-        for key, param in layer.named_parameters():
-            path, name = key.rsplit(".", 1) if "." in key else ("", key)
-            module = modules.get(path)
-            base = f"{prefix}layers.{index}.{path}"
-            if isinstance(module, torch.nn.Linear) and name == "weight":
-                if solved(base):
-                    plain[key] = param
-            elif name in ("gate_up_proj", "down_proj") and hasattr(module, "gate_up_proj") and param.dim() == 3:
-                projs = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
-                experts = [e for e in range(param.shape[0]) if any(solved(f"{base}.{e}.{p}") for p in projs)]
-                if experts:
-                    fused[key] = (param, experts)
-        # Passes exactly as run._solve_layer cuts them.
-        passes: list[tuple[list[str], int]] = []  # (keys, experts in the pass)
-        per_expert_of, experts_of = {}, {}
-        for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
-            mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
-            experts = sorted({e for k in mine for e in fused[k][1]})
-            per_expert = sum(fused[k][0].shape[-1] ** 2 * 4 for k in mine)
-            chunk = max(1, settings.hessian_bytes // per_expert)
-            per_expert_of[path], experts_of[path] = per_expert, len(experts)
-            passes += [(mine, len(experts[i:i + chunk])) for i in range(0, len(experts), chunk)]
-        plain_h = sum(p.shape[-1] ** 2 * 4 for p in plain.values())
-        pass_h = [sum(len_e * fused[k][0].shape[-1] ** 2 * 4 for k in keys) for keys, len_e in passes] or [0]
-        pass_h[0] += plain_h
-        groups, solve, gather = 0, 0, 0
-        for key, param in plain.items():
-            groups += 1
-            solve = max(solve, solver_bytes(1, param.shape[0], param.shape[1]))
-            gather = max(gather, param.numel() * dtype_bytes)
-        for keys, len_e in passes:
-            for key in keys:
-                param = fused[key][0]
-                for sel in _groups(param, len_e, settings):
-                    groups += 1
-                    solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
-                    gather = max(gather, len(sel) * param[0].numel() * dtype_bytes)
-        weights = len(plain) + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
-        elements = sum(p.numel() for p in plain.values()) + sum(len(e) * p[0].numel() for p, e in fused.values())
-        layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
-        layer_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
-        stacked = max([p.numel() * dtype_bytes for p, _ in fused.values()] or [0])
-        plans.append(LayerPlan(
-            index=index, weights=weights, passes=len(passes) or (1 if plain else 0),
-            experts_per_pass=max((n for _, n in passes), default=None), layer_bytes=layer_bytes,
-            load_extra=stacked, hessian_bytes=max(pass_h),
-            hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
-            solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather,
-            plain_hessians=plain_h,
-            per_expert=max(per_expert_of.values(), default=0),
-            experts=max((n for path, n in experts_of.items() if per_expert_of[path] == max(per_expert_of.values())),
-                        default=0)))
+    for k in range(count):
+        block = spec["block"].format(text=prefix, n=first + k, k=k)
+        plan = _plan_layer(first + k if family.mtp else text["num_hidden_layers"] + k, layer, block, solved,
+                           settings, dtype_bytes)
+        elements = sum(p.numel() for p in layer.parameters())
+        fused = max([p.numel() for p in layer.parameters() if p.dim() == 3] or [0])
+        plans.append(MtpPlan(k=k, block=block, plan=plan, glue_bytes=(2 * hidden * hidden + 3 * hidden) * dtype_bytes,
+                             source_bytes=elements * source_elt, stack_extra=fused * source_elt,
+                             tokens=samples * max(0, seq_len - k - 1)))
+    while plans and not plans[-1].plan.weights:  # run.solve_checkpoint: up to the last one quantized
+        plans.pop()
     return plans
+
+
+def _source_element_bytes(config: dict) -> int:
+    """Bytes per element of a source weight as `SourceReader.load` returns it: block-FP8 dequantized to fp32,
+    otherwise the checkpoint's dtype (config.json's `dtype` / `torch_dtype`)."""
+    from quant.families import text_config
+
+    quant_cfg = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    if str(quant_cfg.get("quant_method", "")).lower() == "fp8":
+        return 4
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or text_config(config).get("dtype") or "bfloat16")
+    return 4 if "32" in dtype else 2
 
 
 def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
@@ -294,6 +379,10 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     model = config_model(root, dtype, lambda why: QuantError(f"--method gptq cannot run {family.name}: {why}"))
     plans = plan_layers(model, family, recipe_obj, scheme_obj, settings, dtype_bytes)
     cal = settings.calibration
+    mtp_plans = plan_mtp(root, config, family, recipe_obj, scheme_obj, settings, dtype, dtype_bytes, cal.samples,
+                         cal.seq_len)
+    mtp_of = {id(m.plan): m for m in mtp_plans}
+    every = plans + [m.plan for m in mtp_plans]
     tokens = cal.samples * cal.seq_len
     batch = min(settings.batch, cal.samples)
     values = {**{k: v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool)},
@@ -316,6 +405,8 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
 
     def device0(p: LayerPlan, groups_at_once: int, hessians: int | None = None) -> tuple[int, str]:
         h = p.hessian_bytes if hessians is None else hessians
+        if id(p) in mtp_of:
+            return mtp_device0(mtp_of[id(p)], groups_at_once, h)
         phases = {"loading the layer": held(p) + p.load_extra,
                   "collecting Hessians": held(p) + h + workspace,
                   "solving": held(p) + h + p.solve_bytes * groups_at_once + p.gather_bytes * gathered,
@@ -324,19 +415,38 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         phase = max(phases, key=phases.get)
         return phases[phase], phase
 
+    def mtp_device0(m: MtpPlan, groups_at_once: int, h: int) -> tuple[int, str]:
+        """`run._solve_mtp`: the last main layer's outputs and carried returns stay held throughout; the draft's
+        final-normed inputs (`prev`) until its decoder inputs z (one per fed token) are made; the decoder layer
+        and its BF16 glue; its state read from the source while it loads (host memory, beside the layer); the
+        draft's outputs beside z when a next draft layer is fed them."""
+        p, z = m.plan, m.tokens * hidden * dtype_bytes
+        base = resident + acts + carry + p.layer_bytes + m.glue_bytes
+        # per batch while z is made: the embedding and its zeroed copy, both norms, the [2H] concat, eh_proj's output
+        making = batch * cal.seq_len * hidden * dtype_bytes * 7
+        phases = {"loading the MTP layer": base + acts + (m.source_bytes + m.stack_extra if first_is_cpu else 0),
+                  "making the MTP layer's inputs": base + acts + z + making,
+                  "collecting the MTP layer's Hessians": base + z + h + workspace,
+                  "solving the MTP layer": base + z + h + p.solve_bytes * groups_at_once + p.gather_bytes * gathered}
+        if m is not mtp_plans[-1]:
+            phases["running the MTP layer forward to the next one"] = base + 2 * z + workspace
+        phase = max(phases, key=phases.get)
+        return phases[phase], phase
+
     cpu_workers = sum(torch.device(d).type == "cpu" for d in device_list)
     gathered = sum(d != device_list[0] for d in device_list)  # groups other workers solve, gathered on the first
     first_is_cpu = first.type == "cpu"
     at_once = cpu_workers if first_is_cpu else 1
-    worst = max(plans, key=lambda p: device0(p, at_once)[0])
+    worst = max(every, key=lambda p: device0(p, at_once)[0])
     peak0, phase = device0(worst, at_once)
-    solve_max = max(p.solve_bytes for p in plans)
-    parts = 2 * max(p.parts_bytes for p in plans)
-    mapped = min(SourceReader.REMAP_BYTES, resident + sum(p.layer_bytes for p in plans))
+    solve_max = max(p.solve_bytes for p in every)
+    parts = 2 * max(p.parts_bytes for p in every)
+    mapped = min(SourceReader.REMAP_BYTES, resident + sum(p.layer_bytes for p in every))
     if first_is_cpu:
         host = peak0 + parts + token_bytes + mapped
-    else:
-        host = parts + token_bytes + mapped + solve_max * cpu_workers
+    else:  # the MTP layer's source state is read into host memory while it loads
+        host = parts + token_bytes + mapped + max([solve_max * cpu_workers]
+                                                  + [m.source_bytes + m.stack_extra for m in mtp_plans])
 
     gptq_layers = [p for p in plans if p.weights]
     say(f"calibration: {cal.samples} windows x {cal.seq_len} tokens, {batch} per forward, compute dtype "
@@ -353,12 +463,24 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
                   f"in all" if example.experts_per_pass else "")
         what = f"{example.weights} weights solved{detail}" if n else "nothing to solve: forward only"
         say(f"  {n} pass{'es' * (n != 1)}: {_ranges(layers)} ({what})")
+    for m in mtp_plans:
+        p = m.plan
+        detail = (f"; {p.experts_per_pass} experts per pass, {human(p.hessians_total)} of Hessians in all"
+                  if p.experts_per_pass else "")
+        say(f"  {p.passes} pass{'es' * (p.passes != 1)}: MTP layer {p.index} ({p.weights} weights solved{detail}; "
+            f"fed {m.tokens} tokens through enorm/hnorm/eh_proj)")
+    solved_mtp = sum(m.plan.passes for m in mtp_plans)
+    if recipe_obj.mtp_layer == "bf16":
+        mtp_note = "kept BF16 by the recipe"
+    elif mtp_plans:
+        mtp_note = (f"solved after them, fed as the engines run the draft ({solved_mtp} more "
+                    f"pass{'es' * (solved_mtp != 1)}, {sum(m.plan.weights for m in mtp_plans)} weights)")
+    else:
+        mtp_note = "nothing to solve there (the recipe keeps its weights BF16, or the release publishes none)"
     say(f"  {sum(p.passes for p in plans)} passes over {len(plans)} layers; "
-        f"{sum(p.weights for p in gptq_layers)} weights solved"
-        + (f"; MTP {_ranges(mtp)} " + ("kept BF16 by the recipe" if recipe_obj.mtp_layer == "bf16" else
-                                        "solved after them, fed as the engines run the draft (about one more MoE "
-                                        "layer's passes and memory)") if mtp else ""))
-    say(f"predicted peak memory (worst layer: {worst.index}, while {phase}; not counting the process's fixed "
+        f"{sum(p.weights for p in gptq_layers)} weights solved" + (f"; MTP {_ranges(mtp)} {mtp_note}" if mtp else ""))
+    worst_name = f"MTP layer {worst.index}" if id(worst) in mtp_of else str(worst.index)
+    say(f"predicted peak memory (worst layer: {worst_name}, while {phase}; not counting the process's fixed "
         f"cost: runtime, CUDA context, kernels):")
     say(f"  {device_list[0]}: {human(peak0)}  [activations {human(acts)}"
         + (f" + carried {human(carry)}" if carry else "") + f" (x2 in the forward), layer {human(worst.layer_bytes)}, "
@@ -379,6 +501,7 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         f"calibration tokens {human(token_bytes)}, mapped source pages {human(mapped)}]")
     out.peaks["host"] = host
     out.passes = {p.index: p.passes for p in plans}
+    out.mtp_passes = {m.plan.index: m.plan.passes for m in mtp_plans}
     # Does it fit?
     shown: set = set()
     for d in dict.fromkeys(device_list):
@@ -399,12 +522,12 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
                       capacity else "lower --calib-samples or --calib-seq-len (activations) or --hessian-budget "
                       "(more passes)")
             say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; {advice}")
-        elif d == device_list[0] and any(p.per_expert for p in plans):
-            fewest, budget = _fewest_passes(plans, HEADROOM * capacity - (host - peak0 if first_is_cpu else 0),
+        elif d == device_list[0] and any(p.per_expert for p in every):
+            fewest, budget = _fewest_passes(every, HEADROOM * capacity - (host - peak0 if first_is_cpu else 0),
                                             lambda p, h: device0(p, at_once, h)[0])
             note = (f"; the fewest passes that fit in {HEADROOM:.0%} of it: {fewest} per MoE layer, with "
                     f"--hessian-budget {budget}"
-                    if fewest and fewest < max(p.passes for p in plans) else "")
+                    if fewest and fewest < max(p.passes for p in every) else "")
             say(f"  fits on {d}: {human(need)} of {human(capacity)}{note}")
         else:
             say(f"  fits on {d}: {human(need)} of {human(capacity)}")
