@@ -445,8 +445,8 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     if first_is_cpu:
         host = peak0 + parts + token_bytes + mapped
     else:  # the MTP layer's source state is read into host memory while it loads
-        host = parts + token_bytes + mapped + max([solve_max * cpu_workers]
-                                                  + [m.source_bytes + m.stack_extra for m in mtp_plans])
+        mtp_source = max([m.source_bytes + m.stack_extra for m in mtp_plans], default=0)
+        host = parts + token_bytes + mapped + max(solve_max * cpu_workers, mtp_source)
 
     gptq_layers = [p for p in plans if p.weights]
     say(f"calibration: {cal.samples} windows x {cal.seq_len} tokens, {batch} per forward, compute dtype "
@@ -498,7 +498,9 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     say(f"  host: {human(host)}  [" + ("everything above" + (f", {cpu_workers} solver groups at once"
                                                              if cpu_workers > 1 else "") + ", " if first_is_cpu
                                       else "") + f"solved codes and scales of two layers {human(parts)}, "
-        f"calibration tokens {human(token_bytes)}, mapped source pages {human(mapped)}]")
+        f"calibration tokens {human(token_bytes)}, mapped source pages {human(mapped)}"
+        + (f", the MTP layer's state read from the source while it loads {human(mtp_source)}"
+           if not first_is_cpu and mtp_source > solve_max * cpu_workers else "") + "]")
     out.peaks["host"] = host
     out.passes = {p.index: p.passes for p in plans}
     out.mtp_passes = {m.plan.index: m.plan.passes for m in mtp_plans}
