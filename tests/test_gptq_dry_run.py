@@ -11,8 +11,11 @@ MB: hidden 1024 (1024^2 fp32 Hessians per expert and per shared-expert linear, f
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,14 +30,31 @@ FLAGS = ["--method", "gptq", "--calib-data", str(CALIB), "--calib-samples", "8",
 
 
 def _quantize(src: Path, out: Path, *extra: str) -> tuple[int, str]:
-    """Peak RSS (bytes) and output of one `quant quantize` process."""
+    """Peak RSS (bytes) and output of one `quant quantize` process.
+
+    The peak is the process's own VmHWM, polled from /proc: wait4's ru_maxrss also keeps the high-water mark of
+    the address space forked from the caller before exec (the CI failure: a pytest worker grown past both runs
+    made them measure the same, a difference of 0). VmHWM only rises, so the last reading before exit is the
+    peak; the peak of a GPTQ run is in its solves, not in its last few milliseconds."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "quant.cli", "quantize", str(src), str(out), *FLAGS, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    text = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, text
-    return usage.ru_maxrss * 1024, text
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "quant.cli", "quantize", str(src), str(out), *FLAGS, *extra],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        peak = 0
+        while proc.poll() is None:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+            except OSError:  # exited between poll() and the read
+                break
+            hwm = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+            peak = max(peak, int(hwm.group(1)) * 1024 if hwm else 0)
+            time.sleep(0.02)
+        proc.wait()
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 0, text
+    assert peak > 0, "no /proc/PID/status reading"
+    return peak, text
 
 
 @pytest.fixture(scope="module")
