@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mtp_recipe import compare_mtp  # noqa: E402 (beside this script)
 
 
 def main(argv=None) -> int:
@@ -43,7 +44,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import quant.gptq.mtp as mtp
-    from evals.compare import EvalRequest, evaluate
     from quant.gptq import CalibrationSettings, GptqSettings
     from quant.pipeline import quantize_checkpoint
 
@@ -79,23 +79,10 @@ def main(argv=None) -> int:
             line += f"; calibration output error (sum over solved) RTN {rtn:.4f} -> GPTQ {gptq:.4f}"
         print(line, flush=True)
 
-    def compare(baseline: str, candidate: str) -> None:
-        request = EvalRequest(candidate=str(paths[candidate]), baseline=str(paths[baseline]), tasks="toy_arith",
-                              limit=args.limit, out=args.out / f"{candidate}-vs-{baseline}", dtype=args.dtype,
-                              max_gen_toks=24, mtp_depth=args.depth)
-        report = evaluate(request, log=lambda m: None)
-        row = next(r for r in report["rows"] if r["primary"])
-        c, a = row["comparison"], row["acceptance"]
-        print(f"{candidate} vs {baseline} (n={c['n_questions']}): accuracy {100 * c['baseline_accuracy']:.1f} -> "
-              f"{100 * c['candidate_accuracy']:.1f}; depth-1 acceptance {100 * a['baseline_rate']:.2f} -> "
-              f"{100 * a['candidate_rate']:.2f}, delta {100 * a['rate_difference']:+.2f} "
-              f"[{100 * a['rate_ci_low']:+.2f}, {100 * a['rate_ci_high']:+.2f}] pt (95% paired bootstrap); "
-              f"accepted length {a['baseline_length']:.3f} -> {a['candidate_length']:.3f} at depth {a['depth']}; "
-              f"questions worse/better {a['questions_worse']}/{a['questions_better']}", flush=True)
 
     for pair in args.compare.split(","):
         candidate, baseline = pair.split(":")
-        compare(baseline, candidate)
+        compare_mtp(paths, args, baseline, candidate)
     return 0
 
 

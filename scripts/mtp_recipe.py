@@ -21,6 +21,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TOY = Path(__file__).resolve().parent.parent / "evals" / "data" / "toy_arith" / "model"
 
 
+def compare_mtp(paths: dict, args, baseline: str, candidate: str, **kw) -> dict:
+    """`quant eval`'s paired comparison of two checkpoints in `paths` on toy_arith, printed as one line (accuracy,
+    depth-1 MTP acceptance with its interval); `args` carries out, limit, dtype and depth."""
+    from evals.compare import EvalRequest, evaluate
+
+    request = EvalRequest(candidate=str(paths[candidate]), baseline=str(paths[baseline]), tasks="toy_arith",
+                          limit=args.limit, out=args.out / f"{candidate}-vs-{baseline}", dtype=args.dtype,
+                          max_gen_toks=24, mtp_depth=args.depth, **kw)
+    report = evaluate(request, log=lambda m: None)
+    row = next(r for r in report["rows"] if r["primary"])
+    c, a = row["comparison"], row["acceptance"]
+    print(f"{candidate} vs {baseline} (n={c['n_questions']}): accuracy {100 * c['baseline_accuracy']:.1f} -> "
+          f"{100 * c['candidate_accuracy']:.1f} ({c['verdict']}); depth-1 acceptance "
+          f"{100 * a['baseline_rate']:.2f} -> {100 * a['candidate_rate']:.2f}, delta "
+          f"{100 * a['rate_difference']:+.2f} [{100 * a['rate_ci_low']:+.2f}, {100 * a['rate_ci_high']:+.2f}] pt; "
+          f"accepted length {a['baseline_length']:.3f} -> {a['candidate_length']:.3f} at depth {a['depth']} "
+          f"({a['verdict']}); questions worse/better {a['questions_worse']}/{a['questions_better']}", flush=True)
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=200)
@@ -29,7 +49,6 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from evals.compare import EvalRequest, evaluate
     from quant.pipeline import quantize_checkpoint
 
     shutil.rmtree(args.out, ignore_errors=True)
@@ -45,25 +64,10 @@ def main(argv=None) -> int:
         size = sum(f.stat().st_size for f in paths[name].glob("*.safetensors"))
         print(f"{name}: {size / 1e6:.3f} MB of safetensors")
 
-    def compare(baseline: str, candidate: str, **kw) -> dict:
-        out = args.out / f"{candidate}-vs-{baseline}"
-        request = EvalRequest(candidate=str(paths[candidate]), baseline=str(paths[baseline]), tasks="toy_arith",
-                              limit=args.limit, out=out, dtype=args.dtype, max_gen_toks=24, mtp_depth=args.depth,
-                              **kw)
-        report = evaluate(request, log=lambda m: None)
-        row = next(r for r in report["rows"] if r["primary"])
-        c, a = row["comparison"], row["acceptance"]
-        print(f"{candidate} vs {baseline} (n={c['n_questions']}): accuracy {100 * c['baseline_accuracy']:.1f} -> "
-              f"{100 * c['candidate_accuracy']:.1f} ({c['verdict']}); depth-1 acceptance "
-              f"{100 * a['baseline_rate']:.2f} -> {100 * a['candidate_rate']:.2f}, delta "
-              f"{100 * a['rate_difference']:+.2f} [{100 * a['rate_ci_low']:+.2f}, {100 * a['rate_ci_high']:+.2f}] pt; "
-              f"accepted length {a['baseline_length']:.3f} -> {a['candidate_length']:.3f} at depth {a['depth']} "
-              f"({a['verdict']}); questions worse/better {a['questions_worse']}/{a['questions_better']}")
-        return report
 
-    compare("experts-only-mtp-bf16", "experts-only")
-    compare("fp8-block", "experts-only-mtp-bf16")
-    compare("fp8-block", "experts-only")
+    compare_mtp(paths, args, "experts-only-mtp-bf16", "experts-only")
+    compare_mtp(paths, args, "fp8-block", "experts-only-mtp-bf16")
+    compare_mtp(paths, args, "fp8-block", "experts-only")
     return 0
 
 
