@@ -83,7 +83,7 @@ def test_portable_export_passes_every_engine(tmp_path):
     code, data = cli_json(ckpt)
     assert code == 0 and data["errors"] == 0
     assert set(data["profiles"]) == {"sglang==0.5.12", "sglang==0.5.19", "vllm==0.31", "vllm==0.32",
-                                     "transformers==5.23"}
+                                     "vllm==0.33", "transformers==5.23"}
     # the excluded BF16 MTP shared expert vetoes SGLang shared-expert fusion (performance warning only)
     assert [g["rule"] for g in data["groups"]] == ["#16 shared-expert fusion"]
 
@@ -201,7 +201,8 @@ def test_one_excluded_expert_leaf_per_release(tmp_path):
     config["quantization_config"]["exclude"].append(leaf)
     report = verify_checkpoint(write(tmp_path, tensors, config))
     by = {(f.engine, v): f for f in report.errors for v in f.versions}
-    assert set(by) == {("vllm", "0.31"), ("vllm", "0.32"), ("sglang", "0.5.12"), ("sglang", "0.5.19")}
+    assert set(by) == {("vllm", "0.31"), ("vllm", "0.32"), ("vllm", "0.33"), ("sglang", "0.5.12"),
+                      ("sglang", "0.5.19")}
     assert "as MXFP4" in by["vllm", "0.31"].message and leaf in by["vllm", "0.31"].message
     assert "unquantized" in by["vllm", "0.32"].message and "(and 10 more of its 12 weights)" in \
         by["vllm", "0.32"].message and "exclude lists expert leaves" in by["vllm", "0.32"].message
@@ -217,7 +218,7 @@ def test_quantized_eh_proj(tmp_path):
     config = drop_excludes(config, lambda e: e.endswith("eh_proj"))
     report = verify_checkpoint(write(tmp_path, tensors, config))
     errs = report.errors
-    assert errs and {f.engine for f in errs} == {"vllm"} and set(errs[0].versions) == {"0.31", "0.32"}
+    assert errs and {f.engine for f in errs} == {"vllm"} and set(errs[0].versions) == {"0.31", "0.32", "0.33"}
     assert "#4/#17" in errs[0].rule and "is U8 [64, 64] (+ weight_scale)" in errs[0].message
     assert errs[0].fix.startswith("store model.layers.3.eh_proj in BF16")
 
@@ -300,7 +301,7 @@ def test_declared_mtp_layer_missing(tmp_path):
     report = verify_checkpoint(write(tmp_path, tensors, config))
     vl = errors(report, "vllm", "#13/#14")
     assert vl and "MTP speculative decoding layer 3 weights missing" in vl[0].message
-    assert set(vl[0].versions) == {"0.31", "0.32"}
+    assert set(vl[0].versions) == {"0.31", "0.32", "0.33"}
     assert cli(tmp_path / "ckpt").exit_code == 1
 
 

@@ -188,8 +188,8 @@ def test_non_aligned_block_fp8_moe_per_release(qwen_fp8_block_experts_96):
     report = verify_checkpoint(qwen_fp8_block_experts_96, engines=["all"])
     by_engine = {(f.engine, f.versions): f for f in report.errors}
     # vLLM 0.31 carries the same refinement as 0.32 (both wheels read): one finding for both releases.
-    assert set(by_engine) == {("vllm", ("0.31", "0.32")), ("sglang", ("0.5.12", "0.5.19"))}
-    assert "_load_w2" in by_engine[("vllm", ("0.31", "0.32"))].message
+    assert set(by_engine) == {("vllm", ("0.31", "0.32", "0.33")), ("sglang", ("0.5.12", "0.5.19"))}
+    assert "_load_w2" in by_engine[("vllm", ("0.31", "0.32", "0.33"))].message
     # SGLang does not refine: it refuses to build the FusedMoE; transformers' FP8 integration loads it.
     sglang = by_engine[("sglang", ("0.5.12", "0.5.19"))]
     assert sglang.tensor == "model.layers.0.mlp.experts.0.gate_proj.weight"
