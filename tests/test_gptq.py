@@ -109,16 +109,27 @@ def test_gptq_export_matches_the_rtn_export(family, toy_factory, tmp_path, one_t
     assert any(m.startswith("gptq: layer") for m in logs)
 
 
+def gptq_toy_heldout(windows: int = 128, length: int = 128) -> list[str]:
+    """The held-out texts of tests/data/gptq_toy: its GSM8K test problems joined, cut into `windows` windows of
+    `length` byte tokens (scripts/bench_gptq_peers.py scores its peers on the same)."""
+    rows = [json.loads(line) for line in (GPTQ_TOY / "heldout.jsonl").read_text().splitlines()]
+    joined = "\n\n".join(f"{r['question']}\n{r['answer']}" for r in rows)
+    return [joined[i:i + length] for i in range(0, len(joined) - length + 1, length)][:windows]
+
+
+def gptq_toy_calibration(seed: int = 0) -> CalibrationSettings:
+    """The toy's calibration: 64 windows of 128 tokens of its calib.jsonl, cut at offsets drawn with `seed`."""
+    return CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=64, seq_len=128, seed=seed)
+
+
 def test_gptq_recovers_most_of_rtns_held_out_loss(tmp_path, one_torch_thread):
     """The quantization-sensitive toy (tests/data/gptq_toy: trained without fake-quant, on GSM8K text beside its
     task): every linear in MXFP4, held-out NLL on GSM8K test text. RTN loses, GPTQ must beat it and recover at
     least half of the loss (scripts/bench_gptq.py measures the same at full size)."""
     from evals.nll import mean_nll
 
-    rows = [json.loads(line) for line in (GPTQ_TOY / "heldout.jsonl").read_text().splitlines()]
-    joined = "\n\n".join(f"{r['question']}\n{r['answer']}" for r in rows)
-    texts = [joined[i:i + 128] for i in range(0, len(joined) - 127, 128)][:128]  # byte tokens: 128 each
-    settings = GptqSettings(CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=64, seq_len=128))
+    texts = gptq_toy_heldout()
+    settings = GptqSettings(gptq_toy_calibration())
     for method in ("rtn", "gptq"):
         quantize_checkpoint(GPTQ_TOY / "model", tmp_path / method, recipe="all-linear", method=method,
                             gptq=settings, check_engines=None, log=lambda m: None)

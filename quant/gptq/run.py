@@ -36,7 +36,7 @@ import json
 import math
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +49,12 @@ from quant.pipeline.schemes import MXFP4_SCHEMES
 MIN_EXPERT_TOKENS = 64
 _EXPERT = re.compile(r"^(.*\bexperts\.\d+)\.")
 PROGRESS_SECONDS = 10.0  # at most one progress line this often within a layer
+# The phases of a GPTQ run, as `SolvedWeights.timing` (and the manifest's `timing`) name their seconds: tokenizing
+# the calibration text and running it to the first decoder layer; reading each layer's weights; the forward passes
+# that accumulate the input Hessians; the solves (all workers, wall time); saving each layer's solution; and
+# replacing the layer's weights by their quantized values and running the calibration activations through it to
+# the next layer (the MTP layers' inputs included).
+PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_forward_s")
 
 
 @dataclass(frozen=True)
@@ -93,10 +99,11 @@ def quantized_jobs_by_layer(plan: Plan) -> dict[int, list[TensorJob]]:
 
 class SolvedWeights:
     """The solved weights in OUT/.quant-gptq/: `parts(job)` gives {suffix: tensor} and the record of a weight GPTQ
-    solved, or None (round it to nearest)."""
+    solved, or None (round it to nearest). `timing`: seconds per phase of the run that solved them (`PHASES`)."""
 
-    def __init__(self, root: Path, decoder_layers: int):
+    def __init__(self, root: Path, decoder_layers: int, timing: dict[str, float] | None = None):
         self.root, self.decoder_layers = root, decoder_layers
+        self.timing = dict(timing or {})
         self.records: dict[str, dict] = {}
         self.files: dict[str, Path] = {}
         paths = sorted(root.glob("layer-*.json")) + sorted(root.glob("mtp-*.json")) if root.is_dir() else []
@@ -170,13 +177,16 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
     work = {i: _work(ckpt, by_layer.get(i, [])) for i in range(len(stack))}
     work.update({len(stack) + ref.k: _work(ckpt, mtp_jobs[ref.k]) for ref in mtp})
     progress = Progress(log, work, len(stack))
+    timing: Counter = Counter()
     with torch.no_grad(), workers:
         hidden = stack.capture(tokens, settings.batch)
         carry: list[dict] = [{} for _ in hidden]
+        timing["gptq_calibration_s"] += time.perf_counter() - started
         first = True
         for index in range(len(stack)):
             t0 = time.perf_counter()
             layer = stack.load_layer(index)
+            timing["gptq_load_s"] += time.perf_counter() - t0
             jobs = by_layer.get(index, [])
             record_path = _layer_file(store, index, ".json")
             previous = json.loads(record_path.read_text()) if record_path.is_file() else None
@@ -190,11 +200,15 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
                     first = False
                 progress.begin_layer(index, jobs, {j.output: _job_work(ckpt, j) for j in jobs})
                 solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, progress.solved,
-                                      workers)
+                                      workers, timing=timing)
+                t1 = time.perf_counter()
                 _save_layer_solution(store, index, solved, _layer_digest(digest, index))
+                timing["gptq_save_s"] += time.perf_counter() - t1
                 resumed = False
+            t1 = time.perf_counter()
             _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
             hidden, carry = _forward(stack, index, layer, hidden, carry)
+            timing["gptq_forward_s"] += time.perf_counter() - t1
             stack.release_layer(index)
             del layer
             elapsed = time.perf_counter() - t0
@@ -204,32 +218,40 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
             log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
                 f"{len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
         if mtp:
-            _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, progress, workers, log)
+            _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, progress, workers, log,
+                       timing)
     log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
         + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
-    return SolvedWeights(store, len(stack))
+    return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
 
 
 def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Plan, settings: GptqSettings,
-               store: Path, digest: str, progress: "Progress", workers: "Workers", log) -> None:
+               store: Path, digest: str, progress: "Progress", workers: "Workers", log,
+               timing: Counter | None = None) -> None:
     """Solve the MTP draft layers `mtp` (`quant.gptq.mtp.MtpLayerRef`, in order) after the main layers: `hidden`
     are the last main layer's outputs per calibration batch (of `tokens` [N, L], settings.batch windows each).
     Draft layer k at position t sees the final-norm hidden state at t (layer k > 0: draft layer k-1's output at
     t) and the embedding of token t+k+1, as `evals.mtp_draft` runs it; its quantized weights are then replaced
-    by their solved values before the next draft layer is fed its output."""
+    by their solved values before the next draft layer is fed its output. `timing` gets seconds per phase (PHASES)."""
     import torch
 
     from quant.gptq.mtp import MtpBlock
 
+    timing = Counter() if timing is None else timing
+    t0 = time.perf_counter()
     norm = stack.text.norm
     prev = [norm(h) for h in hidden]
     batches = [tokens[b:b + settings.batch] for b in range(0, tokens.shape[0], settings.batch)]
+    timing["gptq_forward_s"] += time.perf_counter() - t0
     for ref in mtp:
         t0 = time.perf_counter()
         block = MtpBlock(stack, ref)
+        timing["gptq_load_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
         jobs = mtp_jobs[ref.k]
         inputs = [block.inputs(tok[:, ref.k + 1:], h[:, :-1]) for tok, h in zip(batches, prev)]
         del prev
+        timing["gptq_forward_s"] += time.perf_counter() - t1
         stem = f"mtp-{ref.k:05d}"
         record_path = _layer_file(store, stem, ".json")
         previous = json.loads(record_path.read_text()) if record_path.is_file() else None
@@ -248,13 +270,17 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
                 return (block.run(z, positions) for z, positions in inputs)
 
             solved = _solve_layer(stack, index, block.layer, jobs, [], [], plan, settings, progress.solved, workers,
-                                  slot_of=slot_of, run_pass=run_pass)
+                                  slot_of=slot_of, run_pass=run_pass, timing=timing)
+            t1 = time.perf_counter()
             _save_layer_solution(store, stem, solved, _layer_digest(digest, stem))
+            timing["gptq_save_s"] += time.perf_counter() - t1
             resumed = False
+        t1 = time.perf_counter()
         _apply_quantized(stack, None, block.layer, jobs, solved, plan.scale_mode, slot_of=slot_of)
         with torch.no_grad():
             prev = [block.run(z, positions) for z, positions in inputs] if ref is not mtp[-1] else []
         del inputs, block
+        timing["gptq_forward_s"] += time.perf_counter() - t1
         elapsed = time.perf_counter() - t0
         eta = "" if resumed else progress.end_layer(len(stack) + ref.k, elapsed)
         n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
@@ -499,13 +525,14 @@ def _group_cost(param, size: int) -> float:
 
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
                  settings: GptqSettings, progress=None, workers: Workers | None = None, slot_of=None,
-                 run_pass=None) -> dict:
+                 run_pass=None, timing: Counter | None = None) -> dict:
     """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}.
     `progress(jobs)` is called as groups of weights are solved. The Hessians are collected on the layer's device;
     the solves of each pass are shared among `workers` (default: one, the layer's device), each solved weight's
     record naming its worker and device. `slot_of(job)` (default: the stack's slot of the job in layer `index`)
     and `run_pass()` (an iterable that runs the layer over every calibration batch; default: layer `index` of the
-    stack over `hidden` and `carry`) let an MTP draft layer (`_solve_mtp`) be solved by the same code."""
+    stack over `hidden` and `carry`) let an MTP draft layer (`_solve_mtp`) be solved by the same code. `timing`
+    gets the seconds of the Hessian passes and of the solves (gptq_hessians_s, gptq_solve_s)."""
     import threading
 
     from quant.gptq.hessians import HessianCollector, supported
@@ -549,13 +576,16 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
         passes[:1] = [(plain + passes[0][0], passes[0][1])] if passes else [(plain, None)]
 
     workers = workers or Workers([stack.device])
+    timing = Counter() if timing is None else timing
     for pass_keys, pass_experts in passes:
+        t0 = time.perf_counter()
         collector = HessianCollector(layer, set(pass_keys), pass_experts)
         try:
             for _ in run_pass():
                 pass
         finally:
             collector.close()
+        timing["gptq_hessians_s"] += time.perf_counter() - t0
         tasks, costs = [], []
         for key in pass_keys:
             experts = None if key in plain else pass_experts
@@ -568,13 +598,16 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
                                                plan.scale_mode, settings, report))
                 costs.append(_group_cost(param, len(sel)))
         del collector
-        for worker, (group_records, group_parts) in workers.run(tasks, costs):
+        t0 = time.perf_counter()
+        results = workers.run(tasks, costs)
+        timing["gptq_solve_s"] += time.perf_counter() - t0
+        for worker, (group_records, group_parts) in results:
             for record in group_records.values():
                 if record["method"] == "gptq":
                     record.update(worker=worker, device=workers.devices[worker])
             records.update(group_records)
             parts.update(group_parts)
-        del tasks
+        del tasks, results
     return {"records": records, "parts": parts, "passes": len(passes)}
 
 

@@ -311,6 +311,7 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
         with _compute_runtime(device_list[:1]):
             solved = solve_checkpoint(plan, ckpt, src_path, out, device_list, settings, layer_returns, digest, log)
         timing["gptq_s"] = time.perf_counter() - started
+        timing.update(solved.timing)  # its phases (quant.gptq.run.PHASES)
     # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
     # shard order, from before torch loads to beside the quantizing workers.
     with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:
