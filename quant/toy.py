@@ -410,8 +410,11 @@ def _perturb(tensors: dict, perturb: dict[str, float], generator) -> None:
 
 
 def _merge_into(base: dict, extra: dict) -> dict:
+    """Merge `extra` into `base`; a None in `extra` removes the key (a transformers spelling the release lacks)."""
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
             _merge_into(base[key], value)
         else:
             base[key] = value

@@ -129,3 +129,27 @@ def test_preflight_fails_a_minimax_exclude_in_checkpoint_form_only(minimax_kept_
     from quant.engines import build_prefixes, profile
 
     assert build_prefixes(profile("sglang", "0.5.23").rules, config) == ()
+
+
+def test_vl_toys_carry_the_release_config(toy_factory):
+    """The Kimi-K2.5 and MiniMax-M3 toys' config.json is the release's (what SGLang reads to build them: the
+    remote-code architecture name, MoonViT's vt_* sizes, MiniMax-M3's layer plan and CLIP rope keys), with the
+    toy's sizes; transformers' own spellings of the MiniMax-M3 layer plan are absent (it maps the release's)."""
+    from quant.families.shapes import config_shapes
+
+    kimi = json.loads((toy_factory("kimi-k2.5") / "config.json").read_text())
+    assert kimi["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert kimi["text_config"]["architectures"] == ["DeepseekV3ForCausalLM"]
+    vision = kimi["vision_config"]
+    assert (vision["vt_hidden_size"], vision["vt_num_hidden_layers"], vision["init_pos_emb_height"]) == \
+        (vision["hidden_size"], vision["num_hidden_layers"], vision["pos_emb_height"])
+    assert vision["text_hidden_size"] == kimi["text_config"]["hidden_size"]
+
+    m3 = json.loads((toy_factory("minimax-m3") / "config.json").read_text())
+    text = m3["text_config"]
+    assert text["moe_layer_freq"] == [0, 1] and text["sparse_attention_config"]["sparse_attention_freq"] == [0, 1]
+    assert not {"layer_types", "mlp_layer_types", "index_n_heads", "index_head_dim"} & set(text)
+    assert {"img_token_compression_config", "position_embedding_type", "rope_mode",
+            "vision_segment_max_frames"} <= set(m3["vision_config"])
+    # the preflight still sizes the indexer, from sparse_attention_config (families/adapters.py)
+    assert config_shapes(m3)("language_model.model.layers.1.self_attn.index_q_proj") == (2 * 64, 160)

@@ -330,13 +330,19 @@ def test_tokenizer_loads_offline_and_round_trips(bf16_toys, monkeypatch):
 
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     import transformers
 
     path = bf16_toys[name]
-    # VL wrappers without an AutoModelForCausalLM mapping (Kimi-K2.5, MiniMax-M3) load through their own class.
-    cls = getattr(transformers, config_of(path)["architectures"][0], AutoModelForCausalLM)
+    # VL wrappers without an AutoModelForCausalLM mapping (Kimi-K2.5, MiniMax-M3) load through their own class, or
+    # through the image-text-to-text auto class where the release spells the class otherwise (Kimi-K2.5's
+    # KimiK25ForConditionalGeneration).
+    config = config_of(path)
+    auto = AutoModelForImageTextToText if config["model_type"] in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES \
+        else AutoModelForCausalLM
+    cls = getattr(transformers, config["architectures"][0], auto)
     model = cls.from_pretrained(path)
     ids = AutoTokenizer.from_pretrained(path)(GSM8K_STYLE[:64], return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -30,7 +30,10 @@ def strict_load(path: Path) -> dict:
     """Load with the checkpoint's own architecture class; return the keys transformers complained about
     that it does not declare ignored."""
     config = open_checkpoint(path).config
-    cls = getattr(transformers, config["architectures"][0])
+    # A release's own class name transformers spells otherwise (Kimi-K2.5's remote-code
+    # KimiK25ForConditionalGeneration, transformers' Kimi_K25ForConditionalGeneration): the auto class its
+    # model_type maps to.
+    cls = getattr(transformers, config["architectures"][0], None) or transformers.AutoModelForImageTextToText
     model, info = cls.from_pretrained(path, output_loading_info=True, dtype=torch.bfloat16)
     declared = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     text = text_config(config)

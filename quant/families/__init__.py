@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from quant.errors import QuantError
 from quant.families.schema import BadData, check_keys, load_yaml
@@ -91,6 +92,8 @@ class Family:
     # Modules an engine cannot load in some schemes: {module regex: [scheme names]}; under those schemes they stay
     # BF16 whatever the recipe says (the reason and the engine source sit beside the entry in the family file)
     bf16_under_schemes: list[tuple[re.Pattern, frozenset]] = field(default_factory=list)
+    # `adapter: NAME` (quant/families/adapters.py): config.json -> the config the shape formulas are evaluated on
+    adapter: Callable[[dict], dict] | None = None
     file: Path | None = None
 
     def kept_under(self, module: str, scheme: str) -> bool:
@@ -185,11 +188,13 @@ def _load_family_file(path: Path) -> Family:
     recipes = {}  # a release recipe describes one published release: never inherited
     for name, spec in (data.get("release_recipes") or {}).items():
         recipes[name] = dict(check_keys(spec, RELEASE_RECIPE_KEYS, where, f"release_recipes.{name}"))
+    adapter = parent.adapter if parent else None
     if "adapter" in data:
         from quant.families.adapters import ADAPTERS
 
         if data["adapter"] not in ADAPTERS:
             raise BadData(f"{where}: adapter {data['adapter']!r} is not one of {', '.join(ADAPTERS) or '(none)'}")
+        adapter = ADAPTERS[data["adapter"]]
     return Family(
         name=data["family"],
         model_types=list(data.get("model_types") or []),
@@ -212,6 +217,7 @@ def _load_family_file(path: Path) -> Family:
         bf16_under_schemes=[(re.compile(p), frozenset(names))
                             for p, names in (data.get("bf16_under_schemes") or {}).items()]
         + (parent.bf16_under_schemes if parent else []),
+        adapter=adapter,
         file=path,
     )
 

@@ -2,12 +2,29 @@
 
 A family file opts in with `adapter: NAME`. An adapter gets the config.json dict and returns the config the
 family's data is evaluated against (shape formulas, MTP counts), e.g. a release that spells a key its own way.
-None of the families shipped needs one today: wrappers, prefixes, MTP placement, runtime names and release
-recipes are all data. The registry is where one goes when a family needs it.
+Wrappers, prefixes, MTP placement, runtime names and release recipes are all data; the registry holds the few
+spellings a formula cannot reach (a size nested in a sub-object of the release's config).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-ADAPTERS: dict[str, Callable[[dict], dict]] = {}
+
+def minimax_m3_sparse_attention(config: dict) -> dict:
+    """MiniMax-M3's release sizes its lightning indexer in text_config.sparse_attention_config
+    (sparse_num_index_heads, sparse_index_dim); the shape formulas use transformers' flat index_n_heads /
+    index_head_dim, to which transformers maps them the same way (5.24 configuration_minimax_m3_vl.py,
+    MiniMaxM3VLTextConfig.__post_init__). Keys the config already has win."""
+    inner = config.get("text_config")
+    text = inner if isinstance(inner, dict) else config
+    sparse = text.get("sparse_attention_config")
+    if not isinstance(sparse, dict):
+        return config
+    flat = {key: sparse[legacy] for key, legacy in (("index_n_heads", "sparse_num_index_heads"),
+                                                    ("index_head_dim", "sparse_index_dim"))
+            if legacy in sparse and key not in text}
+    return {**config, "text_config": {**text, **flat}} if text is inner else {**config, **flat}
+
+
+ADAPTERS: dict[str, Callable[[dict], dict]] = {"minimax_m3_sparse_attention": minimax_m3_sparse_attention}

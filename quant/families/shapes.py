@@ -18,7 +18,11 @@ ShapeOf = Callable[[str], "tuple[int, int] | None"]
 
 
 def _numbers(config: dict) -> dict[str, int]:
-    return {k: v for k, v in text_config(config).items()
+    try:
+        adapter = family_for_config(config).adapter  # a release spelling the formulas cannot reach (MiniMax-M3)
+    except QuantError:
+        adapter = None
+    return {k: v for k, v in text_config(adapter(config) if adapter else config).items()
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40}
 
 
