@@ -30,7 +30,7 @@ def test_extrapolation_scales_solves_by_experts_and_splits_them_among_gpus(capsy
     bench = _script()
     dims = {"hidden_size": 6144, "moe_intermediate_size": 2048, "n_shared_experts": 1, "num_experts_per_tok": 4}
     timing = {"gptq_forward_s": 1.0, "gptq_hessians_s": 3.0, "gptq_solve_s": 50.0, "gptq_load_s": 1.0,
-              "gptq_save_s": 1.0, "shards_s": 2.0}
+              "gptq_save_s": 1.0, "write_s": 2.0}
     calib = CalibrationSettings(str(SCRIPT), samples=16, seq_len=256)
     bench.extrapolate(timing, dims, 4, calib, 8, None)
     out = capsys.readouterr().out
