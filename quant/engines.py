@@ -86,11 +86,16 @@ def profile(engine: str, release: str) -> Profile:
     return Profile(engine, release, data.get("title", engine), _merged(base, data["releases"][release] or {}))
 
 
+# What a preflight checks when no engine is named: the engines that serve the checkpoint. transformers' own Quark
+# loading cannot load quantized routed experts at all (manifests/engines.yaml), so it is checked when asked for.
+SERVING_ENGINES = ("sglang", "vllm")
+
+
 def select_profiles(specs: list[str] | None) -> list[Profile]:
     """Profiles for engine specs: "all", "sglang" (its default releases), "sglang==0.5.12" or
-    "sglang==latest" (the newest release profiled)."""
+    "sglang==latest" (the newest release profiled); none: the serving engines (SERVING_ENGINES)."""
     out: list[Profile] = []
-    for spec in specs or ["all"]:
+    for spec in specs or list(SERVING_ENGINES):
         for item in str(spec).split(","):
             item = item.strip()
             if not item:

@@ -4,6 +4,7 @@
     .venv-engines/bin/python scripts/engine_matrix.py [--out docs/engine-matrix.md] [--work DIR]
     .venv-sglang/bin/python scripts/engine_matrix.py --sglang [--out docs/engine-matrix.md]   # the SGLang section
     .venv-sglang/bin/python scripts/engine_matrix.py --sglang --only glm4.7,kimi-k2.5   # rerun those toys' rows
+    .venv/bin/python scripts/engine_matrix.py --transformers   # the transformers section (probe in .venv-quark)
 
 The SGLang section (SGLang 0.5.12 and 0.5.23 building and loading each export's main model and MTP draft,
 tests_engines/sglang_probe.py) is kept between SGLANG_BEGIN/SGLANG_END markers; each mode rewrites only its own part.
@@ -28,9 +29,36 @@ SGLANG_BEGIN = "<!-- sglang-matrix: begin (scripts/engine_matrix.py --sglang) --
 SGLANG_END = "<!-- sglang-matrix: end -->"
 
 
+TRANSFORMERS_BEGIN = "<!-- transformers-matrix: begin (scripts/engine_matrix.py --transformers) -->"
+TRANSFORMERS_END = "<!-- transformers-matrix: end -->"
+
+
 def _splice(out: Path, vllm_text: str | None, sglang_text: str | None) -> None:
-    """Write the vLLM part and/or the SGLang part of the matrix, keeping the other part as it is."""
+    """Write the vLLM part and/or the SGLang part of the matrix, keeping the other parts as they are."""
     old = out.read_text() if out.exists() else ""
+    old, transformers_part = _cut(old, TRANSFORMERS_BEGIN, TRANSFORMERS_END)
+    _write_sections(out, old, vllm_text, sglang_text)
+    if transformers_part:
+        _splice_transformers(out, transformers_part)
+
+
+def _cut(text: str, begin: str, end: str) -> tuple[str, str]:
+    """(text without the marked section, the section's body)."""
+    if begin not in text:
+        return text, ""
+    head, _, rest = text.partition(begin)
+    body, _, tail = rest.partition(end)
+    return head.rstrip() + "\n" + tail.lstrip("\n"), body.strip("\n") + "\n"
+
+
+def _splice_transformers(out: Path, text: str) -> None:
+    """Write the transformers section at the end of the matrix, keeping the rest as it is."""
+    rest, _ = _cut(out.read_text() if out.exists() else "", TRANSFORMERS_BEGIN, TRANSFORMERS_END)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(rest.rstrip() + "\n\n" + TRANSFORMERS_BEGIN + "\n" + text + TRANSFORMERS_END + "\n")
+
+
+def _write_sections(out: Path, old: str, vllm_text: str | None, sglang_text: str | None) -> None:
     old_sglang = ""
     if SGLANG_BEGIN in old:
         head, _, rest = old.partition(SGLANG_BEGIN)
@@ -120,6 +148,50 @@ def sglang_matrix(work: Path, only: set[str] | None = None, out: Path | None = N
     return "\n".join(lines) + "\n"
 
 
+def transformers_matrix(work: Path) -> str:
+    """The transformers section: transformers 5.23 + amd-quark 0.13 loading every tier export (run from .venv; the
+    probe runs in .venv-quark)."""
+    from tests_engines.cases import token_ids, transformers_logprobs
+    from tests_engines.transformers_cases import (RELEASE, TOLERANCE, agrees, cases, judge, materialize, prediction,
+                                                  reference_qdq, run)
+
+    rows, versions = [], ""
+    for case in cases():
+        started = time.time()
+        export, toy, reference = materialize(case, work)
+        prompts = token_ids(toy)
+        result = run(export, prompts)
+        versions = f"transformers {result['transformers']} + amd-quark {result['amd-quark']}"
+        ref = transformers_logprobs(reference, prompts, reference_qdq(export)) if "logprobs" in result else None
+        verdict = judge(case, result, ref, transformers_logprobs(toy, prompts) if ref is not None else None)
+        findings = prediction(export)
+        miss = agrees(verdict, findings)
+        outcome = verdict["outcome"] + (f": {verdict['error']}" if verdict["error"] else "")
+        pred = ("error: " + findings[0].message) if findings else "pass"
+        delta = f"{verdict['delta']:.4f}" if "delta" in verdict else ""
+        effect = f"{verdict['effect']:.4f}" if "effect" in verdict else ""
+        rows.append(f"| {case.toy} | {case.scheme} | {case.recipe} | {_cell(outcome, 260)} | {_cell(pred, 200)} | "
+                    f"{delta} | {effect} | {'yes' if miss is None else 'NO: ' + _cell(miss, 160)} |")
+        print(f"{case.name}: {outcome[:100]} | {pred[:80]} | {delta} ({time.time() - started:.0f}s)", flush=True)
+    return "\n".join([
+        f"## transformers: its own Quark and FP8 loading ({versions}, CPU)", "",
+        "Produced by `.venv/bin/python scripts/engine_matrix.py --transformers` (part of `make test-engines`; the "
+        "same cases are asserted by `tests_engines/test_transformers.py`). `AutoModelForCausalLM.from_pretrained` "
+        "on the export in `.venv-quark` (tests_engines/transformers_probe.py; nothing patched): Quark exports go "
+        "through QuarkHfQuantizer (amd-quark's QParamsLinear and its own MX/FP8 emulation), block-FP8 exports "
+        "through FineGrainedFP8HfQuantizer, which dequantizes on a machine without a GPU. Δ logprob: against "
+        "transformers on the dequantized export with MXFP4 activation QDQ on the W4A4 linears (loads-wrong above "
+        f"{TOLERANCE}); effect: that reference against the unquantized toy. Prediction: `quant verify-manifest "
+        f"--engine {RELEASE}`. bf16-routed-experts: every linear of all-linear but the routed experts "
+        "(tests_engines/recipes/), the Quark export transformers can load.", "",
+        "| architecture | scheme | recipe | transformers outcome | prediction | Δ logprob | effect | agrees |",
+        "|---|---|---|---|---|---|---|---|", *rows]) + "\n"
+
+
+def _cell(text: str, width: int) -> str:
+    return text.replace("|", "/").replace("\n", " ")[:width]
+
+
 def _sglang_cell(model: dict) -> str:
     outcome = model["outcome"]
     if outcome in ("build-error", "load-error"):
@@ -142,8 +214,14 @@ def main() -> int:
     parser.add_argument("--sglang", action="store_true", help="write the SGLang section (run with .venv-sglang)")
     parser.add_argument("--only", default=None, help="with --sglang: rerun the rows of these toys (comma-separated) "
                         "and keep the section's other rows as they are")
+    parser.add_argument("--transformers", action="store_true", help="write the transformers section (run with "
+                        ".venv; the probe runs in .venv-quark)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="engine-matrix-"))
+    if args.transformers:
+        _splice_transformers(args.out, transformers_matrix(work))
+        print(f"wrote the transformers section of {args.out}")
+        return 0
     if args.sglang:
         only = set(args.only.split(",")) if args.only else None
         _splice(args.out, None, sglang_matrix(work, only, args.out))

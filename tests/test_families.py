@@ -255,7 +255,7 @@ def test_new_family_quantizes_and_passes_every_engine(new_toys, toy, tmp_path):
     # Vision towers and projectors stay BF16 whatever the recipe.
     assert all(t.dtype != "U8" for n, t in tensors.items()
                if n.startswith(("vision_tower.", "mm_projector.", "multi_modal_projector.", "patch_merge_mlp.")))
-    report = verify_checkpoint(out, engines=["sglang", "vllm", "transformers"])
+    report = verify_checkpoint(out, engines=["sglang", "vllm"])
     assert not report.errors, [f.message for f in report.errors]
 
 

@@ -36,7 +36,7 @@ def test_every_family_and_source_passes_preflight(toy_factory, tmp_path, family,
     manifest = quantize_checkpoint(src, out)  # self-check against sglang and vllm runs inside
     assert (out / COMPLETE_MARKER).exists()
     assert tree_hashes(src) == before, "the source checkpoint must never be written"
-    report = verify_checkpoint(out, engines=["sglang", "vllm", "transformers"])
+    report = verify_checkpoint(out, engines=["sglang", "vllm"])
     assert not report.errors, [f.message for f in report.errors]
     tensors = header(out)
     experts = [n for n in tensors if ".mlp.experts." in n and n.endswith(".weight")]

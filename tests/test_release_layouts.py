@@ -54,7 +54,7 @@ def test_qwen35_release_layout_quantizes_and_names_engine_modules(toy_factory, t
         assert name in exclude
     assert "language_model.model.layers.1.self_attn.q_proj" in exclude and "visual.blocks.0.attn.qkv" in exclude
     assert "mtp.fc" in exclude and "mtp.layers.0.mlp.experts.0.gate_proj" in exclude
-    report = verify_checkpoint(out, engines=["sglang", "vllm==0.32", "transformers"])
+    report = verify_checkpoint(out, engines=["sglang", "vllm==0.32"])
     assert not report.errors, [f.message for f in report.errors]
 
 

@@ -115,10 +115,16 @@ def test_mispacked_mxfp4_weight_is_named_with_the_engine_shape(qwen_all_linear, 
     code, found = cli_json(broken, "--engine", "sglang", "--engine", "vllm==0.32", "--engine", "transformers")
     assert code == 1
     assert {f["engine"] for f in found} == {"sglang", "vllm", "transformers"}
+    routed_expert = ".experts." in module
     for finding in found:
+        if finding["engine"] == "transformers" and (routed_expert or "never quantized" in finding["message"]):
+            # transformers builds the routed experts as fused BF16 parameters: every quantized expert is refused
+            assert "never quantized" in finding["message"] and ".experts." in finding["tensor"], finding
+            continue
         assert finding["tensor"] == module + ".weight", finding  # the weight, never its (intact) scale
         assert f"expected U8 [{shape[0]}, {shape[1] // 2}]" in finding["message"], finding["message"]
         assert ("not packed" if layout == "unpacked" else "packed along the output dimension") in finding["message"]
+    assert routed_expert or any(f["engine"] == "transformers" and f["tensor"] == module + ".weight" for f in found)
 
 
 def test_mispacked_mla_weight_is_named(deepseek_all_linear, tmp_path):
@@ -188,9 +194,13 @@ def test_non_aligned_block_fp8_moe_per_release(qwen_fp8_block_experts_96):
     report = verify_checkpoint(qwen_fp8_block_experts_96, engines=["all"])
     by_engine = {(f.engine, f.versions): f for f in report.errors}
     # vLLM 0.31 carries the same refinement as 0.32 (both wheels read): one finding for both releases.
-    assert set(by_engine) == {("vllm", ("0.31", "0.32", "0.33")), ("sglang", ("0.5.12", "0.5.19"))}
+    assert set(by_engine) == {("vllm", ("0.31", "0.32", "0.33")), ("sglang", ("0.5.12", "0.5.19")),
+                              ("transformers", ("5.23",))}
     assert "_load_w2" in by_engine[("vllm", ("0.31", "0.32", "0.33"))].message
-    # SGLang does not refine: it refuses to build the FusedMoE; transformers' FP8 integration loads it.
+    # transformers' FP8 integration dequantizes on CPU with blocks of rows // grid rows: hidden 160 over 2 -> 80
+    assert any("blocks of 80x" in f.message or "x80 (its shape" in f.message
+               for f in report.errors if f.engine == "transformers")
+    # SGLang does not refine: it refuses to build the FusedMoE.
     sglang = by_engine[("sglang", ("0.5.12", "0.5.19"))]
     assert sglang.tensor == "model.layers.0.mlp.experts.0.gate_proj.weight"
     assert "The output_size of gate's and up's weight = 96 is not divisible by weight quantization block_n" \
@@ -264,5 +274,5 @@ def test_correct_exports_pass(toy_factory, tmp_path, name):
         shape_errors = [f for f in report.errors if f.rule.startswith(SHAPE_RULES)]
         assert not shape_errors, (scheme, recipe, [(f.tensor, f.message) for f in shape_errors])
         if scheme != "w_mxfp4":  # weight-only MXFP4 is a scheme SGLang does not build (not a shape question)
-            report = verify_checkpoint(out, engines=["sglang", "vllm==0.32", "transformers"])
+            report = verify_checkpoint(out, engines=["sglang", "vllm==0.32"])
             assert not report.errors, (scheme, recipe, [(f.engine, f.tensor, f.message) for f in report.errors])

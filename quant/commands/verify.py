@@ -8,12 +8,16 @@ from typing import List, Optional
 
 import typer
 
+from quant.engines import SERVING_ENGINES
+
 
 def command(
     ckpt: Path = typer.Argument(..., help="Quark checkpoint directory (config.json + safetensors shards)."),
-    engine: List[str] = typer.Option(["all"], "--engine", "-e",
+    engine: List[str] = typer.Option(list(SERVING_ENGINES), "--engine", "-e",
                                      help="sglang | vllm | transformers | all, or one release: sglang==0.5.12 "
-                                          "(repeatable; default: every engine, strictest rules)."),
+                                          "(repeatable; default: the serving engines sglang and vllm, each at its "
+                                          "default releases, strictest rules; transformers' own Quark loading "
+                                          "only with transformers or all)."),
     json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
     fix: Optional[Path] = typer.Option(None, "--fix", help="Write a corrected config.json to this path (a new "
                                        "file; never over the checkpoint's own, nor over an existing file unless "

@@ -26,7 +26,7 @@ __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: int | None = None,
                       metadata_dir: str | Path | None = None) -> Report:
     """Predict engine load failures of the Quark (or official block-FP8) checkpoint at `path`. `engines`: names ("sglang"), pinned
-    releases ("sglang==0.5.12") or "all" (default). Raises UnreadableCheckpoint when it cannot be read."""
+    releases ("sglang==0.5.12") or "all"; default: the serving engines, SGLang and vLLM. Raises UnreadableCheckpoint when it cannot be read."""
     ckpt = open_checkpoint(path, metadata_dir)
     profiles = select_profiles(engines)
     findings = hygiene.integrity_findings(ckpt)

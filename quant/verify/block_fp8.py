@@ -270,6 +270,37 @@ def tp_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None, shape
     return out
 
 
+def dequant_grid_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
+    """Engines that dequantize block FP8 with a block derived from the scale grid (`block_fp8_dequant_grid` in
+    manifests/engines.yaml: transformers' Fp8Dequantize, rows // ceil(rows / 128)): a dimension that is not a
+    multiple of 128 either does not divide into the grid (it raises) or divides into blocks of another size (the
+    weights load wrong). One finding per such weight and engine release."""
+    out: list[Finding] = []
+    for profile in profiles:
+        rule = profile.rules.get("block_fp8_dequant_grid")
+        if not rule:
+            continue
+        for name, info in sorted(ckpt.tensors.items()):
+            if info.dtype != "F8_E4M3" or len(info.shape) != 2 or \
+                    name[: -len(".weight")] + ".weight_scale_inv" not in ckpt.tensors:
+                continue
+            rows, cols = info.shape
+            grid_rows, grid_cols = block_grid((rows, cols))
+            if rows % grid_rows or cols % grid_cols:
+                what = rule["raises"].format(rows=rows, cols=cols, grid_rows=grid_rows, grid_cols=grid_cols)
+            elif (grid_rows > 1 and rows // grid_rows != FP8_BLOCK) or \
+                    (grid_cols > 1 and cols // grid_cols != FP8_BLOCK):
+                what = rule["wrong"].format(block_rows=rows // grid_rows, block_cols=cols // grid_cols)
+            else:
+                continue
+            out.append(Finding("error", profile.engine, (profile.release,), name,
+                               f"{name} is F8_E4M3 {[rows, cols]}, not a whole number of 128x128 blocks: "
+                               f"{profile.title} {what}",
+                               f"keep {name[: -len('.weight')]} in BF16 (modules_to_not_convert) for {profile.engine}, "
+                               "or load it on a GPU of compute capability >= 8.9", "FP8 dequantize grid"))
+    return out
+
+
 def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: ShapeOf | None = None,
                        tp: int | None = None) -> list[Finding]:
     q = ckpt.config["quantization_config"]
@@ -319,4 +350,4 @@ def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: Shap
                                f"{list(info.shape)} with weight_scale_inv, but {name} is {info.dtype}",
                                f"add {module} to modules_to_not_convert", RULE))
     return out + moe_block_findings(ckpt, profiles, tp) + merged_gemm_findings(ckpt, profiles) + \
-        tp_findings(ckpt, profiles, tp, shape_of)
+        tp_findings(ckpt, profiles, tp, shape_of) + dequant_grid_findings(ckpt, profiles)
