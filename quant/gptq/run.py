@@ -427,7 +427,9 @@ class Workers:
     code, wherever it runs; and the groups' results are merged in one fixed order. Which worker solves which
     group is a deterministic greedy balance of estimated costs (largest first, to the least loaded worker), so
     the manifest's `worker` records repeat between runs on the same devices. CPU workers each get
-    `process.cpu_threads(workers)` intra-op threads (OpenMP keeps the count per thread). Devices of one kind
+    `process.cpu_threads(workers)` intra-op threads (OpenMP keeps the count per thread), one worker keeps the
+    caller's; so no result may depend on the thread count: the float64 Cholesky factorisation, whose MKL rounding
+    does, always runs on one thread (`solve._one_cpu_thread`; tests/test_gptq_determinism.py). Devices of one kind
     give identical bytes; a CPU worker beside CUDA ones would not (different kernels)."""
 
     def __init__(self, devices: list[str]):

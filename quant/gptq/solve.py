@@ -13,6 +13,7 @@ solved together, one column loop for all of them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,26 +36,51 @@ def damped_inverse_factor(h: torch.Tensor, damp: torch.Tensor) -> tuple[torch.Te
     """Upper Cholesky factor of H^-1 for each H [E, K, K] (fp32), after adding damp[e] * mean(diag H[e]) to the
     diagonal. Columns no calibration token reached (zero diagonal) get 1, so they are rounded to nearest and
     spread no error. A matrix that is still not positive definite gets ten times the damping, up to three times.
+    Computed on one intra-op thread on CPU (`_one_cpu_thread`): the same bytes in any worker.
     Returns (factor [E, K, K], the damping used [E])."""
-    h = h.to(torch.float64).clone()
-    k = h.shape[-1]
-    diag = h.diagonal(dim1=-2, dim2=-1)
-    dead = diag == 0
-    diag[dead] = 1.0
-    mean = diag.mean(dim=-1)
-    damp = damp.to(torch.float64).clone()
-    eye = torch.eye(k, dtype=torch.float64, device=h.device)
-    for _ in range(4):
-        chol, info = torch.linalg.cholesky_ex(h + (damp * mean)[:, None, None] * eye)
-        bad = info != 0
-        if not bool(bad.any()):
-            break
-        damp = torch.where(bad, damp * 10, damp)
-    else:
-        raise ValueError("the Hessian is not positive definite even with 1000x damping")
-    inverse = torch.cholesky_inverse(chol)
-    factor = torch.linalg.cholesky(inverse, upper=True)
-    return factor.to(torch.float32), damp.to(torch.float32)
+    with _one_cpu_thread(h.device):
+        h = h.to(torch.float64).clone()
+        k = h.shape[-1]
+        diag = h.diagonal(dim1=-2, dim2=-1)
+        dead = diag == 0
+        diag[dead] = 1.0
+        mean = diag.mean(dim=-1)
+        damp = damp.to(torch.float64).clone()
+        eye = torch.eye(k, dtype=torch.float64, device=h.device)
+        for _ in range(4):
+            chol, info = torch.linalg.cholesky_ex(h + (damp * mean)[:, None, None] * eye)
+            bad = info != 0
+            if not bool(bad.any()):
+                break
+            damp = torch.where(bad, damp * 10, damp)
+        else:
+            raise ValueError("the Hessian is not positive definite even with 1000x damping")
+        inverse = torch.cholesky_inverse(chol)
+        factor = torch.linalg.cholesky(inverse, upper=True)
+        return factor.to(torch.float32), damp.to(torch.float32)
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """One intra-op thread for the calling thread (CPU tensors), its own count back after.
+
+    Why: MKL's LAPACK (potrf, potri) rounds differently with different thread counts, and the solver's fp32 factor
+    then differs in a few entries (98 of 37.7M at K 6144 between 1 and 2 threads), enough to flip codes: one
+    worker solves in the calling thread (torch's default, every core), each of several CPU workers with
+    `process.cpu_threads(n)`, and their exports differed (issue #24: 214 bytes of a [2048, 6144] weight). A fixed
+    count makes the factor a function of the Hessian alone. The column loop (elementwise ops, and fp32 matmuls
+    whose inner dimension is one 128-column batch) gave the same bytes at 1 and 2 threads, and keeps its threads.
+    One thread costs little: the factorisation was 14 s at K 6144 on one core of the 2-core VM, 66 s on two
+    beside a loaded neighbour; on a many-core machine several CPU workers keep the cores busy."""
+    if device.type != "cpu" or torch.get_num_threads() == 1:
+        yield
+        return
+    before = torch.get_num_threads()  # per thread: OpenMP and MKL (mkl_set_num_threads_local) keep their own
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def gptq_mxfp4(weight: torch.Tensor, hessian: torch.Tensor, scale_mode: str = "even",
