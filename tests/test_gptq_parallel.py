@@ -1,7 +1,7 @@
 """GPTQ on several workers (`--devices cpu,cpu`, `--workers 2`): each layer's solves are shared among the workers,
 and the export is byte-identical to one worker's (the MTP layer's solves included); the manifest says which worker
-(and device) solved each weight.
-Families whose decoder layers GPTQ cannot build are refused with one line before any calibration work."""
+(and device) solved each weight. (A family whose decoder layers GPTQ cannot build is refused with one line before any
+calibration work: tests/test_families_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from quant.errors import QuantError
 from quant.gptq import CalibrationSettings, GptqSettings
 from quant.pipeline import quantize_checkpoint
 
@@ -81,26 +80,6 @@ def test_a_failing_worker_stops_the_others_and_is_raised():
         assert workers.run([ok(0), ok(1), ok(2)], [1.0, 1.0, 1.0]) == [(0, 0), (1, 1), (0, 2)]
         with pytest.raises(RuntimeError, match="solver failed"):
             workers.run([boom, ok(3), ok(4)], [3.0, 1.0, 1.0])
-
-
-@pytest.mark.parametrize("family, name", [("kimi-k2.5", "kimi_k25"), ("minimax-m3", "minimax_m3_vl")])
-# (minimax-m2 solves since its family data maps block_sparse_moe.experts.E.w1/w3/w2 to transformers' names:
-# tests/test_families_e2e.py)
-def test_families_gptq_cannot_build_are_refused_before_calibration(family, name, toy_factory, tmp_path,
-                                                                    monkeypatch):
-    import quant.gptq.run as run
-
-    def no_calibration(*args, **kwargs):
-        raise AssertionError("calibration started")
-
-    monkeypatch.setattr(run, "calibration_tokens", no_calibration)
-    with pytest.raises(QuantError) as error:
-        quantize_checkpoint(toy_factory(family), tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
-                            check_engines=None, log=lambda m: None)
-    message = str(error.value)
-    assert message.startswith(f"--method gptq does not support {name} checkpoints yet: ")
-    assert "--method rtn" in message and "\n" not in message
-    assert not (tmp_path / "out" / "config.json").exists()
 
 
 def _mtp_outputs(manifest: dict, block: str = "model.layers.2.") -> dict[str, dict]:

@@ -38,7 +38,8 @@ MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "fi
 DECODER_LAYER_KEYS = ("returns", "carry_bytes_per_token", "workspace_bytes_per_token")
 MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
-TRANSFORMERS_LAYER_KEYS = ("renames", "expert_projs")
+TRANSFORMERS_LAYER_KEYS = ("text_model", "renames", "expert_projs", "fused_linears")
+NO_TRANSFORMERS_LAYER = {"text_model": None, "renames": {}, "expert_projs": {}, "fused_linears": {}}
 
 
 def families_dir() -> Path:
@@ -85,10 +86,13 @@ class Family:
     release_recipes: dict[str, dict] = field(default_factory=dict)
     # MTP modules the config declares but the release does not publish: {count_keys: [...], reason: ...}
     mtp_unpublished: dict | None = None
-    # Where transformers' decoder layer keeps a checkpoint tensor when the names differ (quant/gptq/layers.py builds
-    # the layer and loads it tensor by tensor): `renames` {checkpoint prefix: transformers prefix} within a layer,
-    # `expert_projs` {checkpoint expert leaf: gate_proj | up_proj | down_proj}
-    transformers_layer: dict = field(default_factory=lambda: {"renames": {}, "expert_projs": {}})
+    # How GPTQ builds the decoder layers with transformers (quant/gptq/layers.py builds them from config.json and
+    # loads them tensor by tensor): `text_model`, the transformers causal-LM class built from the text config of a
+    # wrapper AutoModelForCausalLM has no model for (None: AutoModelForCausalLM on config.json); and where the
+    # layer keeps a checkpoint tensor when the names differ: `renames` {checkpoint prefix: transformers prefix}
+    # within a layer (first match wins), `expert_projs` {checkpoint expert leaf: gate_proj | up_proj | down_proj},
+    # `fused_linears` {transformers linear: [checkpoint linears whose rows it concatenates, in order]}
+    transformers_layer: dict = field(default_factory=lambda: dict(NO_TRANSFORMERS_LAYER))
     # Modules an engine cannot load in some schemes: {module regex: [scheme names]}; under those schemes they stay
     # BF16 whatever the recipe says (the reason and the engine source sit beside the entry in the family file)
     bf16_under_schemes: list[tuple[re.Pattern, frozenset]] = field(default_factory=list)
@@ -224,15 +228,24 @@ def _load_family_file(path: Path) -> Family:
 
 def _transformers_layer(data: dict, parent: Family | None, where: str) -> dict:
     if "transformers_layer" not in data:
-        return parent.transformers_layer if parent else {"renames": {}, "expert_projs": {}}
+        return parent.transformers_layer if parent else dict(NO_TRANSFORMERS_LAYER)
     spec = check_keys(data["transformers_layer"], TRANSFORMERS_LAYER_KEYS, where, "transformers_layer")
     renames = spec.get("renames") or {}
     projs = spec.get("expert_projs") or {}
+    fused = spec.get("fused_linears") or {}
+    text_model = spec.get("text_model")
     if not isinstance(renames, dict) or not isinstance(projs, dict) or \
             not set(projs.values()) <= {"gate_proj", "up_proj", "down_proj"}:
         raise BadData(f"{where}: transformers_layer needs renames {{checkpoint: transformers}} and expert_projs "
                       "{checkpoint leaf: gate_proj | up_proj | down_proj}")
-    return {"renames": {str(k): str(v) for k, v in renames.items()}, "expert_projs": dict(projs)}
+    if not isinstance(fused, dict) or not all(isinstance(v, list) and len(v) > 1 and all(isinstance(x, str) for x in v)
+                                              for v in fused.values()):
+        raise BadData(f"{where}: transformers_layer.fused_linears needs {{transformers linear: [checkpoint linears, "
+                      "...]}} (two or more, in row order)")
+    if text_model is not None and not (isinstance(text_model, str) and text_model.isidentifier()):
+        raise BadData(f"{where}: transformers_layer.text_model must be a transformers class name, got {text_model!r}")
+    return {"text_model": text_model, "renames": {str(k): str(v) for k, v in renames.items()},
+            "expert_projs": dict(projs), "fused_linears": {str(k): [str(x) for x in v] for k, v in fused.items()}}
 
 
 def load_family(name: str) -> Family:

@@ -179,9 +179,12 @@ def solver_bytes(group: int, rows: int, k: int) -> int:
 
 def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> list[LayerPlan]:
     """Each decoder layer's GPTQ work and memory, from the meta model (shapes only)."""
+    from quant.gptq.layers import LayerNames
+
     prefix = family.text_prefixes[0]
+    names = LayerNames.of_family(family)
     return [_plan_layer(index, layer, f"{prefix}layers.{index}.", _solved_rule(family, recipe, scheme), settings,
-                        dtype_bytes) for index, layer in enumerate(model.get_decoder().layers)]
+                        dtype_bytes, names) for index, layer in enumerate(model.get_decoder().layers)]
 
 
 def _solved_rule(family, recipe, scheme, mtp: bool = False):
@@ -202,25 +205,33 @@ def _solved_rule(family, recipe, scheme, mtp: bool = False):
     return solved
 
 
-def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes: int) -> LayerPlan:
+def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes: int, names=None) -> LayerPlan:
     """One decoder layer's GPTQ work and memory (`layer` on the meta device, its checkpoint names under
-    `base_name`), the passes and solve groups cut as `run._solve_layer` cuts them."""
+    `base_name`, transformers' names mapped to the checkpoint's by `names`, a `layers.LayerNames`), the passes and
+    solve groups cut as `run._solve_layer` cuts them."""
     import torch
 
+    from quant.gptq.layers import LayerNames
     from quant.gptq.run import _groups
 
+    names = names or LayerNames()
     modules = dict(layer.named_modules())
     plain, fused = {}, {}  # key -> param; fused: key -> (param, experts solved)
+    plain_weights = 0  # checkpoint weights the plain linears hold (a fused linear holds several)
     for key, param in layer.named_parameters():
         path, name = key.rsplit(".", 1) if "." in key else ("", key)
         module = modules.get(path)
-        base = f"{base_name}{path}"
         if isinstance(module, torch.nn.Linear) and name == "weight":
-            if solved(base):
+            parts = names.fused_parts(key) or [names.checkpoint(key)]
+            count = sum(solved(base_name + part[:-len(".weight")]) for part in parts)
+            if count:
                 plain[key] = param
+                plain_weights += count
         elif name in ("gate_up_proj", "down_proj") and hasattr(module, "gate_up_proj") and param.dim() == 3:
+            base = base_name + names.checkpoint(f"{path}.")[:-1]
             projs = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
-            experts = [e for e in range(param.shape[0]) if any(solved(f"{base}.{e}.{p}") for p in projs)]
+            experts = [e for e in range(param.shape[0])
+                       if any(solved(f"{base}.{e}.{names.leaf(p)}") for p in projs)]
             if experts:
                 fused[key] = (param, experts)
     # Passes exactly as run._solve_layer cuts them.
@@ -248,7 +259,7 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
                 groups += 1
                 solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
                 gather = max(gather, len(sel) * param[0].numel() * dtype_bytes)
-    weights = len(plain) + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
+    weights = plain_weights + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
     elements = sum(p.numel() for p in plain.values()) + sum(len(e) * p[0].numel() for p, e in fused.values())
     layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
     layer_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())

@@ -3,9 +3,9 @@
 Plain `nn.Linear` weights: a forward pre-hook adds every input row. Fused expert parameters (transformers'
 `*Experts` modules: `gate_up_proj` [E, 2I, H] = cat(gate, up) per expert, `down_proj` [E, H, I], forward(hidden,
 top_k_index, top_k_weights)): the module's forward is wrapped, and for each expert only the tokens the router sent
-to it are added (gate/up: the hidden states; down: act(gate) * up of those tokens, computed with the expert's
-current weights as the module itself does). Token counts are kept per expert, so experts that saw too few tokens
-can be treated apart (`quant.gptq.run`).
+to it are added (gate/up: the hidden states; down: the gated activation of those tokens, computed with the expert's
+current weights by the module's own `_apply_gate`: act(gate) * up, or MiniMax-M3's clamped swiglu). Token counts
+are kept per expert, so experts that saw too few tokens can be treated apart (`quant.gptq.run`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ def supported(layer: torch.nn.Module, key: str) -> bool:
     if isinstance(module, torch.nn.Linear):
         return param == "weight"
     return module is not None and param in ("gate_up_proj", "down_proj") and hasattr(module, "gate_up_proj")
+
+
+def _act_times_up(module):
+    """act(gate) * up of a gate_up output (transformers' default `_apply_gate`, for *Experts modules without one)."""
+    def gated(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return module.act_fn(gate) * up
+    return gated
 
 
 class HessianCollector:
@@ -79,6 +87,7 @@ class HessianCollector:
         self.slots = getattr(self, "slots", {})
         self.slots[path] = active
         original = module.forward
+        gated = getattr(module, "_apply_gate", None) or _act_times_up(module)
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             with torch.no_grad():
@@ -92,8 +101,7 @@ class HessianCollector:
                     if want_gu:
                         self._add(f"{path}.gate_up_proj", slot[e], x, tokens.numel())
                     if want_down:
-                        gate, up = torch.nn.functional.linear(x.to(gate_up.dtype), gate_up[e]).chunk(2, dim=-1)
-                        a = (module.act_fn(gate) * up).to(torch.float32)
+                        a = gated(torch.nn.functional.linear(x.to(gate_up.dtype), gate_up[e])).to(torch.float32)
                         self._add(f"{path}.down_proj", slot[e], a, tokens.numel())
             return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 

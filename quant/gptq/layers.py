@@ -30,17 +30,51 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 @dataclass(frozen=True)
 class LayerNames:
     """Checkpoint names within a decoder layer <-> transformers' (family data `transformers_layer`: MiniMax-M2's
-    block_sparse_moe.experts.E.w1/w3/w2 are transformers' mlp.experts gate_up_proj / down_proj)."""
+    block_sparse_moe.experts.E.w1/w3/w2 are transformers' mlp.experts gate_up_proj / down_proj; MiniMax-M3's
+    mlp.gate_proj and mlp.up_proj are the row halves of transformers' mlp.gate_up_proj linear)."""
 
     renames: tuple[tuple[str, str], ...] = ()  # (checkpoint prefix, transformers prefix)
     projs: tuple[tuple[str, str], ...] = ()  # (checkpoint expert leaf, gate_proj | up_proj | down_proj)
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (transformers linear, checkpoint linears in row order)
 
     @classmethod
     def of(cls, ckpt: Checkpoint) -> "LayerNames":
         from quant.families import family_for_config
 
-        spec = family_for_config(ckpt.config, ckpt.root / "config.json").transformers_layer
-        return cls(tuple(spec["renames"].items()), tuple(spec["expert_projs"].items()))
+        return cls.of_family(family_for_config(ckpt.config, ckpt.root / "config.json"))
+
+    @classmethod
+    def of_family(cls, family) -> "LayerNames":
+        spec = family.transformers_layer
+        return cls(tuple(spec["renames"].items()), tuple(spec["expert_projs"].items()),
+                   tuple((k, tuple(v)) for k, v in spec.get("fused_linears", {}).items()))
+
+    def fused_parts(self, key: str) -> list[str] | None:
+        """The checkpoint names (relative to the layer) whose rows transformers' linear weight `key` concatenates,
+        in order; None when `key` is no fused linear of the family."""
+        path, _, leaf = key.rpartition(".")
+        module_path, _, module = path.rpartition(".")
+        if leaf != "weight":
+            return None
+        for theirs, ours in self.fused:
+            if module == theirs:
+                stem = self.checkpoint(f"{module_path}.{theirs}.weight" if module_path else f"{theirs}.weight")
+                base = stem[:-len(f"{theirs}.weight")]
+                return [f"{base}{part}.weight" for part in ours]
+        return None
+
+    def fused_of(self, rest: str) -> tuple[str, list[str]] | None:
+        """For a checkpoint linear `rest` (transformers' naming, relative to the layer) that is one part of a fused
+        linear: (the fused linear's weight key, its parts' transformers keys in order); None otherwise."""
+        path, _, leaf = rest.rpartition(".")
+        module_path, _, module = path.rpartition(".")
+        if leaf != "weight":
+            return None
+        stem = f"{module_path}." if module_path else ""
+        for theirs, ours in self.fused:
+            if module in ours:
+                return f"{stem}{theirs}.weight", [f"{stem}{part}.weight" for part in ours]
+        return None
 
     def checkpoint(self, key: str) -> str:
         """The checkpoint's name (relative to the layer) of transformers' layer key."""
@@ -100,10 +134,18 @@ def _unsupported(ckpt: Checkpoint, why: str) -> QuantError:
 
 def config_model(root: Path, dtype: torch.dtype = torch.float32, unsupported=None) -> torch.nn.Module:
     """transformers' causal LM built from `root`/config.json alone, on the meta device (no memory, no weights:
-    what `meta_model` checks against a checkpoint, and what `quant quantize --dry-run` sizes).
-    `unsupported(why)` makes the error for a config transformers has no causal LM for."""
+    what `meta_model` checks against a checkpoint, and what `quant quantize --dry-run` sizes). For a
+    vision-language wrapper AutoModelForCausalLM has no model for, the causal LM of its text config that the
+    family data names (`transformers_layer.text_model`: Kimi-K2.5's DeepseekV3ForCausalLM), so the decoder is the
+    text model alone and the vision tower is never built. `unsupported(why)` makes the error for a config
+    transformers has no causal LM for."""
+    import json
+
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from quant.families import family_for_config
 
     unsupported = unsupported or (lambda why: QuantError(f"--method gptq cannot run this checkpoint: {why}"))
     try:
@@ -111,12 +153,27 @@ def config_model(root: Path, dtype: torch.dtype = torch.float32, unsupported=Non
     except Exception as e:
         raise QuantError(f"{root / 'config.json'}: transformers cannot build a config from it "
                          f"({str(e).splitlines()[0][:160]})") from None
+    build = AutoModelForCausalLM.from_config
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise unsupported(f"transformers' AutoModelForCausalLM has no model for {type(config).__name__} "
-                          f"(model_type {config.model_type})")
+        no_model = (f"transformers' AutoModelForCausalLM has no model for {type(config).__name__} "
+                    f"(model_type {config.model_type})")
+        family = family_for_config(json.loads((root / "config.json").read_text()), root / "config.json")
+        name = family.transformers_layer.get("text_model")
+        if not name:
+            raise unsupported(f"{no_model} and the family data names no text model to build instead "
+                              f"(transformers_layer.text_model in {family.file.name if family.file else 'its file'})")
+        cls = getattr(transformers, name, None)
+        text = config.get_text_config()
+        if cls is None:
+            raise unsupported(f"{no_model}, and transformers {transformers.__version__} has no {name} (the family's "
+                              f"transformers_layer.text_model)")
+        if text is config or not isinstance(text, cls.config_class):
+            raise unsupported(f"{no_model}, and its text config ({type(text).__name__}) is not the "
+                              f"{cls.config_class.__name__} that {name} (transformers_layer.text_model) builds from")
+        config, build = text, cls._from_config
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return build(config, dtype=dtype)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise unsupported(f"transformers cannot build the model from config.json "
                           f"({str(e).splitlines()[0][:160]})") from None
@@ -134,6 +191,9 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
         for key, _ in list(layer.named_parameters()) + list(layer.named_buffers()):  # what load_layer reads
             name = f"{prefix}layers.{index}.{names.checkpoint(key)}"
             if name in ckpt.tensors:
+                continue
+            parts = names.fused_parts(key)
+            if parts and all(f"{prefix}layers.{index}.{part}" in ckpt.tensors for part in parts):
                 continue
             if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
                 base = name.rsplit(".", 1)[0]
@@ -213,7 +273,7 @@ class DecoderStack:
         m = PER_EXPERT.match(rest)
         proj = self.names.proj(m.group("proj")) if m else None
         if proj is None:
-            return Slot(rest)
+            return self._fused_slot(index, rest)
         key = f"{m.group('experts')}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         try:
             height = self.layers[index].get_parameter(key).shape[1]
@@ -225,6 +285,27 @@ class DecoderStack:
         lo = 0 if proj == "gate_proj" else height // 2
         return Slot(key, int(m.group("e")), (lo, lo + height // 2))
 
+    def _fused_slot(self, index: int, rest: str) -> Slot:
+        """A plain linear, or its rows in the fused linear transformers builds in its place (family data
+        `fused_linears`: MiniMax-M3's gate_proj / up_proj in gate_up_proj)."""
+        fused = self.names.fused_of(rest)
+        if fused is None:
+            return Slot(rest)
+        params = dict(self.layers[index].named_parameters())
+        if rest in params or fused[0] not in params:
+            return Slot(rest)
+        key, parts = fused
+        start, layer = 0, f"{self.prefix}layers.{index}."
+        for part in parts:
+            info = self.ckpt.tensors.get(layer + self.names.checkpoint(part))
+            if info is None:
+                raise QuantError(f"{self.ckpt.root}: tensor {layer + self.names.checkpoint(part)} is missing (part "
+                                 f"of {key}, which the decoder layer transformers builds concatenates)")
+            if part == rest:
+                return Slot(key, None, (start, start + info.shape[0]))
+            start += info.shape[0]
+        return Slot(rest)  # unreachable: rest is one of the parts
+
     def load_layer(self, index: int) -> torch.nn.Module:
         """Decoder layer `index` with its source weights (block-FP8 dequantized), in the compute dtype."""
         layer = self.layers[index].to_empty(device=self.device)
@@ -232,8 +313,11 @@ class DecoderStack:
         with torch.no_grad():
             for key, param in list(layer.named_parameters()) + list(layer.named_buffers()):
                 name = prefix + self.names.checkpoint(key)
+                parts = self.names.fused_parts(key)
                 if name in self.ckpt.tensors:
                     value = self.read(name)
+                elif parts and all(prefix + part in self.ckpt.tensors for part in parts):
+                    value = torch.cat([self.read(prefix + part) for part in parts])
                 elif key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
                     value = self._stack_experts(prefix, self.names.checkpoint(key), tuple(param.shape))
                 else:
