@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from quant.pipeline import quantize_checkpoint
 from quant.toy import build_toy
 from quant.verify import verify_checkpoint
+from tests_engines.logprobs import teacher_forced
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
 STUBS = Path(__file__).with_name("stubs")
@@ -209,13 +210,7 @@ def transformers_logprobs(path: Path, prompts: list[list[int]], qdq_inputs: set[
     for name, module in model.named_modules():
         if name in qdq_inputs and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(_mxfp4_input_qdq)
-    rows = []
-    with torch.no_grad():
-        for ids in prompts:
-            logits = model(torch.tensor([ids])).logits[0].float()
-            logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-            rows.append(logp.tolist())
-    return rows
+    return teacher_forced(model, prompts)
 
 
 def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600, emulation: str = "auto") -> dict:

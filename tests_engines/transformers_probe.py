@@ -46,6 +46,8 @@ def main() -> int:
     import torch
     import transformers
 
+    from logprobs import teacher_forced  # beside this script (its directory is sys.path[0])
+
     path, prompts = sys.argv[1], json.loads(sys.argv[2])
     out: dict = {"transformers": transformers.__version__}
     try:
@@ -83,13 +85,7 @@ def main() -> int:
     missing = sorted(info.get("missing_keys") or [])
     out["modules"] = sorted({type(m).__name__ for m in model.modules()})
     try:
-        rows = []
-        with torch.no_grad():
-            for ids in prompts:
-                logits = model(torch.tensor([ids])).logits[0].float()
-                logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-                rows.append(logp.tolist())
-        out["logprobs"] = rows
+        out["logprobs"] = teacher_forced(model, prompts)
     except Exception as exc:
         out.update(outcome="forward-error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
                    unused=unused[:20], missing=missing[:20])
