@@ -70,6 +70,18 @@ def _write_sections(out: Path, old: str, vllm_text: str | None, sglang_text: str
     out.write_text(vllm_part.rstrip() + "\n\n" + sglang_part if sglang_part else vllm_part)
 
 
+def _old_vllm_rows(out: Path) -> dict[tuple[str, ...], str]:
+    """Rows of the vLLM section already in `out`, keyed by (architecture, kind, scheme, recipe, damage)."""
+    text = out.read_text() if out.exists() else ""
+    section = text.partition(SGLANG_BEGIN)[0].partition(TRANSFORMERS_BEGIN)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) > 5 and cells[0] != "architecture":
+            rows[tuple(cells[:5])] = line
+    return rows
+
+
 def _old_sglang_rows(out: Path) -> dict[tuple[str, ...], str]:
     """Rows of the SGLang section already in `out`, keyed by (architecture, scheme, recipe, damage)."""
     text = out.read_text() if out.exists() else ""
@@ -212,8 +224,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/engine-matrix.md"))
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--sglang", action="store_true", help="write the SGLang section (run with .venv-sglang)")
-    parser.add_argument("--only", default=None, help="with --sglang: rerun the rows of these toys (comma-separated) "
-                        "and keep the section's other rows as they are")
+    parser.add_argument("--only", default=None, help="rerun the rows of these toys (comma-separated) and keep the "
+                        "section's other rows as they are (vLLM or, with --sglang, SGLang)")
     parser.add_argument("--transformers", action="store_true", help="write the transformers section (run with "
                         ".venv; the probe runs in .venv-quark)")
     args = parser.parse_args()
@@ -229,8 +241,14 @@ def main() -> int:
         return 0
     import vllm
 
+    only = set(args.only.split(",")) if args.only else None
+    kept = _old_vllm_rows(args.out) if only else {}
     rows = []
     for case in cases():
+        key = (case.toy, case.kind, case.scheme, case.recipe, case.damage)
+        if only and case.toy not in only and key in kept:
+            rows.append(kept[key])
+            continue
         started = time.time()
         path, reference, original = materialize(case, work)
         predicted, why = prediction(path) if case.kind != "bf16" else ("pass", "")
@@ -260,7 +278,11 @@ def main() -> int:
              "| architecture | kind | scheme | recipe | damage | vLLM outcome | prediction | Δ logprob | Δ vs BF16 "
              "| emulated |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for case, outcome, predicted, why, diff, diff_orig, emulated in rows:
+    for row in rows:
+        if isinstance(row, str):  # kept from the section as it was (--only)
+            lines.append(row)
+            continue
+        case, outcome, predicted, why, diff, diff_orig, emulated = row
         note = (unsupported(case) or "") if not outcome.startswith("loaded") else ""
         outcome_cell = outcome.replace("|", "\\|") + (f" ({note})" if note else "")
         pred_cell = predicted + (f": {why[:160]}" if why else "")
