@@ -114,6 +114,10 @@ def test_ctrl_c_is_one_line_exit_130_and_resumable(sharded, tmp_path):
         pytest.skip("the run finished before the signal could be sent")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0 and (out / COMPLETE_MARKER).exists():
+        # under load the poll above can wake after the last shard: the run was finishing when the signal came
+        assert tree_hashes(out) == tree_hashes(clean)
+        pytest.skip("the run finished before the signal arrived")
     assert proc.returncode == 130, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: interrupted"), err
     assert_not_complete(out)
