@@ -40,7 +40,7 @@ TORCH_PIN = "torch==2.13.0"  # every venv built here: an unpinned torch pulls GB
 PEERS = {
     # name: (venv, packages, label)
     "llmc": (REPO / ".venv-llmc", ["llmcompressor==0.14.0.1"], "llm-compressor 0.14.0.1 GPTQ (MXFP4A16, defaults)"),
-    "autoround": (REPO / ".venv-autoround", ["auto-round==0.16.1"],
+    "autoround": (REPO / ".venv-autoround", ["auto-round==0.16.1", "compressed-tensors"],
                   "auto-round 0.16.1 (MXFP4, 200 iters)"),
 }
 # What all-linear keeps BF16 among the toy's nn.Linear modules (the routers are not nn.Linear in transformers).

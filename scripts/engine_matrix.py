@@ -264,7 +264,8 @@ def main() -> int:
         rows.append((case, outcome, predicted, why, diff, diff_orig, ", ".join(result.get("emulated", []))))
         print(f"{case.name}: {outcome[:120]} | predicted {predicted} | {diff} / {diff_orig} "
               f"({time.time() - started:.0f}s)", flush=True)
-    lines = [f"# Engine matrix: vLLM {vllm.__version__} (CPU) against the preflight", "",
+    lines = ["# Engine matrix: vLLM, SGLang and transformers against the preflight", "",
+             f"## vLLM {vllm.__version__} (CPU)", "",
              f"Produced by `.venv-engines/bin/python scripts/engine_matrix.py` (part of `make test-engines`). "
              f"Prediction: `quant verify-manifest --engine {VLLM_RELEASE}`. Δ logprob: mean absolute difference "
              "of teacher-forced token log-probabilities, vLLM vs transformers on the dequantized export, with MXFP4 "
