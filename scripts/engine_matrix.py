@@ -70,28 +70,26 @@ def _write_sections(out: Path, old: str, vllm_text: str | None, sglang_text: str
     out.write_text(vllm_part.rstrip() + "\n\n" + sglang_part if sglang_part else vllm_part)
 
 
-def _old_vllm_rows(out: Path) -> dict[tuple[str, ...], str]:
-    """Rows of the vLLM section already in `out`, keyed by (architecture, kind, scheme, recipe, damage)."""
-    text = out.read_text() if out.exists() else ""
-    section = text.partition(SGLANG_BEGIN)[0].partition(TRANSFORMERS_BEGIN)[0]
+def _table_rows(section: str, key_cells: int) -> dict[tuple[str, ...], str]:
+    """The data rows of the markdown table in `section`, keyed by their first `key_cells` cells."""
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) > 5 and cells[0] != "architecture":
-            rows[tuple(cells[:5])] = line
+        if line.startswith("| ") and len(cells) > key_cells and cells[0] != "architecture":
+            rows[tuple(cells[:key_cells])] = line
     return rows
+
+
+def _old_vllm_rows(out: Path) -> dict[tuple[str, ...], str]:
+    """Rows of the vLLM section already in `out`, keyed by (architecture, kind, scheme, recipe, damage)."""
+    text = out.read_text() if out.exists() else ""
+    return _table_rows(text.partition(SGLANG_BEGIN)[0].partition(TRANSFORMERS_BEGIN)[0], 5)
 
 
 def _old_sglang_rows(out: Path) -> dict[tuple[str, ...], str]:
     """Rows of the SGLang section already in `out`, keyed by (architecture, scheme, recipe, damage)."""
     text = out.read_text() if out.exists() else ""
-    section = text.partition(SGLANG_BEGIN)[2].partition(SGLANG_END)[0]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) > 4 and cells[0] != "architecture":
-            rows[tuple(cells[:4])] = line
-    return rows
+    return _table_rows(text.partition(SGLANG_BEGIN)[2].partition(SGLANG_END)[0], 4)
 
 
 def sglang_matrix(work: Path, only: set[str] | None = None, out: Path | None = None) -> str:
