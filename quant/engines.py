@@ -1,20 +1,21 @@
 """Engine profiles (SGLang, vLLM, transformers) read from manifests/engines.yaml, and the names each engine
 gives a checkpoint module when it looks up its quantization scheme.
 
-A `Profile` is one engine release with its rules merged (engine-wide rules overridden by the release's).
+A `Profile` is one engine release with its rules merged (engine-wide rules overridden by the release's), typed
+by the schema in quant/engine_rules.py (an unknown or misspelled key in engines.yaml is an error when it is read).
 `exclude_aliases` renders the exclude entries every engine needs for one checkpoint module; the quantizer
 uses it to write `exclude`, verify-manifest uses the same naming rules to predict load failures.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 import yaml
 
+from quant.engine_rules import EngineRules, Mtp, MtpNamespace, check_engines, engine_wide_rules, release_rules
 from quant.families import text_config
 from quant.errors import QuantError
 from quant.paths import MANIFESTS_DIR
@@ -32,19 +33,8 @@ def engine_data() -> dict:
             data = yaml.safe_load(f)
     except (OSError, yaml.YAMLError) as e:
         raise QuantError(f"{ENGINES_FILE}: cannot read engine profiles ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("engines"), dict):
-        raise QuantError(f"{ENGINES_FILE}: no 'engines' mapping")
+    check_engines(data, ENGINES_FILE)
     return data
-
-
-def _merged(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 @dataclass(frozen=True)
@@ -54,7 +44,7 @@ class Profile:
     engine: str
     release: str
     title: str
-    rules: dict
+    rules: EngineRules
 
     @property
     def label(self) -> str:
@@ -62,7 +52,7 @@ class Profile:
 
     @property
     def sources(self) -> list[str]:
-        return list(self.rules.get("sources", []))
+        return list(self.rules.sources)
 
 
 def releases(engine: str) -> list[str]:
@@ -82,8 +72,18 @@ def profile(engine: str, release: str) -> Profile:
     if release not in data["releases"]:
         raise QuantError(f"unknown {engine} release '{release}' (profiles exist for: "
                          f"{', '.join(data['releases'])}; see {ENGINES_FILE})")
-    base = {k: v for k, v in data.items() if k not in ("releases", "default_releases", "title")}
-    return Profile(engine, release, data.get("title", engine), _merged(base, data["releases"][release] or {}))
+    return Profile(engine, release, data.get("title", engine), release_rules(data, engine, release, ENGINES_FILE))
+
+
+@lru_cache(maxsize=None)
+def engine_rules(engine: str) -> EngineRules:
+    """The engine-wide rules of `engine` (no release's overrides): what every release of it shares."""
+    return engine_wide_rules(_engine(engine), engine, ENGINES_FILE)
+
+
+def engine_names() -> list[str]:
+    """The engines engines.yaml profiles, in its order."""
+    return list(engine_data()["engines"])
 
 
 # What a preflight checks when no engine is named: the engines that serve the checkpoint. transformers' own Quark
@@ -143,25 +143,42 @@ def split_mtp(module: str, config: dict) -> tuple[int, str] | None:
     return None
 
 
-def sglang_mtp_rule() -> dict:
-    return engine_data()["engines"]["sglang"]["mtp"]
+def sglang_mtp_rule() -> Mtp:
+    return engine_rules("sglang").mtp
+
+
+def nextn_name(rule: Mtp, sub: str) -> str | None:
+    """The NextN draft's runtime name for MTP sub-module `sub` under `rule` (engines.yaml mtp, draft_naming: nextn);
+    None when the draft does not load it (`skip`)."""
+    if any(s in sub for s in rule.skip):
+        return None
+    if any(s in sub for s in rule.spec_names):
+        return f"{rule.spec_prefix}.{sub}"
+    return f"{rule.decoder_prefix}.{sub}"
+
+
+def nextn_moe_coarse(rule: Mtp) -> str:
+    """The NextN draft's FusedMoE prefix under `rule`."""
+    return f"{rule.decoder_prefix}.{rule.moe_coarse}"
+
+
+def map_nextn_checkpoint_name(rule: Mtp, name: str, layer_prefix: str) -> str:
+    """A checkpoint name under `layer_prefix` (model.layers.{N}) mapped to the NextN draft's runtime name the way
+    a draft class with remap_mtp_names does: spec names -> spec_prefix, the rest -> decoder_prefix."""
+    if any(s in name for s in rule.spec_names):
+        return name.replace(layer_prefix, rule.spec_prefix, 1)
+    return name.replace(layer_prefix, rule.decoder_prefix, 1)
 
 
 def sglang_mtp_name(sub: str) -> str | None:
     """SGLang's runtime name for MTP sub-module `sub` (e.g. "eh_proj" -> "model.eh_proj",
     "mlp.shared_experts.gate_proj" -> "model.decoder.mlp.shared_experts.gate_proj"); None when SGLang does
     not load it (embed_tokens, shared_head.head come from the target model)."""
-    rule = sglang_mtp_rule()
-    if any(s in sub for s in rule["skip"]):
-        return None
-    if any(s in sub for s in rule["spec_names"]):
-        return f"{rule['spec_prefix']}.{sub}"
-    return f"{rule['decoder_prefix']}.{sub}"
+    return nextn_name(sglang_mtp_rule(), sub)
 
 
 def sglang_moe_coarse() -> str:
-    rule = sglang_mtp_rule()
-    return f"{rule['decoder_prefix']}.{rule['moe_coarse']}"
+    return nextn_moe_coarse(sglang_mtp_rule())
 
 
 # ---- wrapped architectures (VL models) and namespaced MTP heads -----------------------------------------
@@ -171,9 +188,9 @@ def architecture(config: dict) -> str:
     return str(archs[0]) if isinstance(archs, list) and archs else ""
 
 
-def name_mapper(rules: dict, config: dict) -> dict[str, str]:
+def name_mapper(rules: EngineRules, config: dict) -> dict[str, str]:
     """The engine's checkpoint -> runtime prefix mapping for this config's architecture ({} = same names)."""
-    return dict((rules.get("name_mappers") or {}).get(architecture(config)) or {})
+    return dict(rules.name_mappers.get(architecture(config)) or {})
 
 
 def runtime_name(module: str, mapper: dict[str, str]) -> str:
@@ -186,11 +203,10 @@ def runtime_name(module: str, mapper: dict[str, str]) -> str:
     return module
 
 
-def build_prefixes(rules: dict, config: dict) -> tuple[tuple[str, str], ...]:
+def build_prefixes(rules: EngineRules, config: dict) -> tuple[tuple[str, str], ...]:
     """The engine's (regex, replacement) rules for modules this architecture builds under a quant-config prefix
     other than their checkpoint path (engines.yaml `build_prefixes`; () = none). Never applied to `exclude`."""
-    return tuple((str(r["match"]), str(r["replace"]))
-                 for r in (rules.get("build_prefixes") or {}).get(architecture(config)) or [])
+    return tuple((r.match, r.replace) for r in rules.build_prefixes.get(architecture(config)) or [])
 
 
 def module_runtime_name(module: str, mapper: dict[str, str], prefixes: tuple[tuple[str, str], ...] = ()) -> str:
@@ -201,11 +217,11 @@ def module_runtime_name(module: str, mapper: dict[str, str], prefixes: tuple[tup
     return name
 
 
-def mtp_namespace(rules: dict, config: dict) -> dict | None:
+def mtp_namespace(rules: EngineRules, config: dict) -> MtpNamespace | None:
     """The engine's rule for an MTP head stored under its own namespace (Qwen3.5 `mtp.*`), if this
     architecture has one."""
-    rule = rules.get("mtp_namespace")
-    if isinstance(rule, dict) and architecture(config) in rule.get("architectures", []):
+    rule = rules.mtp_namespace
+    if rule is not None and architecture(config) in rule.architectures:
         return rule
     return None
 
@@ -235,10 +251,10 @@ def _renamers(arch: str) -> tuple:
     return tuple(pairs)
 
 
-def unexpanded_fused(rules: dict, config: dict) -> frozenset[str]:
+def unexpanded_fused(rules: EngineRules, config: dict) -> frozenset[str]:
     """Fused modules this architecture builds that the engine's quant config looks up by the fused name only
     (engines.yaml `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
-    return frozenset((rules.get("unexpanded_fused") or {}).get(architecture(config)) or [])
+    return frozenset(rules.unexpanded_fused.get(architecture(config)) or [])
 
 
 @lru_cache(maxsize=None)
@@ -250,7 +266,7 @@ def _unexpanded_shards(arch: str) -> tuple[tuple[str, str], ...]:
     for engine in engine_data()["engines"]:
         for release in releases(engine):
             rules = profile(engine, release).rules
-            packed = rules.get("packed_modules_mapping") or {}
+            packed = rules.packed_modules_mapping
             for fused in sorted(unexpanded_fused(rules, config)):
                 pairs += [(shard, fused) for shard in packed.get(fused, []) if (shard, fused) not in pairs]
     return tuple(pairs)
@@ -304,10 +320,7 @@ def _exclude_names(module: str, config: dict) -> list[str]:
 
 def map_sglang_mtp_checkpoint_name(name: str, layer_prefix: str) -> str:
     """GlmMoeDsaForCausalLMNextN._map_mtp_ckpt_name: spec names -> model.*, the rest -> model.decoder.*."""
-    rule = sglang_mtp_rule()
-    if any(s in name for s in rule["spec_names"]):
-        return name.replace(layer_prefix, rule["spec_prefix"], 1)
-    return name.replace(layer_prefix, rule["decoder_prefix"], 1)
+    return map_nextn_checkpoint_name(sglang_mtp_rule(), name, layer_prefix)
 
 
 def apply_substr_mapper(names: list[str], mapper: dict[str, str]) -> list[str]:

@@ -9,6 +9,7 @@ expert leaves in layer_quant_config (config_probe: false).
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -40,7 +41,7 @@ def test_033_is_the_newest_default_release():
     assert [p.label for p in select_profiles(["vllm"])] == ["vllm==0.31", "vllm==0.32", "vllm==0.33"]
     assert [p.label for p in select_profiles(["vllm==latest"])] == ["vllm==0.33"]
     old, new = profile("vllm", "0.32").rules, profile("vllm", "0.33").rules
-    assert {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)} == {"sources"}
+    assert {f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)} == {"sources"}
     assert any("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl" in s for s in profile("vllm", "0.33").sources)
 
 

@@ -132,7 +132,7 @@ def moe_block_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None
     where = f"moe_intermediate_size {inter}{f'/TP {tp} = {ispp}' if tp > 1 else ''}, hidden_size {hidden}"
     out = []
     for profile in profiles:
-        rule = profile.rules.get("block_fp8_moe")
+        rule = profile.rules.block_fp8_moe
         if rule is None:
             continue
         load = fp8_moe_scale_load(rule, inter, hidden, tp)
@@ -165,7 +165,7 @@ def moe_block_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None
 
 
 def _merged_rule(profile: Profile, fused: str) -> str | None:
-    rule = profile.rules.get("block_fp8_merged")
+    rule = profile.rules.block_fp8_merged
     return rule.get(fused, rule.get("default")) if isinstance(rule, dict) else rule
 
 
@@ -173,12 +173,12 @@ def _partition_findings(ckpt: Checkpoint, profile: Profile, fused: str, shards: 
     """Checkpoint shards an engine splits into several output partitions of the fused GEMM
     (`block_fp8_partitions` in manifests/engines.yaml, sizes as text-config products): (shard, partition rows) for
     each partition that is not a whole number of 128-row blocks."""
-    spec = (profile.rules.get("block_fp8_partitions") or {}).get(fused)
-    if not spec:
+    spec = profile.rules.block_fp8_partitions.get(fused)
+    if spec is None:
         return []
     cfg = text_config(ckpt.config)
     sizes = {}
-    for key, factors in (spec.get("sizes") or {}).items():
+    for key, factors in spec.sizes.items():
         value = 1
         for factor in factors:
             if not isinstance(cfg.get(factor), int):
@@ -187,7 +187,7 @@ def _partition_findings(ckpt: Checkpoint, profile: Profile, fused: str, shards: 
         sizes[key] = value
     bad = []
     for shard in shards:
-        for part in (spec.get("partitions") or {}).get(shard, []):
+        for part in spec.partitions.get(shard, []):
             rows = sizes.get(part)
             if rows is not None and rows % FP8_BLOCK:
                 bad.append((shard, rows))
@@ -203,7 +203,7 @@ def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Find
     out = []
     tensors = ckpt.tensors
     for profile in profiles:
-        for fused, shards in (profile.rules.get("packed_modules_mapping") or {}).items():
+        for fused, shards in profile.rules.packed_modules_mapping.items():
             rule = _merged_rule(profile, fused)
             if rule not in ("last_shard_only", "all_shards"):
                 continue
@@ -246,8 +246,8 @@ def tp_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None, shape
         return []
     out = []
     for profile in profiles:
-        error = profile.rules.get("block_fp8_row_tp")
-        patterns = [re.compile(p) for p in profile.rules.get("row_parallel", [])]
+        error = profile.rules.block_fp8_row_tp
+        patterns = [re.compile(p) for p in profile.rules.row_parallel]
         if not error or not patterns:
             continue
         for name, info in sorted(ckpt.tensors.items()):
@@ -277,7 +277,7 @@ def dequant_grid_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Fin
     weights load wrong). One finding per such weight and engine release."""
     out: list[Finding] = []
     for profile in profiles:
-        rule = profile.rules.get("block_fp8_dequant_grid")
+        rule = profile.rules.block_fp8_dequant_grid
         if not rule:
             continue
         for name, info in sorted(ckpt.tensors.items()):
@@ -287,10 +287,10 @@ def dequant_grid_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Fin
             rows, cols = info.shape
             grid_rows, grid_cols = block_grid((rows, cols))
             if rows % grid_rows or cols % grid_cols:
-                what = rule["raises"].format(rows=rows, cols=cols, grid_rows=grid_rows, grid_cols=grid_cols)
+                what = rule.raises.format(rows=rows, cols=cols, grid_rows=grid_rows, grid_cols=grid_cols)
             elif (grid_rows > 1 and rows // grid_rows != FP8_BLOCK) or \
                     (grid_cols > 1 and cols // grid_cols != FP8_BLOCK):
-                what = rule["wrong"].format(block_rows=rows // grid_rows, block_cols=cols // grid_cols)
+                what = rule.wrong.format(block_rows=rows // grid_rows, block_cols=cols // grid_cols)
             else:
                 continue
             out.append(Finding("error", profile.engine, (profile.release,), name,
@@ -342,7 +342,7 @@ def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: Shap
         if info.dtype not in FLOAT_DTYPES or module in skip or PLAIN_LINEAR_IN_FP8_MODELS.search(module):
             continue
         for profile in profiles:
-            never = [re.compile(p) for p in profile.rules.get("never_quantized", [])]
+            never = [re.compile(p) for p in profile.rules.never_quantized]
             if any(p.search(module) for p in never):
                 continue
             out.append(Finding("error", profile.engine, (profile.release,), name,

@@ -36,7 +36,7 @@ def glob_to_regex(entry: str) -> str:
 
 class NameIndex:
     """Every module name any engine looks up (checkpoint, runtime, fused and coarse names); exact entries
-    also count when they name an ancestor (`model.layers.3` for SGLang's whole-draft check)."""
+    also count when they name an ancestor (`model.layers.3` for a draft class's whole-layer check)."""
 
     def __init__(self, names: set[str]):
         self.names = names
@@ -61,13 +61,13 @@ class NameIndex:
 
 
 def lookup_names(modules, config: dict) -> set[str]:
-    """Every name some engine (selected or not) looks up: checkpoint module names, SGLang's MTP runtime names,
-    fused names of every engine's packed mapping and coarse FusedMoE prefixes."""
+    """Every name some engine (selected or not) looks up: checkpoint module names, the NextN draft's MTP runtime
+    names, fused names of every engine's packed mapping and coarse FusedMoE prefixes."""
     names = set(modules)
     mtp = engines.mtp_layers(config)
     fused_of: dict[str, set[str]] = {}
-    for data in engines.engine_data()["engines"].values():
-        for fused, shards in (data.get("packed_modules_mapping") or {}).items():
+    for engine in engines.engine_names():
+        for fused, shards in engines.engine_rules(engine).packed_modules_mapping.items():
             for shard in shards:
                 fused_of.setdefault(shard, set()).add(fused)
     for name, mod in modules.items():
@@ -94,15 +94,17 @@ def exclude_findings(exclude: list[str], names: set[str], profiles: list[Profile
     by_engine: dict[str, list[Profile]] = {}
     for p in profiles:
         by_engine.setdefault(p.engine, []).append(p)
+    glob_engines = ", ".join(e for e in engines.engine_names()
+                             if engines.engine_rules(e).exclude_match == "quark_fnmatch")
     for entry in exclude:
         for engine, ps in by_engine.items():
-            semantics = ps[0].rules["exclude_match"]
+            semantics = ps[0].rules.exclude_match
             versions = tuple(p.release for p in ps)
             if semantics == "exact_or_regex" and is_glob(entry):
                 out.append(Finding("warning", engine, versions, EXCLUDE_KEY,
                                    f"exclude entry {entry!r} is a glob: {ps[0].title} matches exact names or "
                                    "re: patterns only, so it excludes nothing",
-                                   f"replace it with {glob_to_regex(entry)!r} (keep the glob for transformers)",
+                                   f"replace it with {glob_to_regex(entry)!r} (keep the glob for {glob_engines})",
                                    "#10 fnmatch glob"))
             if semantics == "exact_or_regex" and entry.startswith("re:"):
                 try:
@@ -114,8 +116,8 @@ def exclude_findings(exclude: list[str], names: set[str], profiles: list[Profile
             if semantics == "quark_fnmatch" and entry.startswith("re:"):
                 out.append(Finding("warning", engine, versions, EXCLUDE_KEY,
                                    f"exclude entry {entry!r}: Quark matches exclude entries with fnmatch, so a "
-                                   "re: pattern excludes nothing in transformers",
-                                   "also list the module names (or an fnmatch glob) for transformers",
+                                   f"re: pattern excludes nothing in {engine}",
+                                   f"also list the module names (or an fnmatch glob) for {engine}",
                                    "#10 fnmatch glob"))
         out.extend(_pattern_warnings(entry, index))
     return out
@@ -196,14 +198,14 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     n = int(text_config(config).get("num_hidden_layers") or 0)
     present = {engines.layer_index(t) for t in ckpt.tensors} - {None}
     for p in profiles:
-        rule = p.rules.get("mtp", {})
-        if rule.get("builds_mtp") is False:
+        rule = p.rules.mtp
+        if not rule.builds_mtp:
             continue
         for idx in mtp:
             if idx in present:
                 continue
-            if rule.get("missing_layer_error"):
-                msg = f"{p.title} raises {rule['missing_layer_error'].format(index=idx)}"
+            if rule.missing_layer_error:
+                msg = f"{p.title} raises {rule.missing_layer_error.format(index=idx)}"
                 severity = "error"
             else:
                 msg = (f"num_nextn_predict_layers declares MTP layer {idx} but no model.layers.{idx}.* tensor "
@@ -212,9 +214,9 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
             out.append(Finding(severity, p.engine, (p.release,), f"model.layers.{idx}.*", msg,
                                "export the MTP layer (it stays BF16), or set num_nextn_predict_layers to 0",
                                "#13/#14 MTP missing"))
-        if rule.get("max_layers") and len(mtp) > rule["max_layers"]:
+        if rule.max_layers and len(mtp) > rule.max_layers:
             out.append(Finding("error", p.engine, (p.release,), "config.json:num_nextn_predict_layers",
-                               f"{p.title} asserts num_nextn_layers == {rule['max_layers']} "
+                               f"{p.title} asserts num_nextn_layers == {rule.max_layers} "
                                "(\"Only 1 nextn layer is supported\")", "serve with one MTP layer",
                                "#13/#14 MTP missing"))
     extra = sorted(i for i in present if i >= n + len(mtp))
@@ -228,18 +230,22 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
 
 
 def shared_expert_fusion_findings(config: dict, profiles: list[Profile]) -> list[Finding]:
-    """SGLang can_fuse_shared_expert(): an excluded shared expert (any layer, MTP included) vetoes shared-expert
-    fusion for the whole model (sglang #36124/#36870; performance only)."""
+    """Engines with `shared_expert_fusion_veto` (engines.yaml): an excluded shared expert (any layer, MTP included)
+    vetoes shared-expert fusion for the whole model (performance only)."""
     q = config.get("quantization_config") or {}
     exclude = q.get("exclude") if isinstance(q.get("exclude"), list) else []
     if int(text_config(config).get("n_shared_experts") or 0) != 1:
         return []
     vetoes = [e for e in exclude if "shared_expert" in str(e) and "shared_expert_gate" not in str(e)
               and not str(e).startswith("mtp.")]
-    sg = [p for p in profiles if p.engine == "sglang"]
-    if not vetoes or not sg:
+    if not vetoes:
         return []
-    return [Finding("warning", "sglang", tuple(p.release for p in sg), EXCLUDE_KEY,
-                    f"exclude lists shared experts ({vetoes[0]}{' ...' if len(vetoes) > 1 else ''}): SGLang "
+    by_engine: dict[str, list[Profile]] = {}
+    for p in profiles:
+        if p.rules.shared_expert_fusion_veto:
+            by_engine.setdefault(p.engine, []).append(p)
+    return [Finding("warning", engine, tuple(p.release for p in ps), EXCLUDE_KEY,
+                    f"exclude lists shared experts ({vetoes[0]}{' ...' if len(vetoes) > 1 else ''}): {ps[0].title} "
                     "disables shared-expert fusion for every layer (slower decode, no load failure)",
-                    "accept it, or quantize the shared experts like the routed ones", "#16 shared-expert fusion")]
+                    "accept it, or quantize the shared experts like the routed ones", "#16 shared-expert fusion")
+            for engine, ps in by_engine.items()]

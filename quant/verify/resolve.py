@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from quant.families import text_config
 from quant import engines
+from quant.engine_rules import MtpNamespace
 from quant.engines import Profile
 from quant.verify import contract
 from quant.verify.matching import ExcludeMatcher, LayerConfigMatcher, ShardConflict, ignored
@@ -63,9 +64,9 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     """Target (and draft) contexts of one profile; `cache` shares identical unit lists between releases."""
     cache = {} if cache is None else cache
     rules = profile.rules
-    packed = rules.get("packed_modules_mapping") or {}
+    packed = rules.packed_modules_mapping
     group_experts = True  # per-leaf engines split the groups again while resolving (_leaf_groups)
-    never = _any_of(rules.get("never_quantized", []))
+    never = _any_of(rules.never_quantized)
     mtp_range = engines.mtp_layers(config)
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
     namespace = _mtp_namespace_prefix(config)
@@ -74,18 +75,18 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     exclude, lqc = _exclude_list(config), _lqc(config)
     whole = engines.unexpanded_fused(rules, config)
     # Wrapped architectures (VL models): units carry the engine's runtime names; `exclude` is rewritten with the
-    # same mapper only by releases whose quant config applies it. Build prefixes (vLLM's MiniMax-M2 mlp.* for
-    # block_sparse_moe.*) rename units too but never `exclude`.
+    # same mapper only by releases whose quant config applies it. Build prefixes (engines.yaml build_prefixes)
+    # rename units too but never `exclude`.
     mapper = engines.name_mapper(rules, config)
     prefixes = engines.build_prefixes(rules, config)
     target_exclude = exclude
-    if mapper and rules.get("maps_exclude"):
+    if mapper and rules.maps_exclude:
         target_exclude = [e if e.startswith("re:") else engines.runtime_name(e, mapper) for e in exclude]
     contexts = [BuildContext(
         "target", _identity_units(main, packed, group_experts, False, cache, mapper, prefixes),
-        ExcludeMatcher(target_exclude, rules["exclude_match"]), LayerConfigMatcher(lqc, rules["layer_config_match"]),
+        ExcludeMatcher(target_exclude, rules.exclude_match), LayerConfigMatcher(lqc, rules.layer_config_match),
         never, whole_fused=whole)]
-    if rules.get("mtp", {}).get("builds_mtp") is False:
+    if not rules.mtp.builds_mtp:
         return contexts
     rule = engines.mtp_namespace(rules, config)
     if rule is not None:
@@ -95,42 +96,42 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     if not len(mtp_range):
         return contexts
     mtp_modules = {k: m for k, m in modules.items() if m.layer in mtp_range}
-    if profile.engine == "sglang":
-        contexts.append(_sglang_draft(profile, config, mtp_modules, packed))
+    if rules.mtp.draft_naming == "nextn":
+        contexts.append(_nextn_draft(profile, config, mtp_modules, packed))
     else:
         contexts.append(BuildContext(
             "draft", _identity_units(mtp_modules, packed, group_experts, True, cache),
             contexts[0].exclude, contexts[0].layer_config,
-            _any_of(rules.get("never_quantized", []) + rules.get("mtp", {}).get("never_quantized", []))))
+            _any_of(rules.never_quantized + rules.mtp.never_quantized)))
     contexts[-1].whole_fused = whole  # the draft class inherits the target's packed mapping (engines.yaml)
     return contexts
 
 
 def _mtp_namespace_prefix(config: dict) -> str | None:
     """The namespace MTP heads of this architecture live under for any engine (Qwen3.5: "mtp.")."""
-    for data in engines.engine_data()["engines"].values():
-        rule = engines.mtp_namespace(data, config)
+    for engine in engines.engine_names():
+        rule = engines.mtp_namespace(engines.engine_rules(engine), config)
         if rule is not None:
-            return rule["prefix"]
+            return rule.prefix
     return None
 
 
-def _namespace_draft(profile: Profile, rule: dict, exclude: list[str], lqc: dict, modules: dict[str, Module],
-                     packed: dict) -> BuildContext:
+def _namespace_draft(profile: Profile, rule: MtpNamespace, exclude: list[str], lqc: dict,
+                     modules: dict[str, Module], packed: dict) -> BuildContext:
     """The draft of a namespaced MTP head: built under its checkpoint names by a class without a name mapper,
     so `exclude` is matched as written; some engines build the whole head unquantized once any entry names it."""
-    prefix = rule["prefix"]
+    prefix = rule.prefix
     mtp_modules = {k: m for k, m in modules.items() if k.startswith(prefix)}
     units = build_units(mtp_modules, lambda n: n, packed, True, lambda _: True)
-    never = _any_of(profile.rules.get("never_quantized", []) + list(rule.get("never_quantized", [])))
+    never = _any_of(profile.rules.never_quantized + rule.never_quantized)
     quantized, reason = True, ""
     hits = [e for e in exclude if e.startswith(prefix)]
-    if rule.get("any_exclude_unquantizes") and hits:
+    if rule.any_exclude_unquantizes and hits:
         quantized = False
         reason = (f"exclude lists {hits[0]!r}{' and more' if len(hits) > 1 else ''}, so {profile.title} builds "
                   f"the whole {prefix}* draft unquantized")
-    return BuildContext("draft", units, ExcludeMatcher(exclude, profile.rules["exclude_match"]),
-                        LayerConfigMatcher(lqc, profile.rules["layer_config_match"]), never, quantized, reason,
+    return BuildContext("draft", units, ExcludeMatcher(exclude, profile.rules.exclude_match),
+                        LayerConfigMatcher(lqc, profile.rules.layer_config_match), never, quantized, reason,
                         f"{prefix}* draft")
 
 
@@ -152,44 +153,45 @@ def _identity_units(modules: dict[str, Module], packed: dict, group_experts: boo
     return cache[key]
 
 
-def _sglang_draft(profile: Profile, config: dict, mtp_modules: dict[str, Module], packed: dict) -> BuildContext:
-    rule = profile.rules["mtp"]
-    arch = (config.get("architectures") or [""])[0]
-    cls_name = rule["draft_class"].get(arch, "DeepseekV3ForCausalLMNextN")
-    cls = rule["draft_classes"][cls_name]
+def _nextn_draft(profile: Profile, config: dict, mtp_modules: dict[str, Module], packed: dict) -> BuildContext:
+    """The draft of an engine that builds the first MTP layer under NextN runtime names (mtp.draft_naming: nextn),
+    reading `exclude` / `layer_quant_config` the way its draft class does (mtp.draft_classes)."""
+    rule = profile.rules.mtp
+    cls_name = rule.draft_class.get(engines.architecture(config), rule.default_draft_class)
+    cls = rule.draft_classes[cls_name]
     n = engines.mtp_layers(config).start
     prefix = f"model.layers.{n}"
 
     def runtime(name: str) -> str | None:
         mtp = engines.split_mtp(name, config)
-        return engines.sglang_mtp_name(mtp[1]) if mtp and mtp[0] == n else None
+        return engines.nextn_name(rule, mtp[1]) if mtp and mtp[0] == n else None
 
     units = build_units(mtp_modules, runtime, packed, True, lambda _: True)
-    entries = engines.apply_substr_mapper(_exclude_list(config), cls["exclude_mapper"])
+    entries = engines.apply_substr_mapper(_exclude_list(config), cls.exclude_mapper)
     lqc = dict(_lqc(config))
     note = f"{cls_name}"
-    if cls["exclude_mapper"]:
-        note += f" maps exclude with {cls['exclude_mapper']}"
+    if cls.exclude_mapper:
+        note += f" maps exclude with {cls.exclude_mapper}"
     quantized, reason = True, ""
-    if cls["whole_layer_exclude"]:
-        mapped_prefix = engines.apply_substr_mapper([prefix], cls["exclude_mapper"])[0]
-        if ExcludeMatcher(entries, profile.rules["exclude_match"]).matches(mapped_prefix):
+    if cls.whole_layer_exclude:
+        mapped_prefix = engines.apply_substr_mapper([prefix], cls.exclude_mapper)[0]
+        if ExcludeMatcher(entries, profile.rules.exclude_match).matches(mapped_prefix):
             quantized = False
             reason = f"an exclude entry matches {mapped_prefix}, so {cls_name} builds the whole draft unquantized"
-    if cls["remap_mtp_names"]:
+    if cls.remap_mtp_names:
         mtp_entries = [e for e in entries if e.startswith(prefix + ".")]
-        extra = [engines.map_sglang_mtp_checkpoint_name(e, prefix) for e in mtp_entries]
+        extra = [engines.map_nextn_checkpoint_name(rule, e, prefix) for e in mtp_entries]
         if any(".mlp.experts." in e for e in mtp_entries):
-            extra.append(engines.sglang_moe_coarse())
+            extra.append(engines.nextn_moe_coarse(rule))
         entries = list(dict.fromkeys(entries + extra))
-        lqc = {(engines.map_sglang_mtp_checkpoint_name(k, prefix) if k.startswith(prefix + ".") else k): v
+        lqc = {(engines.map_nextn_checkpoint_name(rule, k, prefix) if k.startswith(prefix + ".") else k): v
                for k, v in lqc.items()}
         note += f"; _resolve_nextn_quant_config remaps {prefix}.* entries"
-    never = list(profile.rules.get("never_quantized", []))
-    if not cls["eh_proj_quantizable"]:
+    never = list(profile.rules.never_quantized)
+    if not cls.eh_proj_quantizable:
         never.append(r"\.eh_proj$")
-    return BuildContext("draft", units, ExcludeMatcher(entries, profile.rules["exclude_match"]),
-                        LayerConfigMatcher(lqc, profile.rules["layer_config_match"]), _any_of(never),
+    return BuildContext("draft", units, ExcludeMatcher(entries, profile.rules.exclude_match),
+                        LayerConfigMatcher(lqc, profile.rules.layer_config_match), _any_of(never),
                         quantized, reason, note)
 
 
@@ -213,16 +215,16 @@ class ProfileChecker:
         q = _q(config)
         self.global_cfg = q.get("global_quant_config") if isinstance(q.get("global_quant_config"), dict) else None
         ltqc = q.get("layer_type_quant_config")
-        self.linear_type_cfg = (ltqc or {}).get(profile.rules.get("layer_type_config")) \
+        self.linear_type_cfg = (ltqc or {}).get(profile.rules.layer_type_config) \
             if isinstance(ltqc, dict) else None
-        self.row_parallel = _any_of(profile.rules.get("row_parallel", []))
+        self.row_parallel = _any_of(profile.rules.row_parallel)
         self.shape_of = shape_of or (lambda _module: None)
 
     def add(self, severity: str, tensor: str | None, message: str, fix: str, rule: str) -> None:
         self.findings.append(Finding(severity, self.p.engine, (self.p.release,), tensor, message, fix, rule))
 
     def run(self, contexts: list[BuildContext]) -> list[Finding]:
-        per_leaf = self.p.rules["moe"]["excluded_when"] == "per_leaf"
+        per_leaf = self.p.rules.moe.excluded_when == "per_leaf"
         for ctx in contexts:
             for unit in ctx.units:
                 for part in self._leaf_groups(ctx, unit) if per_leaf and unit.kind == "moe" else [unit]:
@@ -240,7 +242,7 @@ class ProfileChecker:
     # ---- resolution ------------------------------------------------------------------------------------
 
     def _leaf_groups(self, ctx: BuildContext, unit: Unit) -> list[Unit]:
-        """Engines that build every expert as its own Linear (transformers/Quark): experts sharing an
+        """Engines that build every expert as its own Linear (moe.excluded_when: per_leaf): experts sharing an
         exclude decision and a layer config resolve together, as plain linear units."""
         parts: dict[tuple, Unit] = {}
         for member, runtime in zip(unit.members, unit.shard_runtime):
@@ -257,7 +259,7 @@ class ProfileChecker:
         """An unquantized module whose stored format the engine's loader dequantizes (rules: loader_dequantizes)."""
         stored = contract.stored_family(self.modules[member])
         return any(re.search(pattern, member) and stored in formats
-                   for pattern, formats in self.p.rules.get("loader_dequantizes", {}).items())
+                   for pattern, formats in self.p.rules.loader_dequantizes.items())
 
     def _built(self, unit: Unit) -> str:
         what = f"{self.p.title} builds {unit.runtime}"
@@ -277,7 +279,7 @@ class ProfileChecker:
                      "#5 fused shards")
             return None
         # never-quantized patterns name module types (routers, eh_proj, heads): shards and experts share them;
-        # the engine's own name counts too (vLLM builds MiniMax-M2's block_sparse_moe.gate as mlp.gate)
+        # the engine's own name counts too (engines.yaml build_prefixes: block_sparse_moe.gate built as mlp.gate)
         if ctx.never_quantized is not None and (ctx.never_quantized.search(first)
                                                 or ctx.never_quantized.search(unit.shard_runtime[0])):
             if self._loader_dequantizes(first):
@@ -298,7 +300,7 @@ class ProfileChecker:
             except ShardConflict as c:
                 hit = [s for s, v in c.decisions.items() if v]
                 miss = [s for s, v in c.decisions.items() if not v]
-                text = self.p.rules.get("errors", {}).get("fused_exclude", "ValueError (shards differ)").format(
+                text = self.p.rules.errors.fused_exclude.format(
                     shards=[s.rsplit(".", 1)[-1] for s in unit.shard_runtime], layer=unit.runtime)
                 self.add("error", f"{first}.weight", f"{self._built(unit)}: exclude matches {', '.join(hit)} "
                          f"but not {', '.join(miss)}; {self.p.title} raises {text}",
@@ -312,18 +314,18 @@ class ProfileChecker:
         return self._scheme(ctx, unit)
 
     def _moe_excluded(self, ctx: BuildContext, unit: Unit) -> Resolution | None:
-        rule = self.p.rules["moe"]
+        rule = self.p.rules.moe
         coarse_hits = ctx.exclude.matching_entries(unit.runtime)
-        if coarse_hits and rule["coarse_exclude"] == "assertion":
+        if coarse_hits and rule.coarse_exclude == "assertion":
             self.add("error", f"{unit.members[0]}.weight",
                      f"{self._built(unit)}: exclude entry {coarse_hits[0]} matches the FusedMoE prefix; "
-                     f"{self.p.title} raises {self.p.rules['errors']['coarse_moe_exclude']}",
+                     f"{self.p.title} raises {self.p.rules.errors.coarse_moe_exclude}",
                      f"remove {coarse_hits[0]} from exclude (this release cannot keep a FusedMoE unquantized)",
                      "#2 MoE coarse prefix")
             raise _BuildFails
         if coarse_hits:
             return Resolution(None, "its coarse FusedMoE prefix is excluded", coarse_hits)
-        if rule["excluded_when"] == "coarse_or_any_leaf":
+        if rule.excluded_when == "coarse_or_any_leaf":
             leaves = ctx.exclude.any_entry_under(unit.runtime)
             if leaves:
                 return Resolution(None, f"exclude lists expert leaves under {unit.runtime}", leaves[:3])
@@ -341,7 +343,7 @@ class ProfileChecker:
         names = self._lookup_names(ctx, unit) if unit.fused else [unit.runtime]
         found = [self._layer_config(ctx, n, unit) for n in names]
         if any(f[1] != found[0][1] for f in found):
-            text = self.p.rules.get("errors", {}).get("fused_config", "ValueError (shards differ)").format(
+            text = self.p.rules.errors.fused_config.format(
                 shards=[s.rsplit(".", 1)[-1] for s in names], layer=unit.runtime)
             self.add("error", f"{unit.members[0]}.weight",
                      f"{self._built(unit)}: shards take different configs ({', '.join(f[0] for f in found)}); "
@@ -359,14 +361,14 @@ class ProfileChecker:
                      f"{self.p.title}: the scheme of {source} is not modelled by this preflight; tensors of "
                      f"{unit.runtime} were not checked", "check this scheme on a real engine", "scheme")
             return None
-        table = self.p.rules["schemes"]["moe" if unit.kind == "moe" else "linear"]
+        schemes = self.p.rules.schemes
+        table = schemes.moe if unit.kind == "moe" else schemes.linear
         verdict = table.get(kind, table.get("other"))
-        if verdict == "ok" and unit.kind == "moe" and kind == "fp8" and "fp8_moe_qschemes" in \
-                self.p.rules["schemes"]:
+        if verdict == "ok" and unit.kind == "moe" and kind == "fp8" and schemes.fp8_moe_qschemes is not None:
             pair = [cfg["weight"].get("qscheme"), (cfg.get("input_tensors") or {}).get("qscheme")]
             static_channel = pair[1] == "per_channel" and cfg["input_tensors"].get("is_dynamic") is False
-            if pair not in self.p.rules["schemes"]["fp8_moe_qschemes"] or static_channel:
-                verdict = self.p.rules["schemes"]["fp8_moe_error"]
+            if pair not in schemes.fp8_moe_qschemes or static_channel:
+                verdict = schemes.fp8_moe_error
         if verdict != "ok":
             self.unsupported[(source, kind, unit.kind, verdict)].append(unit.runtime)
             return None
@@ -374,14 +376,14 @@ class ProfileChecker:
 
     def _layer_config(self, ctx: BuildContext, name: str, unit: Unit) -> tuple[str, dict | None]:
         hit = ctx.layer_config.lookup(name)
-        if hit is None and unit.kind == "moe" and self.p.rules["moe"].get("config_probe"):
+        if hit is None and unit.kind == "moe" and self.p.rules.moe.config_probe:
             for proj in ("down_proj", "gate_proj", "up_proj", "gate_up_proj"):
                 for probe in (f"{name}.0.{proj}", f"{name}.{proj}"):
                     hit = hit or ctx.layer_config.lookup(probe)
         if hit is not None:
             return f"layer_quant_config[{hit[0]!r}]", hit[1]
         if unit.kind == "linear" and isinstance(self.linear_type_cfg, dict):
-            return f"layer_type_quant_config[{self.p.rules['layer_type_config']!r}]", self.linear_type_cfg
+            return f"layer_type_quant_config[{self.p.rules.layer_type_config!r}]", self.linear_type_cfg
         return "global_quant_config", self.global_cfg
 
     # ---- tensors ---------------------------------------------------------------------------------------
@@ -444,19 +446,18 @@ class ProfileChecker:
         self.add("error", issue.tensor, message, fix, rule)
 
     def _exclude_fix(self, ctx: BuildContext, unit: Unit) -> tuple[str, str]:
-        mtp_rule = "#1 MTP runtime names" if ctx.label == "draft" and self.p.engine == "sglang" else None
+        mtp_rule = "#1 MTP runtime names" if ctx.label == "draft" and self.p.rules.mtp.draft_naming == "nextn" \
+            else None
         if ".eh_proj" in unit.runtime:
             mtp_rule = "#4/#17 eh_proj"
         if unit.kind != "moe":
             names = self._lookup_names(ctx, unit)
             return f"add {' and '.join(names)} to exclude", mtp_rule or "dtype mismatch"
-        moe = self.p.rules["moe"]
+        moe = self.p.rules.moe
         rule = mtp_rule or ("#2/#3 MoE coarse prefix" if ctx.label == "draft" else "#5 MoE coarse prefix")
-        if moe["excluded_when"] == "coarse" and moe["coarse_exclude"] == "unquantized":
+        if moe.excluded_when == "coarse" and moe.coarse_exclude == "unquantized":
             return (f"add {unit.runtime} to exclude ({self.p.title} looks the FusedMoE up by this coarse "
                     "prefix; per-expert entries do not count)", rule)
-        if moe["excluded_when"] == "coarse_or_any_leaf":
+        if moe.excluded_when == "coarse_or_any_leaf":
             return f"list the expert leaves (e.g. {unit.shard_runtime[0]}) in exclude", rule
-        return ("no exclude entry keeps a FusedMoE unquantized in this release (per-expert entries are "
-                "ignored, a coarse entry raises AssertionError): quantize these experts or target a release "
-                "with vLLM PR #46757 (e.g. --engine vllm==0.32)", rule)
+        return moe.unexcludable_fix, rule

@@ -78,7 +78,7 @@ def config_problems(config: dict) -> tuple[list[Finding], bool]:
 
 def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:
     q = config["quantization_config"]
-    rules = profile.rules.get("config_schema", {})
+    rules = profile.rules.config_schema
     out: list[Finding] = []
     who = profile.title
 
@@ -86,31 +86,31 @@ def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:
         out.append(_finding(profile, f"{QCFG}.{key}", message, fix, severity))
 
     export = q.get("export")
-    if rules.get("export_required"):
+    if rules.export_required:
         if not isinstance(export, dict):
-            err("export", f"{who} raises {rules['export_required']}", "add export: {kv_cache_group: [], "
+            err("export", f"{who} raises {rules.export_required}", "add export: {kv_cache_group: [], "
                 "pack_method: reorder, weight_format: real_quantized, min_kv_scale: 0.0}")
         elif not isinstance(export.get("kv_cache_group"), list):
-            err("export.kv_cache_group", f"{who} raises {rules['kv_cache_group_list']}",
+            err("export.kv_cache_group", f"{who} raises {rules.kv_cache_group_list}",
                 "set export.kv_cache_group to a list ([] without an FP8 KV cache)")
-    if "exclude" not in q and rules.get("exclude_required"):
+    if "exclude" not in q and rules.exclude_required:
         err("exclude", f"{who} iterates the exclude list: a missing 'exclude' raises TypeError/KeyError",
             "add exclude: [] (or the list of unquantized modules)")
     elif "exclude" in q and not isinstance(q.get("exclude"), list):
         err("exclude", f"exclude is {type(q.get('exclude')).__name__}, {who} needs a list",
             "make exclude a list of names or re: patterns")
-    for key in rules.get("dict_keys", []):
+    for key in rules.dict_keys:
         if not isinstance(q.get(key), dict):
             err(key, f"{key} is missing or not an object: {who} iterates it (AttributeError/TypeError)",
                 f"add {key}: {{}}")
-    for key in rules.get("required_keys", []):
+    for key in rules.required_keys:
         if key not in q:
             err(key, f"Quark QConfig.from_dict indexes config_dict[{key!r}] (KeyError)", f"add {key}")
-    if rules.get("layer_config_keys"):
+    if rules.layer_config_keys:
         for where, layer_cfg in _layer_configs(q):
             if not isinstance(layer_cfg, dict):
                 continue
-            missing = [k for k in rules["layer_config_keys"] if k not in layer_cfg]
+            missing = [k for k in rules.layer_config_keys if k not in layer_cfg]
             if missing:
                 err(where, f"Quark QLayerConfig.from_dict indexes {missing} (KeyError); all four tensor keys "
                     "must be present, null when unused", f"add {', '.join(f'{k}: null' for k in missing)}")
@@ -120,8 +120,8 @@ def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:
                     if isinstance(spec, dict) and "dtype" not in spec:
                         err(f"{where}.{tkey}", "Quark QTensorConfig.from_dict requires 'dtype' (KeyError)",
                             "add the tensor dtype")
-    if profile.engine == "sglang" and "packed_modules_mapping" in q:
-        err("packed_modules_mapping", "SGLang's loader injects packed_modules_mapping and overwrites this one",
+    if rules.loader_overrides_packed_mapping and "packed_modules_mapping" in q:
+        err("packed_modules_mapping", f"{who}'s loader injects packed_modules_mapping and overwrites this one",
             "remove packed_modules_mapping from the checkpoint config", severity="warning")
     out.extend(_kv_cache_problems(q, profile))
     return out
@@ -136,10 +136,9 @@ def _layer_configs(q: dict):
 
 
 def _kv_cache_problems(q: dict, profile: Profile) -> list[Finding]:
-    rules = profile.rules.get("config_schema", {})
     export = q.get("export") if isinstance(q.get("export"), dict) else {}
     group = export.get("kv_cache_group")
-    mode = rules.get("kv_cache_keys")
+    mode = profile.rules.config_schema.kv_cache_keys
     if not mode or not isinstance(group, list) or not group:
         return []
     lqc = q.get("layer_quant_config") if isinstance(q.get("layer_quant_config"), dict) else {}

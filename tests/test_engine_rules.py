@@ -1,0 +1,101 @@
+"""The engine-rule schema (quant/engine_rules.py): engines.yaml is read into typed, frozen rules, and a key the
+schema does not declare, engine-wide, in a release's overrides or inside a rule section, is rejected when the file
+is read, naming the file, the key path and the closest declared key (a misspelled rule left at its default would
+silently predict another engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from quant import engines
+from quant.engine_rules import EngineRules, meanings
+from quant.errors import QuantError
+
+ORIGINAL = engines.ENGINES_FILE.read_text()
+
+
+def _clear_caches() -> None:
+    for cached in (engines.engine_data, engines.profile, engines.engine_rules, engines._renamers,
+                   engines._unexpanded_shards):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def engines_yaml(tmp_path, monkeypatch):
+    """Point quant.engines at an edited copy of engines.yaml: (old, new) replacements, each found exactly once."""
+
+    def write(*edits: tuple[str, str]):
+        text = ORIGINAL
+        for old, new in edits:
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        path = tmp_path / "engines.yaml"
+        path.write_text(text)
+        monkeypatch.setattr(engines, "ENGINES_FILE", path)
+        _clear_caches()
+        return path
+
+    yield write
+    monkeypatch.undo()
+    _clear_caches()
+
+
+def _load_error() -> str:
+    with pytest.raises(QuantError) as e:
+        engines.profile("sglang", "0.5.19")
+    return str(e.value)
+
+
+def test_a_misspelled_engine_wide_key_names_file_key_and_suggestion(engines_yaml):
+    path = engines_yaml(("    maps_exclude: false\n", "    maps_exclud: false\n"))
+    assert _load_error() == f"{path}: engines.sglang.maps_exclud: unknown rule key; did you mean 'maps_exclude'?"
+
+
+def test_a_misspelled_release_override_names_the_release(engines_yaml):
+    path = engines_yaml(('          - "inferred: v0.5.19 (released 2026-09) postdates the PR #30265 merge"\n'
+                         '        config_schema: {exclude_required: false}\n        maps_exclude: true',
+                         '          - "inferred: v0.5.19 (released 2026-09) postdates the PR #30265 merge"\n'
+                         '        config_schema: {exclude_required: false}\n        maps_exlude: true'))
+    assert _load_error() == (f"{path}: engines.sglang.0.5.19.maps_exlude: unknown rule key; "
+                             "did you mean 'maps_exclude'?")
+
+
+def test_a_misspelled_key_inside_a_section(engines_yaml):
+    path = engines_yaml(("      draft_naming: nextn ", "      draft_namig: nextn "))
+    assert _load_error() == f"{path}: engines.sglang.mtp.draft_namig: unknown rule key; did you mean 'draft_naming'?"
+    engines_yaml(("          whole_layer_exclude: true\n", "          whole_layer_exclued: true\n"))
+    assert ("engines.sglang.mtp.draft_classes.DeepseekV3ForCausalLMNextN.whole_layer_exclued: unknown rule key; "
+            "did you mean 'whole_layer_exclude'?") in _load_error()
+
+
+def test_a_misspelled_engine_key_and_scheme_kind(engines_yaml):
+    engines_yaml(('    default_releases: ["0.5.12", "0.5.19"]', '    default_release: ["0.5.12", "0.5.19"]'))
+    assert "engines.sglang.default_release: unknown rule key; did you mean 'default_releases'?" in _load_error()
+    engines_yaml(("        mxfp4: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4",
+                  "        mxfp: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4"))
+    assert "engines.sglang.schemes.linear.mxfp: unknown rule key; did you mean 'mxfp4'?" in _load_error()
+
+
+def test_a_value_of_the_wrong_type_or_outside_its_choices(engines_yaml):
+    engines_yaml(("    maps_exclude: false\n", "    maps_exclude: 'no'\n"))
+    assert "engines.sglang.maps_exclude: expected bool, got str" in _load_error()
+    engines_yaml(("      coarse_exclude: unquantized\n      config_probe: false                  # layer_quant",
+                  "      coarse_exclude: unquantised\n      config_probe: false                  # layer_quant"))
+    assert ("engines.sglang.moe.coarse_exclude: 'unquantised' is not one of unquantized, assertion; did you mean "
+            "'unquantized'?") in _load_error()
+
+
+def test_the_shipped_file_loads_typed_and_every_key_has_a_meaning():
+    for engine in engines.engine_names():
+        for release in engines.releases(engine):
+            rules = engines.profile(engine, release).rules
+            assert isinstance(rules, EngineRules)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                rules.maps_exclude = True  # type: ignore[misc]
+    assert all(meaning for meaning in meanings().values())
+    assert engines.profile("sglang", "0.5.19").rules.mtp.draft_class["GlmMoeDsaForCausalLM"] == \
+        "GlmMoeDsaForCausalLMNextN"  # a release override merged into the engine-wide mapping
+    assert engines.profile("sglang", "0.5.12").rules.mtp.draft_class["GlmMoeDsaForCausalLM"] == \
+        "DeepseekV3ForCausalLMNextN"
