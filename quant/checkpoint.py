@@ -3,7 +3,9 @@
 Opening a checkpoint never reads tensor data: the safetensors library parses each shard's header (and checks
 that offsets and sizes fit the file), so this runs in seconds on a terabyte checkpoint. Integrity problems
 (index vs headers, missing files, names escaping the directory) are collected as `Problem`s; callers decide
-whether they are fatal (`require_intact`) or findings to report (verify-manifest).
+whether they are fatal (`require_intact`) or findings to report (verify-manifest). Tensor data is read only when
+asked: a `Source` names one tensor (or a slice of a fused expert tensor, or a block-FP8 weight with its scales)
+and a `SourceReader` reads it (the quantize pipeline's shards, the decoder layers quant.model_exec builds).
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
 from quant.errors import QuantError, UnreadableCheckpoint
 from quant.families import text_config
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Checkpoint", "TensorInfo", "Problem", "open_checkpoint", "load_tensors", "read_json", "text_config",
            "validate_config", "lm_layer_indices", "safetensors_dtype"]
@@ -361,3 +367,74 @@ def load_tensors(path: Path, names: list[str] | None = None, device: str = "cpu"
     except Exception as e:
         raise QuantError(f"{path}: cannot read tensor data ({str(e).splitlines()[0]})") from None
     return out
+
+
+SCALE_INV = "_scale_inv"  # block-FP8 checkpoints: the suffix of a weight's scales tensor (`W` + SCALE_INV)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an output tensor's data comes from."""
+
+    name: str
+    file: str
+    scale_inv: str | None = None  # block-FP8 source: the weight_scale_inv tensor, dequantized first
+    scale_inv_file: str | None = None
+    expert: int | None = None  # a slice [expert, rows] of a fused 3-D expert tensor
+    rows: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        if self.expert is None:
+            return self.name
+        return f"{self.name}[{self.expert}, {self.rows[0]}:{self.rows[1]}]"
+
+
+class SourceReader:
+    """Open shard handles for one shard job; slices of fused experts are read without loading the rest.
+
+    Tensors are views of the shard's memory map, whose pages stay resident while it is mapped; a handle is
+    therefore reopened after every REMAP_BYTES it served, which unmaps what the finished tensors touched and
+    keeps a worker's resident source near that size instead of a whole shard."""
+
+    REMAP_BYTES = 1 << 28
+
+    def __init__(self, ckpt: Checkpoint, device: str):
+        self.ckpt, self.device, self.handles = ckpt, device, {}
+        self.served: dict[str, int] = {}
+
+    def handle(self, file: str):
+        if self.served.get(file, 0) >= self.REMAP_BYTES:
+            del self.handles[file]
+            self.served[file] = 0
+        if file not in self.handles:
+            path = self.ckpt.shard_path(file)
+            try:
+                self.handles[file] = safe_open(str(path), framework="pt")
+            except Exception as e:
+                raise QuantError(f"{path}: cannot open ({str(e).splitlines()[0]})") from None
+        return self.handles[file]
+
+    def raw(self, file: str, name: str, expert: int | None = None, rows=None) -> torch.Tensor:
+        try:
+            h = self.handle(file)
+            t = h.get_tensor(name) if expert is None else h.get_slice(name)[expert, rows[0]:rows[1]]
+        except QuantError:
+            raise
+        except Exception as e:
+            raise QuantError(f"{self.ckpt.shard_path(file)}: cannot read tensor {name} "
+                             f"({str(e).splitlines()[0]})") from None
+        self.served[file] = self.served.get(file, 0) + t.nbytes
+        return t.to(self.device)
+
+    def load(self, src: Source) -> torch.Tensor:
+        t = self.raw(src.file, src.name, src.expert, src.rows)
+        if src.scale_inv:
+            import torch
+
+            from quant.numerics import fp8
+
+            t = fp8.dequantize_fp8_block(t, self.raw(src.scale_inv_file, src.scale_inv), dtype=torch.float32)
+        return t
+
+    def close(self) -> None:
+        self.handles.clear()

@@ -3,7 +3,9 @@ allocator, the garbage collector around torch's import, the compute threads of a
 
 Each measure says what it saves and where it was measured; none changes a result, only the time or memory it
 takes. `quant/__init__.py` calls `thread_env()` (it must run before torch loads OpenMP), the quantize command
-calls `reuse_freed_memory()`, the pipeline uses `frozen_imports` and `set_threads`, the CLI `exit_now`.
+calls `reuse_freed_memory()`, the pipeline uses `frozen_imports` and `set_threads`, the CLI `exit_now`. And the
+accelerators the process can use (`visible_accelerators`, `auto_devices`: what `--devices auto` means, for the
+run and its dry run alike).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 def thread_env() -> None:
@@ -109,3 +112,19 @@ def exit_now(code) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def visible_accelerators() -> int:
+    """CUDA/ROCm devices torch can use. torch is imported only when the machine has an NVIDIA or AMD GPU device
+    node: its import costs a second that the CPU path spends hashing instead."""
+    dev = Path("/dev")
+    if not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def auto_devices(workers: int, accelerators: int) -> list[str]:
+    """`--devices auto`: one worker per visible GPU, else `workers` CPU workers."""
+    return [f"cuda:{i}" for i in range(accelerators)] if accelerators else ["cpu"] * max(1, workers)

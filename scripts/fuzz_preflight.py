@@ -149,9 +149,9 @@ def check(work: Path) -> int:
     exit code `quant verify-manifest` must give for it."""
     from quant.checkpoint import open_checkpoint
     from quant.errors import QuantError
-    from quant.pipeline.plan import make_plan
-    from quant.pipeline.recipes import family_for_config, load_recipe
-    from quant.pipeline.schemes import get_scheme
+    from quant.planning.plan import make_plan
+    from quant.planning.recipes import family_for_config, load_recipe
+    from quant.planning.schemes import get_scheme
     from quant.verify import verify_checkpoint
 
     try:

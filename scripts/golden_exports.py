@@ -35,6 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "data" / "golden_exports.json"
 CALIB = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
+# GPTQ's calibration file as the settings name it (recorded in the manifest and the plan digest): a relative name,
+# the file copied into the work directory and the run made from there, so the goldens hold wherever the repo is.
+CALIB_NAME = "calib.jsonl"
 SRC_TOKEN, OUT_TOKEN, PACKAGE_TOKEN = "<SRC>", "<OUT>", "<QUANT>"
 # Keys of quant_manifest.json and .quant-complete taken out before hashing. Two runs of the same export differ only
 # in the source path (manifest `source.checkpoint`, replaced by SRC_TOKEN; the card names the source directory's
@@ -56,6 +59,18 @@ def _environment() -> None:
         os.environ.setdefault(key, "1")
 
 
+def _planning():
+    """(builtin_recipes, MXFP4_SCHEMES, SCHEMES), from quant.planning, or quant.pipeline before issue #29 moved
+    them (to --record from an earlier commit)."""
+    try:
+        from quant.planning.recipes import builtin_recipes
+        from quant.planning.schemes import MXFP4_SCHEMES, SCHEMES
+    except ImportError:
+        from quant.pipeline.recipes import builtin_recipes
+        from quant.pipeline.schemes import MXFP4_SCHEMES, SCHEMES
+    return builtin_recipes, MXFP4_SCHEMES, SCHEMES
+
+
 def case_id(toy: str, source: str, scheme: str, recipe: str, method: str) -> str:
     return f"{toy}/{source}/{scheme}/{recipe}/{method}"
 
@@ -63,9 +78,9 @@ def case_id(toy: str, source: str, scheme: str, recipe: str, method: str) -> str
 def all_cases() -> list[dict]:
     """Every case: each toy x {bf16 source} x scheme x recipe with RTN; each toy's block-FP8 source x scheme with
     the default recipe; GPTQ on GPTQ_TOYS (bf16 source, both MXFP4 schemes, two recipes)."""
-    from quant.pipeline.recipes import builtin_recipes
-    from quant.pipeline.schemes import MXFP4_SCHEMES, SCHEMES
     from quant.toy import TOY_NAMES
+
+    builtin_recipes, MXFP4_SCHEMES, SCHEMES = _planning()
 
     cases = []
     for toy in TOY_NAMES:
@@ -86,9 +101,9 @@ def all_cases() -> list[dict]:
 def subset(cases: list[dict]) -> list[dict]:
     """What `make test` runs: every toy once, every scheme, recipe, source format and method at least once, and
     per toy the combination most of its code paths take (all-linear: every role quantized)."""
-    from quant.pipeline.recipes import builtin_recipes
-    from quant.pipeline.schemes import SCHEMES
     from quant.toy import TOY_NAMES
+
+    builtin_recipes, _, SCHEMES = _planning()
 
     schemes, recipes = list(SCHEMES), list(builtin_recipes()["recipes"])
     chosen = set()
@@ -138,7 +153,7 @@ def export_hashes(src: Path, out: Path) -> dict[str, str]:
 def _gptq_settings():
     from quant.gptq import CalibrationSettings, GptqSettings
 
-    return GptqSettings(CalibrationSettings(str(CALIB), samples=4, seq_len=32), batch=4)
+    return GptqSettings(CalibrationSettings(CALIB_NAME, samples=4, seq_len=32), batch=4)
 
 
 def run_case(case: dict, sources: dict[tuple[str, str], Path], work: Path) -> dict:
@@ -151,10 +166,15 @@ def run_case(case: dict, sources: dict[tuple[str, str], Path], work: Path) -> di
     kwargs = dict(scheme=case["scheme"], recipe=case["recipe"], progress=False, log=lambda m: None)
     if case["method"] == "gptq":
         kwargs.update(method="gptq", gptq=_gptq_settings())
+        shutil.copyfile(CALIB, work / CALIB_NAME)
+    cwd = os.getcwd()
+    os.chdir(work)
     try:
         quantize_checkpoint(src, out, **kwargs)
     except (QuantError, EngineFailure) as e:
         return {"refused": _normalized(str(e).splitlines()[0].encode(), src, out).decode()}
+    finally:
+        os.chdir(cwd)
     try:
         return {"files": export_hashes(src, out)}
     finally:

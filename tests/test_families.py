@@ -118,7 +118,7 @@ def test_a_misspelled_mtp_key_in_a_family_file_is_named(tmp_path, monkeypatch):
     ("base: experts-only\nkeep: ['x']\nkep: ['y']\n", "kep"),
 ])
 def test_unknown_key_in_a_user_recipe_is_named(tmp_path, text, key):
-    from quant.pipeline.recipes import load_recipe
+    from quant.planning.recipes import load_recipe
 
     with pytest.raises(QuantError, match=f"unknown key '{key}'") as e:
         load_recipe(str(write(tmp_path / "r.yaml", text)))
@@ -126,7 +126,7 @@ def test_unknown_key_in_a_user_recipe_is_named(tmp_path, text, key):
 
 
 def test_a_user_recipe_with_known_keys_still_loads(tmp_path):
-    from quant.pipeline.recipes import load_recipe
+    from quant.planning.recipes import load_recipe
 
     recipe = load_recipe(str(write(tmp_path / "r.yaml", "base: experts-only\nroles: {attention: fp8}\n"
                                                          "keep: ['layers\\.0\\.']\nmtp_layer: bf16\n")))
@@ -275,9 +275,9 @@ def test_minimax_mtp_is_refused_in_one_line(new_toys):
 
 
 def plan_for(src: Path, recipe: str):
-    from quant.pipeline.plan import make_plan
-    from quant.pipeline.recipes import load_recipe
-    from quant.pipeline.schemes import get_scheme
+    from quant.planning.plan import make_plan
+    from quant.planning.recipes import load_recipe
+    from quant.planning.schemes import get_scheme
 
     ckpt = open_checkpoint(src)
     family = family_for_config(ckpt.config)

@@ -95,7 +95,7 @@ def test_family_chain_toy_quantize_verify_eval_gptq(toy, toy_factory, tmp_path, 
 def test_minimax_m2_gptq_loads_the_experts_transformers_names_differently(toy_factory):
     """transformers builds MiniMax-M2's block_sparse_moe.experts.E.w1/w3/w2 as mlp.experts.gate_up_proj / down_proj:
     the family's transformers_layer data places each checkpoint tensor in the layer."""
-    from quant.gptq.layers import DecoderStack
+    from quant.model_exec.layers import DecoderStack
 
     src = toy_factory("minimax-m2")
     stack = DecoderStack(src, open_checkpoint(src), ["hidden_states"], "cpu", __import__("torch").float32)
@@ -118,8 +118,7 @@ def test_wrapper_text_layers_one_at_a_time_compute_the_whole_models_hidden_state
     import torch
     import transformers
 
-    from quant.gptq.layers import DecoderStack
-    from quant.gptq.run import _forward
+    from quant.model_exec.layers import DecoderStack
 
     src = toy_factory(toy)
     _, wrapper, prefix = WRAPPERS[toy]
@@ -128,7 +127,7 @@ def test_wrapper_text_layers_one_at_a_time_compute_the_whole_models_hidden_state
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     hidden, carry = stack.capture(tokens, 2), [{}]
     for index in range(len(stack)):
-        hidden, carry = _forward(stack, index, stack.load_layer(index), hidden, carry)
+        hidden, carry = stack.forward(index, stack.load_layer(index), hidden, carry)
     with torch.no_grad():
         ours = stack.text.norm(hidden[0])
         full = getattr(transformers, wrapper).from_pretrained(src, dtype=torch.float32).eval()

@@ -126,20 +126,21 @@ def test_the_mtp_layer_is_solved_after_the_main_layers(toy_factory, tmp_path, on
 
 
 def test_the_mtp_block_computes_what_the_eval_draft_computes(toy_factory):
-    """`quant.gptq.mtp.MtpBlock` (what GPTQ calibrates the MTP layer with) and `evals.mtp_draft` (what the
+    """`quant.model_exec.mtp.MtpBlock` (what GPTQ calibrates the MTP layer with) and `evals.mtp_draft` (what the
     acceptance measurement runs, as the engines do) give the same draft hidden states for the same inputs."""
     import torch
 
     from evals.mtp_draft import load_draft
     from quant.checkpoint import open_checkpoint
-    from quant.gptq.layers import DecoderStack
-    from quant.gptq.mtp import MtpBlock, mtp_layers
+    from quant.gptq.mtp import mtp_layers
+    from quant.model_exec.layers import DecoderStack
+    from quant.model_exec.mtp import MtpBlock
 
     src = toy_factory("glm5")
     ckpt = open_checkpoint(src)
     stack = DecoderStack(src, ckpt, ["hidden_states", "prev_topk_indices"], "cpu", torch.float32)
     (ref,) = mtp_layers(ckpt)
-    block = MtpBlock(stack, ref)
+    block = MtpBlock(stack, ref.names)
     draft = load_draft(src, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, ckpt.config["vocab_size"], (2, 24), generator=g)

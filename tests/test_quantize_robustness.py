@@ -298,9 +298,9 @@ def test_input_dim_not_multiple_of_32(sharded, tmp_path):
     # The planner's own rule, for a weight no config formula sizes: MX blocks run along the input dim.
     from quant.checkpoint import open_checkpoint
     from quant.errors import QuantError
-    from quant.pipeline.plan import make_plan
-    from quant.pipeline.recipes import family_for_config, load_recipe
-    from quant.pipeline.schemes import get_scheme
+    from quant.planning.plan import make_plan
+    from quant.planning.recipes import family_for_config, load_recipe
+    from quant.planning.schemes import get_scheme
 
     ckpt = open_checkpoint(src)
     with pytest.raises(QuantError, match=f"{name}.*multiple of 32"):

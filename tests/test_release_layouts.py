@@ -76,7 +76,7 @@ def test_qwen35_partly_quantized_mtp_head_fails_sglang(toy_factory, tmp_path, mo
     vLLM can build that, SGLang builds the whole draft unquantized as soon as any mtp.* entry is excluded, so
     the MXFP4 experts cannot load there."""
     import quant.pipeline.run as pipeline
-    from quant.pipeline.recipes import load_family
+    from quant.planning.recipes import load_family
 
     out = tmp_path / "q"
     family = load_family("qwen3_moe")

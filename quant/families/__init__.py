@@ -68,12 +68,12 @@ class Family:
     roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
     mtp: dict | None
     fused_experts: dict | None
-    mtp_draft: dict | None = None  # how the engines run the MTP draft (evals/mtp_draft.py)
+    mtp_draft: dict | None = None  # how the engines run the MTP draft (quant/model_exec/mtp.py)
     # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
     # 3-D expert tensor) from config.json
     shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
     # What transformers' decoder layer returns after the hidden states, each fed to the next layer as the keyword
-    # argument of that name (quant/gptq/layers.py runs the layers one at a time)
+    # argument of that name (quant/model_exec/layers.py runs the layers one at a time)
     layer_returns: list[str] = field(default_factory=lambda: ["hidden_states"])
     # For `quant quantize --dry-run` (quant/gptq/dry_run.py): bytes per calibration token, as expressions over the
     # text config's keys plus seq_len and dtype_bytes (min/max allowed), of what GPTQ holds beside the hidden
@@ -86,7 +86,7 @@ class Family:
     release_recipes: dict[str, dict] = field(default_factory=dict)
     # MTP modules the config declares but the release does not publish: {count_keys: [...], reason: ...}
     mtp_unpublished: dict | None = None
-    # How GPTQ builds the decoder layers with transformers (quant/gptq/layers.py builds them from config.json and
+    # How GPTQ builds the decoder layers with transformers (quant/model_exec/layers.py builds them from config.json and
     # loads them tensor by tensor): `text_model`, the transformers causal-LM class built from the text config of a
     # wrapper AutoModelForCausalLM has no model for (None: AutoModelForCausalLM on config.json); and where the
     # layer keeps a checkpoint tensor when the names differ: `renames` {checkpoint prefix: transformers prefix}

@@ -26,7 +26,9 @@ def _numbers(config: dict) -> dict[str, int]:
             if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40}
 
 
-def _evaluate(expression, values: dict[str, int]) -> int | None:
+def evaluate(expression, values: dict[str, int]) -> int | None:
+    """A formula of the family data (an int, or arithmetic over the names in `values`) for these values; None
+    when it names a key `values` lacks or does not come out a positive int."""
     if isinstance(expression, int):
         return expression
     try:
@@ -64,7 +66,7 @@ def _resolver(config: dict, dims: int | None) -> Callable[[str], tuple | None]:
         for pattern, formula in rules:
             if pattern.search(name):
                 if formula not in cache:
-                    dims_ = tuple(_evaluate(e, values) for e in formula)
+                    dims_ = tuple(evaluate(e, values) for e in formula)
                     cache[formula] = None if None in dims_ else dims_
                 return cache[formula]
         return None

@@ -18,7 +18,7 @@ Hessians, and its share of the solves):
   - one calibration pass's fp32 Hessians (in_features^2 x 4 bytes per linear and per expert): the experts of a
     fused parameter are split into passes of at most `hessian_bytes` (`--hessian-budget`), the plain linears
     ride along with the first pass; each pass runs the layer's forward over every calibration window again;
-  - the solver's working set for one group of experts (`run._groups`): float64 H, its Cholesky factor, the
+  - the solver's working set for one group of experts (`run.solve_groups`): float64 H, its Cholesky factor, the
     inverse and the inverse's factor, beside the fp32 H and weights (`solve.gptq_mxfp4`).
 Every other device only solves groups: one group's working set. The host holds the calibration tokens, the
 solved codes and scales of two layers (the finished layer's until the next one is solved, and the layer written
@@ -102,7 +102,7 @@ def _config_dir(src: str) -> tuple[Path, dict]:
         if not config_path.is_file():
             raise QuantError(f"{path}: no config.json")
     else:
-        from quant.pipeline.source import HUB_ID
+        from quant.planning.source import HUB_ID
 
         if not HUB_ID.match(str(src)) or path.exists():
             raise QuantError(f"{src}: not a directory with a config.json, nor a Hugging Face hub id")
@@ -129,7 +129,7 @@ def _device_list(devices: str, workers: int) -> list[str]:
     import torch
 
     if devices in (None, "auto"):
-        from quant.pipeline.run import auto_devices, visible_accelerators
+        from quant.process import auto_devices, visible_accelerators
 
         return auto_devices(workers, visible_accelerators())
     items = [d.strip() for d in devices.split(",") if d.strip()]
@@ -160,9 +160,9 @@ def _capacity(device: str, device_memory: int | None) -> int | None:
 
 
 def _expression(expr, values: dict, what: str) -> int:
-    from quant.families.shapes import _evaluate
+    from quant.families.shapes import evaluate
 
-    result = _evaluate(expr, {**values, "min": min, "max": max})
+    result = evaluate(expr, {**values, "min": min, "max": max})
     if result is None:
         raise QuantError(f"family data {what} = {expr!r}: cannot be evaluated for this config.json "
                          f"(a key it names is missing)")
@@ -179,7 +179,7 @@ def solver_bytes(group: int, rows: int, k: int) -> int:
 
 def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> list[LayerPlan]:
     """Each decoder layer's GPTQ work and memory, from the meta model (shapes only)."""
-    from quant.gptq.layers import LayerNames
+    from quant.model_exec.layers import LayerNames
 
     prefix = family.text_prefixes[0]
     names = LayerNames.of_family(family)
@@ -188,11 +188,11 @@ def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> li
 
 
 def _solved_rule(family, recipe, scheme, mtp: bool = False):
-    """Whether GPTQ solves module `name`: an MXFP4 weight of the plan (`pipeline.plan.Planner.treatment`: the
+    """Whether GPTQ solves module `name`: an MXFP4 weight of the plan (`planning.plan.Planner.treatment`: the
     recipe's role treatment, the engines' BF16-only modules, and for an MTP layer the recipe's mtp_layer and the
     family's MTP keep patterns)."""
-    from quant.pipeline.recipes import SCHEME
-    from quant.pipeline.schemes import MXFP4_SCHEMES
+    from quant.planning.recipes import SCHEME
+    from quant.planning.schemes import MXFP4_SCHEMES
 
     mxfp4 = scheme.name in MXFP4_SCHEMES
     mtp_keep = family.mtp_keep_patterns() if mtp else []
@@ -211,8 +211,8 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
     solve groups cut as `run._solve_layer` cuts them."""
     import torch
 
-    from quant.gptq.layers import LayerNames
-    from quant.gptq.run import _groups
+    from quant.gptq.run import expert_modules, hessian_passes, solve_groups
+    from quant.model_exec.layers import LayerNames
 
     names = names or LayerNames()
     modules = dict(layer.named_modules())
@@ -234,28 +234,22 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
                        if any(solved(f"{base}.{e}.{names.leaf(p)}") for p in projs)]
             if experts:
                 fused[key] = (param, experts)
-    # Passes exactly as run._solve_layer cuts them.
-    passes: list[tuple[list[str], int]] = []  # (keys, experts in the pass)
-    per_expert_of, experts_of = {}, {}
-    for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
-        mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
-        experts = sorted({e for k in mine for e in fused[k][1]})
-        per_expert = sum(fused[k][0].shape[-1] ** 2 * 4 for k in mine)
-        chunk = max(1, settings.hessian_bytes // per_expert)
-        per_expert_of[path], experts_of[path] = per_expert, len(experts)
-        passes += [(mine, len(experts[i:i + chunk])) for i in range(0, len(experts), chunk)]
+    # The passes and solve groups the run cuts (run.hessian_passes, run.solve_groups).
+    inputs = {k: (p.shape[-1], experts) for k, (p, experts) in fused.items()}
+    modules = expert_modules(inputs)
+    passes = hessian_passes(list(plain), inputs, settings.hessian_bytes)
     plain_h = sum(p.shape[-1] ** 2 * 4 for p in plain.values())
-    pass_h = [sum(len_e * fused[k][0].shape[-1] ** 2 * 4 for k in keys) for keys, len_e in passes] or [0]
-    pass_h[0] += plain_h
+    pass_h = [sum(plain[k].shape[-1] ** 2 * 4 if k in plain else len(experts) * fused[k][0].shape[-1] ** 2 * 4
+                  for k in keys) for keys, experts in passes] or [0]
     groups, solve, gather = 0, 0, 0
     for key, param in plain.items():
         groups += 1
         solve = max(solve, solver_bytes(1, param.shape[0], param.shape[1]))
         gather = max(gather, param.numel() * dtype_bytes)
-    for keys, len_e in passes:
-        for key in keys:
+    for keys, experts in passes:
+        for key in (k for k in keys if k in fused):
             param = fused[key][0]
-            for sel in _groups(param, len_e, settings):
+            for sel in solve_groups(param, len(experts), settings):
                 groups += 1
                 solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
                 gather = max(gather, len(sel) * param[0].numel() * dtype_bytes)
@@ -264,16 +258,15 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
     layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
     layer_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
     stacked = max([p.numel() * dtype_bytes for p, _ in fused.values()] or [0])
+    per_expert = max((m[2] for m in modules), default=0)
     return LayerPlan(
-        index=index, weights=weights, passes=len(passes) or (1 if plain else 0),
-        experts_per_pass=max((n for _, n in passes), default=None), layer_bytes=layer_bytes,
+        index=index, weights=weights, passes=len(passes),
+        experts_per_pass=max((len(e) for _, e in passes if e is not None), default=None), layer_bytes=layer_bytes,
         load_extra=stacked, hessian_bytes=max(pass_h),
         hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
         solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather,
         plain_hessians=plain_h,
-        per_expert=max(per_expert_of.values(), default=0),
-        experts=max((n for path, n in experts_of.items() if per_expert_of[path] == max(per_expert_of.values())),
-                    default=0))
+        per_expert=per_expert, experts=max((len(m[1]) for m in modules if m[2] == per_expert), default=0))
 
 
 @dataclass
@@ -285,7 +278,7 @@ class MtpPlan:
     block: str  # its checkpoint prefix
     plan: LayerPlan
     glue_bytes: int  # enorm, hnorm, eh_proj [H, 2H] and the draft's final norm, in the compute dtype
-    source_bytes: int  # the decoder layer's state read from the source (`evals.mtp_draft._block_state`, host)
+    source_bytes: int  # the decoder layer's state read from the source (`model_exec.mtp.block_state`, host)
     stack_extra: int  # one fused expert parameter stacked from per-expert tensors while that state is read
     tokens: int  # calibration tokens it is fed: positions t whose token t+k+1 is in the window
 
@@ -295,12 +288,12 @@ def plan_mtp(root: Path, config: dict, family, recipe, scheme, settings, dtype, 
     """The MTP draft layers `--method gptq` solves after the main layers (`run.solve_checkpoint`: those of the
     family data's `mtp_draft` up to the last one with a weight to solve; none when the recipe keeps the MTP layer
     BF16 or the release publishes no MTP weights), each built as `quant.gptq.mtp.MtpBlock` builds it:
-    `evals.mtp_draft._one_layer_config` with the family's `decoder_config`, on the meta device."""
+    `quant.model_exec.mtp.draft_config` (the family's `decoder_config`), on the meta device."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from evals.mtp_draft import _one_layer_config
     from quant.families import text_config
+    from quant.model_exec.mtp import draft_config
 
     spec = family.mtp_draft
     if not spec or family.unpublished_mtp(config):
@@ -312,7 +305,7 @@ def plan_mtp(root: Path, config: dict, family, recipe, scheme, settings, dtype, 
         return []
     first = int(text.get((family.mtp or {}).get("first_layer_key", ""), 0) or 0)
     prefix = family.text_prefixes[0]
-    cfg = _one_layer_config(AutoConfig.from_pretrained(root), spec.get("decoder_config") or {})
+    cfg = draft_config(root, family)
     with torch.device("meta"):
         layer = AutoModelForCausalLM.from_config(cfg, dtype=dtype).get_decoder().layers[0]
     hidden = int(cfg.hidden_size)
@@ -352,10 +345,10 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     import torch
 
     from quant.families import family_for_config, text_config
-    from quant.gptq.layers import config_model
-    from quant.pipeline.execute import SourceReader
-    from quant.pipeline.recipes import load_recipe
-    from quant.pipeline.schemes import MXFP4_SCHEMES, get_scheme
+    from quant.checkpoint import SourceReader
+    from quant.model_exec.layers import config_model
+    from quant.planning.recipes import load_recipe
+    from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
 
     if method not in ("rtn", "gptq"):
         raise QuantError(f"unknown method {method!r}; choose rtn or gptq")

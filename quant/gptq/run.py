@@ -1,19 +1,22 @@
 """GPTQ over a whole checkpoint, one decoder layer at a time (`quant quantize --method gptq`).
 
 Data flow: the calibration windows run through transformers' own model (built from config.json on the meta
-device) up to the first decoder layer; then, for each decoder layer in turn, only that layer's weights are read
-from the source shards, the input Hessians of its MXFP4 weights are accumulated over the calibration activations,
-each weight is solved (`solve.gptq_mxfp4`), every quantized weight of the layer is replaced by what the engines
-will compute with, and the activations go through the quantized layer to become the next layer's inputs. Peak
-memory is one layer, its Hessians and two copies of the calibration activations.
+device: `quant.model_exec.layers.DecoderStack`) up to the first decoder layer; then, for each decoder layer in
+turn, only that layer's weights are read from the source shards, the input Hessians of its MXFP4 weights are
+accumulated over the calibration activations, each weight is solved (`solve.gptq_mxfp4`), every quantized weight
+of the layer is replaced by what the engines will compute with, and the activations go through the quantized layer
+to become the next layer's inputs. Peak memory is one layer, its Hessians and two copies of the calibration
+activations.
 
-The solved weights (packed codes and scale bytes, exactly what the export stores) go to `OUT/.quant-gptq/`, one
-safetensors file per layer with a JSON record beside it; the shard writer (`pipeline.execute`) takes them from
-there instead of rounding to nearest. A killed run resumes at the first layer without a record (earlier layers are
-re-run forward with their solved weights, not re-solved).
+The solved weights (packed codes and scale bytes, exactly what the export stores) go to the store the pipeline
+gives (`OUT/.quant-gptq/`), one safetensors file per layer with a JSON record beside it; the shard writer
+(`pipeline.execute`) takes them from there (`SolvedWeights`) instead of rounding to nearest. The pipeline knows
+GPTQ only as the `quant.pipeline.solver.WeightSolver` the command hands it (`GptqSettings`). A killed run resumes
+at the first layer without a record (earlier layers are re-run forward with their solved weights, not re-solved).
 
 The MTP / NextN draft layers (beyond num_hidden_layers; transformers never runs them) are solved after the main
-layers, with the same solver and settings: each is built and fed as the engines run it (`quant.gptq.mtp`: the
+layers, with the same solver and settings: each is built and fed as the engines run it (`quant.gptq.mtp`,
+`quant.model_exec.mtp`: the
 final-norm hidden state of the quantized main layers at t and the embedding of token t+1, through the draft's
 BF16 glue), and its records and solved weights go to `mtp-NNNNN.*` beside the layers'. A recipe that keeps the
 MTP layers BF16 leaves nothing to solve there.
@@ -39,12 +42,12 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings, calibration_tokens, data_identity
-from quant.pipeline.output import GPTQ_DIR
-from quant.pipeline.plan import LAYER, Plan, TensorJob
-from quant.pipeline.schemes import MXFP4_SCHEMES
+from quant.planning.plan import LAYER, Plan, TensorJob
+from quant.planning.schemes import MXFP4_SCHEMES
 
 MIN_EXPERT_TOKENS = 64
 _EXPERT = re.compile(r"^(.*\bexperts\.\d+)\.")
@@ -59,6 +62,10 @@ PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s"
 
 @dataclass(frozen=True)
 class GptqSettings:
+    """GPTQ's settings, and the solver the quantize command hands the pipeline (a
+    `quant.pipeline.solver.WeightSolver`: `check`, `to_dict`, `solve`)."""
+
+    method: ClassVar[str] = "gptq"
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
     damp: float = 0.01  # relative to the mean diagonal of H, as in GPTQ's reference code
     batch: int = 8  # calibration windows per forward call
@@ -82,6 +89,19 @@ class GptqSettings:
             d["calibration"]["identity"] = data_identity(self.calibration.data)
         return d
 
+    def check(self, src_path: Path, ckpt) -> None:
+        """The calibration data, and the family: one transformers cannot build GPTQ's decoder layers of is refused
+        (QuantError) before any work."""
+        from quant.model_exec.layers import meta_model
+
+        self.calibration.check()
+        meta_model(src_path, ckpt)
+
+    def solve(self, request) -> "SolvedWeights":
+        """`solve_checkpoint` for the pipeline's `quant.pipeline.solver.SolveRequest`."""
+        return solve_checkpoint(request.plan, request.ckpt, request.src_path, request.store, request.devices, self,
+                                request.layer_returns, request.digest, request.write, request.log)
+
 
 def layer_of(job: TensorJob) -> int | None:
     m = LAYER.search(job.source.name)
@@ -98,8 +118,9 @@ def quantized_jobs_by_layer(plan: Plan) -> dict[int, list[TensorJob]]:
 
 
 class SolvedWeights:
-    """The solved weights in OUT/.quant-gptq/: `parts(job)` gives {suffix: tensor} and the record of a weight GPTQ
-    solved, or None (round it to nearest). `timing`: seconds per phase of the run that solved them (`PHASES`)."""
+    """The solved weights in the run's store (OUT/.quant-gptq/), a `quant.pipeline.solver.Solution`: `parts(job)`
+    gives {suffix: tensor} and the record of a weight GPTQ solved, or None (round it to nearest). `timing`: seconds
+    per phase of the run that solved them (`PHASES`)."""
 
     def __init__(self, root: Path, decoder_layers: int, timing: dict[str, float] | None = None):
         self.root, self.decoder_layers = root, decoder_layers
@@ -138,10 +159,11 @@ def _layer_digest(plan_digest: str, index: int | str) -> str:
     return hashlib.sha256(f"{plan_digest}:{index}".encode()).hexdigest()
 
 
-def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str | list[str], settings: GptqSettings,
-                     layer_returns: list[str], digest: str, log=print) -> SolvedWeights:
-    """Solve every MXFP4 weight of the decoder layers with GPTQ into OUT/.quant-gptq/ (resuming what an earlier
-    run of the same plan solved). `log` gets a line before calibration, one when the first layer begins, progress
+def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path, devices: str | list[str],
+                     settings: GptqSettings, layer_returns: list[str], digest: str, write, log=print) -> SolvedWeights:
+    """Solve every MXFP4 weight of the decoder layers with GPTQ into `store` (OUT/.quant-gptq/; resuming what an
+    earlier run of the same plan solved there), each layer's record written by `write(path, text, tmp_dir)` (the
+    pipeline's atomic write). `log` gets a line before calibration, one when the first layer begins, progress
     within each layer (weights and experts solved, ETAs; at most one line every PROGRESS_SECONDS) and one per
     finished layer.
 
@@ -151,14 +173,13 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
     transformers cannot build from the checkpoint is refused (QuantError) before calibration starts."""
     import torch
 
-    from quant.gptq.layers import DecoderStack, meta_model
     from quant.gptq.mtp import mtp_layers
+    from quant.model_exec.layers import DecoderStack, meta_model
 
     devices = [devices] if isinstance(devices, str) else list(devices)
     device = devices[0]
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     model = meta_model(src_path, ckpt, dtype)  # before any work: a family GPTQ cannot run is one line
-    store = out / GPTQ_DIR
     store.mkdir(exist_ok=True)
     cal = settings.calibration
     shared = f", solved on {len(devices)} workers ({','.join(devices)})" if len(devices) > 1 else ""
@@ -202,12 +223,12 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
                 solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, progress.solved,
                                       workers, timing=timing)
                 t1 = time.perf_counter()
-                _save_layer_solution(store, index, solved, _layer_digest(digest, index))
+                _save_layer_solution(store, index, solved, _layer_digest(digest, index), write)
                 timing["gptq_save_s"] += time.perf_counter() - t1
                 resumed = False
             t1 = time.perf_counter()
             _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
-            hidden, carry = _forward(stack, index, layer, hidden, carry)
+            hidden, carry = stack.forward(index, layer, hidden, carry)
             timing["gptq_forward_s"] += time.perf_counter() - t1
             stack.release_layer(index)
             del layer
@@ -218,24 +239,25 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, out: Path, devices: str |
             log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
                 f"{len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
         if mtp:
-            _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, progress, workers, log,
-                       timing)
+            _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, write, progress, workers,
+                       log, timing)
     log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
         + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
     return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
 
 
 def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Plan, settings: GptqSettings,
-               store: Path, digest: str, progress: "Progress", workers: "Workers", log,
+               store: Path, digest: str, write, progress: "Progress", workers: "Workers", log,
                timing: Counter | None = None) -> None:
     """Solve the MTP draft layers `mtp` (`quant.gptq.mtp.MtpLayerRef`, in order) after the main layers: `hidden`
     are the last main layer's outputs per calibration batch (of `tokens` [N, L], settings.batch windows each).
     Draft layer k at position t sees the final-norm hidden state at t (layer k > 0: draft layer k-1's output at
-    t) and the embedding of token t+k+1, as `evals.mtp_draft` runs it; its quantized weights are then replaced
-    by their solved values before the next draft layer is fed its output. `timing` gets seconds per phase (PHASES)."""
+    t) and the embedding of token t+k+1, as the engines run it (`quant.model_exec.mtp`); its quantized weights are
+    then replaced by their solved values before the next draft layer is fed its output. `timing` gets seconds per
+    phase (PHASES)."""
     import torch
 
-    from quant.gptq.mtp import MtpBlock
+    from quant.model_exec.mtp import MtpBlock
 
     timing = Counter() if timing is None else timing
     t0 = time.perf_counter()
@@ -245,7 +267,7 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
     timing["gptq_forward_s"] += time.perf_counter() - t0
     for ref in mtp:
         t0 = time.perf_counter()
-        block = MtpBlock(stack, ref)
+        block = MtpBlock(stack, ref.names)
         timing["gptq_load_s"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         jobs = mtp_jobs[ref.k]
@@ -272,7 +294,7 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
             solved = _solve_layer(stack, index, block.layer, jobs, [], [], plan, settings, progress.solved, workers,
                                   slot_of=slot_of, run_pass=run_pass, timing=timing)
             t1 = time.perf_counter()
-            _save_layer_solution(store, stem, solved, _layer_digest(digest, stem))
+            _save_layer_solution(store, stem, solved, _layer_digest(digest, stem), write)
             timing["gptq_save_s"] += time.perf_counter() - t1
             resumed = False
         t1 = time.perf_counter()
@@ -397,25 +419,6 @@ def _expert_of(job: TensorJob) -> str | None:
     return m.group(1) if m else None
 
 
-def _run_layer(stack, index: int, layer, hidden: list, carry: list[dict]):
-    for b, x in enumerate(hidden):
-        out = layer(x, **stack.layer_kwargs(index, x.shape[0]), **carry[b])
-        yield b, out
-
-
-def _forward(stack, index: int, layer, hidden: list, carry: list[dict]) -> tuple[list, list[dict]]:
-    """The layer's outputs for every batch: the next layer's hidden states and carried keyword arguments."""
-    new_hidden, new_carry = [], []
-    for _, out in _run_layer(stack, index, layer, hidden, carry):
-        if isinstance(out, tuple):
-            new_hidden.append(out[0])
-            new_carry.append(dict(zip(stack.returns[1:], out[1:])))
-        else:
-            new_hidden.append(out)
-            new_carry.append({})
-    return new_hidden, new_carry
-
-
 class Workers:
     """The devices that share each layer's solves: worker i solves on devices[i], in a thread of its own (torch
     releases the GIL inside its kernels, so CPU workers share the cores and CUDA workers drive their own GPUs).
@@ -423,7 +426,7 @@ class Workers:
 
     The result does not depend on the number of workers, byte for byte: what is solved together (a plain
     linear, or a group of experts of one fused parameter) is decided by the tensors and the settings alone
-    (`_groups`), never by the workers; each group is solved from the same fp32 weights and Hessians, by the same
+    (`solve_groups`), never by the workers; each group is solved from the same fp32 weights and Hessians, by the same
     code, wherever it runs; and the groups' results are merged in one fixed order. Which worker solves which
     group is a deterministic greedy balance of estimated costs (largest first, to the least loaded worker), so
     the manifest's `worker` records repeat between runs on the same devices. CPU workers each get
@@ -509,13 +512,40 @@ class Workers:
         return results
 
 
-def _groups(param, count: int, settings: GptqSettings) -> list[list[int]]:
+def solve_groups(param, count: int, settings: GptqSettings) -> list[list[int]]:
     """The groups of a parameter's `count` matrices solved together: as many as keep the solver's working set
     (float64 Cholesky factors, fp32 weights) within settings.solve_bytes. A function of the tensor's shape and
     the settings only (never of the workers), so every run batches the same matrices together."""
     k = param.shape[-1]
     group = max(1, settings.solve_bytes // (k * k * 8 * 3 + param.shape[-2] * k * 4 * 4))
     return [list(range(g0, min(g0 + group, count))) for g0 in range(0, count, group)]
+
+
+def expert_modules(fused: dict[str, tuple[int, list[int]]]) -> list[tuple[list[str], list[int], int]]:
+    """A layer's fused expert modules, from `fused` (parameter key -> (input features, experts solved)): per module
+    (the keys sharing its path), its keys, the experts solved in any of them, and one expert's fp32 Hessians in
+    bytes."""
+    modules = []
+    for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
+        mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
+        modules.append((mine, sorted({e for k in mine for e in fused[k][1]}), sum(fused[k][0] ** 2 * 4 for k in mine)))
+    return modules
+
+
+def hessian_passes(plain: list[str], fused: dict[str, tuple[int, list[int]]], budget: int
+                   ) -> list[tuple[list[str], list[int] | None]]:
+    """A layer's calibration passes (each a forward over every calibration window), as (the parameter keys whose
+    Hessians it collects, the experts it collects them for; None when it holds no fused expert parameter): each
+    fused module's experts (`expert_modules`) in passes of at most `budget` bytes of Hessians, the plain linears
+    `plain` riding along with the first pass (one pass per layer when every expert fits). What `_solve_layer` runs
+    and the dry run predicts."""
+    passes: list[tuple[list[str], list[int] | None]] = []
+    for keys, experts, per_expert in expert_modules(fused):
+        chunk = max(1, budget // per_expert)
+        passes += [(keys, experts[i:i + chunk]) for i in range(0, len(experts), chunk)]
+    if plain:
+        passes[:1] = [(plain + passes[0][0], passes[0][1])] if passes else [(plain, None)]
+    return passes
 
 
 def _group_cost(param, size: int) -> float:
@@ -549,7 +579,7 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
     records: dict[str, dict] = {}
     parts: dict[str, dict] = {}
     slot_of = slot_of or (lambda job: stack.slot(index, job.source.name, job.source.expert, job.source.rows))
-    run_pass = run_pass or (lambda: _run_layer(stack, index, layer, hidden, carry))
+    run_pass = run_pass or (lambda: stack.run_layer(index, layer, hidden, carry))
     slots = {job.output: slot_of(job) for job in jobs}
     eligible = [j for j in jobs if j.scheme in MXFP4_SCHEMES]
     for job in jobs:
@@ -564,18 +594,10 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
     keys = [k for k in keys if k not in unsupported]
 
     plain = [k for k in keys if layer.get_parameter(k).dim() == 2]
-    fused = [k for k in keys if k not in plain]
-    # One forward pass over the calibration activations per group of experts whose Hessians fit the budget; the
-    # plain linears' Hessians ride along with the first (one pass per layer when every expert fits).
-    passes: list[tuple[list[str], list[int] | None]] = []
-    for path in sorted({k.rsplit(".", 1)[0] for k in fused}):
-        mine = [k for k in fused if k.rsplit(".", 1)[0] == path]
-        experts = sorted({slots[j.output].expert for j in eligible if slots[j.output].key in mine})
-        per_expert = sum(layer.get_parameter(k).shape[-1] ** 2 * 4 for k in mine)
-        chunk = max(1, settings.hessian_bytes // per_expert)
-        passes += [(mine, experts[i:i + chunk]) for i in range(0, len(experts), chunk)]
-    if plain:
-        passes[:1] = [(plain + passes[0][0], passes[0][1])] if passes else [(plain, None)]
+    fused = {k: (layer.get_parameter(k).shape[-1], [slots[j.output].expert for j in eligible
+                                                    if slots[j.output].key == k])
+             for k in keys if k not in plain}
+    passes = hessian_passes(plain, fused, settings.hessian_bytes)
 
     workers = workers or Workers([stack.device])
     timing = Counter() if timing is None else timing
@@ -595,7 +617,7 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
             jobs_here = [j for j in eligible if slots[j.output].key == key
                          and (experts is None or slots[j.output].expert in experts)]
             param = layer.get_parameter(key)
-            for sel in _groups(param, counts.shape[0], settings):
+            for sel in solve_groups(param, counts.shape[0], settings):
                 tasks.append(functools.partial(_solve_group, param, experts, sel, hessians, counts, jobs_here, slots,
                                                plan.scale_mode, settings, report))
                 costs.append(_group_cost(param, len(sel)))
@@ -664,10 +686,8 @@ def _solve_group(param, experts: list[int] | None, sel: list[int], hessians, cou
     return records, parts
 
 
-def _save_layer_solution(store: Path, index: int | str, solved: dict, digest: str) -> None:
+def _save_layer_solution(store: Path, index: int | str, solved: dict, digest: str, write) -> None:
     from safetensors.torch import save_file
-
-    from quant.pipeline.files import write_atomic
 
     tensors = {f"{out}.{s}": t for out, p in solved["parts"].items() for s, t in p.items()}
     weights = _layer_file(store, index, ".safetensors")
@@ -675,8 +695,8 @@ def _save_layer_solution(store: Path, index: int | str, solved: dict, digest: st
     save_file(tensors, str(tmp))
     tmp.replace(weights)
     # The record last: it is what marks the layer solved.
-    write_atomic(_layer_file(store, index, ".json"),
-                 json.dumps({"digest": digest, "weights": solved["records"]}, sort_keys=True), store)
+    write(_layer_file(store, index, ".json"),
+          json.dumps({"digest": digest, "weights": solved["records"]}, sort_keys=True), store)
 
 
 def _load_layer_solution(store: Path, index: int | str, record: dict) -> dict:
@@ -696,7 +716,7 @@ def _apply_quantized(stack, index: int | None, layer, jobs: list[TensorJob], sol
     scheme's round-to-nearest), so the next layer calibrates on the quantized model's activations."""
     import torch
 
-    from quant.pipeline.schemes import SCHEMES
+    from quant.planning.schemes import SCHEMES
 
     params = dict(layer.named_parameters())
     for job in jobs:

@@ -14,17 +14,15 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quant.checkpoint import Checkpoint, safetensors_dtype
+from quant.checkpoint import Checkpoint, SourceReader, safetensors_dtype
 from quant.errors import QuantError
-from quant.numerics import fp8
 from quant.pipeline.files import share_like_other_files, sha256_file, write_atomic
 from quant.pipeline.output import TMP_DIR
 from quant.pipeline.progress import ShardResult, progress_path
-from quant.pipeline.plan import Plan, ShardJob, Source, TensorJob
-from quant.pipeline.schemes import SCHEMES
+from quant.planning.plan import Plan, ShardJob, TensorJob
+from quant.planning.schemes import SCHEMES
 
 ERROR_SAMPLE_ROWS = 128  # rows on which a large weight's error is measured; smaller weights: every row
 
@@ -56,61 +54,14 @@ def error_stats(original: torch.Tensor, parts: dict[str, torch.Tensor], scheme) 
     return {"rel_mse": rel, "sqnr_db": round(sqnr, 4) if math.isfinite(sqnr) else None, "error_rows": len(index)}
 
 
-class SourceReader:
-    """Open shard handles for one shard job; slices of fused experts are read without loading the rest.
-
-    Tensors are views of the shard's memory map, whose pages stay resident while it is mapped; a handle is
-    therefore reopened after every REMAP_BYTES it served, which unmaps what the finished tensors touched and
-    keeps a worker's resident source near that size instead of a whole shard."""
-
-    REMAP_BYTES = 1 << 28
-
-    def __init__(self, ckpt: Checkpoint, device: str):
-        self.ckpt, self.device, self.handles = ckpt, device, {}
-        self.served: dict[str, int] = {}
-
-    def handle(self, file: str):
-        if self.served.get(file, 0) >= self.REMAP_BYTES:
-            del self.handles[file]
-            self.served[file] = 0
-        if file not in self.handles:
-            path = self.ckpt.shard_path(file)
-            try:
-                self.handles[file] = safe_open(str(path), framework="pt")
-            except Exception as e:
-                raise QuantError(f"{path}: cannot open ({str(e).splitlines()[0]})") from None
-        return self.handles[file]
-
-    def raw(self, file: str, name: str, expert: int | None = None, rows=None) -> torch.Tensor:
-        try:
-            h = self.handle(file)
-            t = h.get_tensor(name) if expert is None else h.get_slice(name)[expert, rows[0]:rows[1]]
-        except QuantError:
-            raise
-        except Exception as e:
-            raise QuantError(f"{self.ckpt.shard_path(file)}: cannot read tensor {name} "
-                             f"({str(e).splitlines()[0]})") from None
-        self.served[file] = self.served.get(file, 0) + t.nbytes
-        return t.to(self.device)
-
-    def load(self, src: Source) -> torch.Tensor:
-        t = self.raw(src.file, src.name, src.expert, src.rows)
-        if src.scale_inv:
-            t = fp8.dequantize_fp8_block(t, self.raw(src.scale_inv_file, src.scale_inv), dtype=torch.float32)
-        return t
-
-    def close(self) -> None:
-        self.handles.clear()
-
-
 def _tensor_record(t: torch.Tensor) -> dict:
     return {"dtype": safetensors_dtype(t.dtype), "shape": list(t.shape)}
 
 
 def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Counter,
             solved=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """One job's output tensors and manifest record. `solved` (quant.gptq.run.SolvedWeights) holds the weights
-    GPTQ solved; the others are rounded to nearest."""
+    """One job's output tensors and manifest record. `solved` (a `quant.pipeline.solver.Solution`: GPTQ's) holds
+    the weights a solver solved; the others are rounded to nearest."""
     t0 = time.perf_counter()
     src = reader.load(job.source)
     t1 = time.perf_counter()

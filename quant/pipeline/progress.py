@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.pipeline.files import sha256_file
-from quant.pipeline.plan import ShardJob
+from quant.planning.plan import ShardJob
 
 PROGRESS_DIR = ".quant-progress"
 

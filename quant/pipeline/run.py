@@ -1,4 +1,4 @@
-"""`quantize_checkpoint`: read → validate → plan → [calibrate and solve, with --method gptq] → quantize → write →
+"""`quantize_checkpoint`: read → validate → plan → [solve, with --method gptq's solver] → quantize → write →
 stage → self-check → publish, streaming one shard (GPTQ: one decoder layer) at a time.
 
 Output layout: quantized shards, model.safetensors.index.json, config.json with the quantization_config,
@@ -24,36 +24,21 @@ from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.validate import require_valid
 from quant.errors import EngineFailure, QuantError
-from quant.pipeline.files import sha256_bytes, sha256_file
+from quant.pipeline.files import sha256_bytes, sha256_file, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
 from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, RECIPE_FILE, Output,
                                    read_record)
 from quant.pipeline.progress import ShardResult, completed
-from quant.pipeline.plan import Plan, make_plan
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
-from quant.pipeline.recipes import family_for_config, load_recipe
+from quant.pipeline.solver import SolveRequest, WeightSolver
+from quant.planning.plan import Plan, make_plan
+from quant.planning.recipes import family_for_config, load_recipe
 from quant.numerics import SCALE_MODES
-from quant.pipeline.schemes import MXFP4_SCHEMES, get_scheme
-from quant.pipeline.source import resolve_source
-from quant.process import cpu_threads, frozen_imports, set_threads
+from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
+from quant.planning.source import resolve_source
+from quant.process import auto_devices, cpu_threads, frozen_imports, set_threads, visible_accelerators
 
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
-
-
-def visible_accelerators() -> int:
-    """CUDA/ROCm devices torch can use. torch is imported only when the machine has an NVIDIA or AMD GPU device
-    node: its import costs a second that the CPU path spends hashing instead."""
-    dev = Path("/dev")
-    if not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def auto_devices(workers: int, accelerators: int) -> list[str]:
-    """`--devices auto`: one worker per visible GPU, else `workers` CPU workers."""
-    return [f"cuda:{i}" for i in range(accelerators)] if accelerators else ["cpu"] * max(1, workers)
 
 
 def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
@@ -223,14 +208,15 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
                         workers: int = 1, check_engines: list[str] | str | None = "auto",
-                        progress: bool = False, method: str = "rtn", gptq=None, overwrite: bool = False,
-                        log=print) -> dict:
+                        progress: bool = False, method: str = "rtn", gptq: WeightSolver | None = None,
+                        overwrite: bool = False, log=print) -> dict:
     """Quantize checkpoint `src` into directory `out` (new, empty, or an earlier run's output to resume or
     redo); returns the manifest, with `timing` added. Every input is checked (headers and config only) before
     OUT is created.
 
-    `method`: "rtn" (round to nearest) or "gptq" (quant.gptq; `gptq` is its GptqSettings, default settings when
-    None). Either way the output has the same tensors, names, dtypes and shapes.
+    `method`: "rtn" (round to nearest) or "gptq", whose solver `gptq` (a `quant.pipeline.solver.WeightSolver`:
+    quant.gptq.GptqSettings) the caller hands in. Either way the output has the same tensors, names, dtypes and
+    shapes.
 
     `overwrite`: replace an earlier output of other settings, or write into a directory this tool did not make
     (`quant.ownership`; files it did not write are never deleted)."""
@@ -242,6 +228,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     if method == "gptq" and scheme not in MXFP4_SCHEMES:
         raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
                          f"or w_mxfp4)")
+    if method == "gptq" and gptq is None:
+        raise QuantError("--method gptq: no solver given (pass gptq=quant.gptq.GptqSettings(...))")
     if scale_mode not in SCALE_MODES:
         raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
     if check_engines == "auto" or (isinstance(check_engines, (list, tuple)) and list(check_engines) == ["auto"]):
@@ -261,15 +249,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     plan = make_plan(ckpt, family, load_recipe(recipe, family), scheme_obj, scale_mode)
     if recipe and Path(recipe).is_file():
         plan.recipe_path = Path(recipe)
-    calibrated = None  # (GptqSettings, what the family's decoder layer returns) when GPTQ solves the weights
+    calibrated = None  # (the solver, what the family's decoder layer returns) when a solver computes the weights
     if method == "gptq":
-        from quant.gptq.run import GptqSettings
-
-        from quant.gptq.layers import meta_model
-
-        gptq = gptq or GptqSettings()
-        gptq.calibration.check()
-        meta_model(src_path, ckpt)  # a family GPTQ cannot build is refused before OUT is touched
+        gptq.check(src_path, ckpt)  # e.g. a family GPTQ cannot build: refused before OUT is touched
         plan.settings.update(gptq.to_dict())  # part of the plan's digest: other settings, other output
         calibrated = (gptq, family.layer_returns)
 
@@ -303,15 +285,15 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     timing = Counter()
     solved = None
     if calibrated and todo:
-        from quant.gptq.run import solve_checkpoint
-
-        settings, layer_returns = calibrated
-        # Calibration and Hessians on the first device, at one worker's thread count (so the Hessians are the same
-        # bytes whatever the device list); each layer's solves shared among every worker (quant.gptq.run.Workers).
+        solver, layer_returns = calibrated
+        request = SolveRequest(plan, ckpt, src_path, out / GPTQ_DIR, device_list, layer_returns, digest, log,
+                               write_atomic)
+        # The solver runs at one worker's thread count on the first device (GPTQ: calibration and Hessians there,
+        # the same bytes whatever the device list; each layer's solves shared among every device).
         with _compute_runtime(device_list[:1]):
-            solved = solve_checkpoint(plan, ckpt, src_path, out, device_list, settings, layer_returns, digest, log)
-        timing["gptq_s"] = time.perf_counter() - started
-        timing.update(solved.timing)  # its phases (quant.gptq.run.PHASES)
+            solved = solver.solve(request)
+        timing[f"{solver.method}_s"] = time.perf_counter() - started
+        timing.update(solved.timing)  # its phases (GPTQ: quant.gptq.run.PHASES)
     # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
     # shard order, from before torch loads to beside the quantizing workers.
     with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:

@@ -1,10 +1,12 @@
-"""The checkpoint's decoder stack, one layer at a time, as transformers builds it from config.json.
+"""The checkpoint's decoder stack, one layer at a time, as transformers builds it from config.json (GPTQ's
+calibration runs it; `quant quantize --dry-run` sizes the model `config_model` builds).
 
 `DecoderStack` builds the family's model on the meta device (no memory), keeps the embedding (loaded from the
 source) and replaces every decoder layer by a recorder. One pass of the model's own forward over the calibration
 windows then yields the first layer's inputs and the keyword arguments the model hands each layer (attention
 masks of each layer's type, rotary embeddings, position ids), so masks and positions are made by transformers'
-code, not ours. `load_layer(i)` then materialises the real layer i alone, from the source shards.
+code, not ours. `load_layer(i)` then materialises the real layer i alone, from the source shards, and
+`forward(i, ...)` runs it over every batch to make the next layer's inputs.
 
 What a layer returns besides its hidden states, and which argument of the next layer that feeds, is family data
 (`decoder_layer.returns` in quant/manifests/families/*.yaml).
@@ -18,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from quant.checkpoint import Checkpoint
+from quant.checkpoint import SCALE_INV, Checkpoint, Source, SourceReader
 from quant.errors import QuantError
 from quant.families import text_prefix  # the language model's tensor prefix, per family data
-from quant.pipeline.plan import SCALE_INV, Source
 
 PER_EXPERT = re.compile(r"^(?P<experts>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -207,13 +208,21 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
     return model
 
 
+def materialize(module: torch.nn.Module, device: str) -> None:
+    """Give a module built on the meta device empty storage on `device`, and rebuild its rotary embeddings (their
+    buffers are computed in __init__, lost on the meta device); the parameters are then filled by the caller."""
+    module.to_empty(device=device)
+    for name, child in list(module.named_modules()):
+        if name.endswith("rotary_emb"):
+            parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+            setattr(parent, name.rsplit(".", 1)[-1], type(child)(child.config).to(device))
+
+
 class DecoderStack:
     """The decoder layers of `ckpt`, built by transformers from its config.json, run one at a time."""
 
     def __init__(self, root: Path, ckpt: Checkpoint, returns: list[str], device: str, dtype: torch.dtype,
                  model: torch.nn.Module | None = None):
-        from quant.pipeline.execute import SourceReader
-
         self.ckpt, self.device, self.dtype, self.returns = ckpt, device, dtype, returns
         self.reader = SourceReader(ckpt, device)
         self.prefix = text_prefix(ckpt.tensors)
@@ -222,11 +231,7 @@ class DecoderStack:
         self.text = model.get_decoder()
         self.layers = list(self.text.layers)
         self.text.layers = torch.nn.ModuleList(_Recorder(i, returns, self) for i in range(len(self.layers)))
-        self.text.to_empty(device=device)
-        for name, module in list(self.text.named_modules()):
-            if name.endswith("rotary_emb"):  # buffers computed in __init__, lost on the meta device
-                parent = self.text.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.text
-                setattr(parent, name.rsplit(".", 1)[-1], type(module)(module.config).to(device))
+        materialize(self.text, device)
         with torch.no_grad():
             for key, param in self.text.named_parameters():
                 param.copy_(self.read(self.prefix + key))
@@ -341,6 +346,25 @@ class DecoderStack:
             else:
                 out[e] = self.read(f"{base}.{e}.{leaf('down_proj')}.weight")
         return out
+
+    def run_layer(self, index: int, layer: torch.nn.Module, hidden: list, carry: list[dict]):
+        """Layer `index` (`layer`, loaded) over every batch of `hidden` with the batch's carried keyword arguments:
+        yields (batch, what the layer returns)."""
+        for b, x in enumerate(hidden):
+            out = layer(x, **self.layer_kwargs(index, x.shape[0]), **carry[b])
+            yield b, out
+
+    def forward(self, index: int, layer: torch.nn.Module, hidden: list, carry: list[dict]) -> tuple[list, list[dict]]:
+        """The layer's outputs for every batch: the next layer's hidden states and carried keyword arguments."""
+        new_hidden, new_carry = [], []
+        for _, out in self.run_layer(index, layer, hidden, carry):
+            if isinstance(out, tuple):
+                new_hidden.append(out[0])
+                new_carry.append(dict(zip(self.returns[1:], out[1:])))
+            else:
+                new_hidden.append(out)
+                new_carry.append({})
+        return new_hidden, new_carry
 
     def release_layer(self, index: int) -> None:
         self.layers[index] = None  # its memory goes; the stack never runs it again

@@ -14,32 +14,14 @@ from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 from quant import __version__
-from quant.checkpoint import FLOAT_DTYPES, Checkpoint
+from quant.checkpoint import FLOAT_DTYPES, SCALE_INV, Checkpoint, Source
 from quant.families import Family, text_config
 from quant.errors import QuantError
-from quant.pipeline.recipes import BF16, FP8, SCHEME, Recipe
-from quant.pipeline.schemes import Scheme, secondary_scheme
+from quant.planning.recipes import BF16, FP8, SCHEME, Recipe
+from quant.planning.schemes import Scheme, secondary_scheme
 
-SCALE_INV = "_scale_inv"
 FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<param>[a-z_]+)$")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where an output tensor's data comes from."""
-
-    name: str
-    file: str
-    scale_inv: str | None = None  # block-FP8 source: the weight_scale_inv tensor, dequantized first
-    scale_inv_file: str | None = None
-    expert: int | None = None  # a slice [expert, rows] of a fused 3-D expert tensor
-    rows: tuple[int, int] | None = None
-
-    def describe(self) -> str:
-        if self.expert is None:
-            return self.name
-        return f"{self.name}[{self.expert}, {self.rows[0]}:{self.rows[1]}]"
 
 
 @dataclass(frozen=True)
