@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,15 @@ from evals.pairing import generation_counts, pair_acceptance, pair_scores
 from evals.report import METHODS, REPORT_JSON, write_report
 from evals.run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
 from evals.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
-from quant.errors import QuantError
+from quant.errors import QuantError, machine_failure, naming
 
 EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3, evidence.INVALID: 4}
-# Directories of the output this stage owns and recreates on every run.
-OWN_SUBDIRS = ("runs", "tasks", "hf_datasets_cache", "work", "data")
+# What an eval leaves in OUT: the per-question samples of each arm, and the report (report.json last).
+RUNS_DIR = "runs"
 OWN_FILES = (REPORT_JSON, "report.md", "report.png")
+# Everything else (the task files, the data, lm-eval's datasets cache, the backends' work space, and the runs
+# while they are under way) lives in a scratch directory of ours (quant.ownership.SCRATCH).
+SCRATCH_DIR = ".quant-eval"
 MAX_MARGIN_POINTS = 50.0  # a margin wider than this admits any candidate: refused as a mistake
 
 
@@ -153,12 +157,15 @@ def _check_device(device: str) -> None:
 
 
 def _prepare_out(held) -> None:
-    """Remove what an earlier eval of ours left in OUT (its own subdirectories and report files, by its owner
-    record), report.json first so an unfinished run never looks finished."""
-    for name in (REPORT_JSON,) + OWN_SUBDIRS + OWN_FILES[1:]:
-        if name in held.written_before() and (held.root / name).exists():
+    """Refuse (before any work) a file of someone else's where this eval writes; remove what an earlier eval of
+    ours left in OUT (by its owner record, only files that still hold what it wrote), report.json first so an
+    unfinished run never looks finished."""
+    held.require_free((RUNS_DIR, SCRATCH_DIR) + OWN_FILES)
+    if held.previous is not None and held.previous.kind == "eval":
+        for name in (REPORT_JSON, RUNS_DIR) + OWN_FILES[1:]:
             held.remove_ours(name)
-    held.save(list(OWN_SUBDIRS + OWN_FILES))
+    if held.is_scratch(SCRATCH_DIR):
+        shutil.rmtree(held.root / SCRATCH_DIR)
 
 
 def _claim_out(request: EvalRequest):
@@ -253,17 +260,17 @@ def _generations(records: list[dict]) -> int:
     return len({(r["task"], r["seed"], r["doc_id"]) for r in records})
 
 
-def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: Path, settings: RunSettings,
+def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scratch: Path, settings: RunSettings,
          options: BackendOptions, depth: int, log) -> tuple[dict, list[dict]]:
     log(f"{label}: loading {source}")
-    backend = open_backend(source, label, options, out / "work")
+    backend = open_backend(source, label, options, scratch / "work")
     log(f"{label}: {backend.description}")
     server_spec = None
     if backend.kind == "server" and options.mtp:
         from evals.server_spec import probe
 
         server_spec = probe(source)  # vLLM: the counters before this arm's requests
-    records = run_arm(backend, specs, task_dir, out / "runs" / label, settings, log=log)
+    records = run_arm(backend, specs, task_dir, scratch / RUNS_DIR / label, settings, log=log)
     if backend.kind == "server":
         mtp = _server_mtp(server_spec, records, specs, settings, options, log) if server_spec else \
             {"measured": False, "why": "MTP not measured (--mtp off)"}
@@ -274,7 +281,7 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, out: 
            "first_error": backend.first_error(),
            "mtp": mtp}
     if any("mtp" in r for r in records):  # run_arm wrote the samples before the acceptance was attached
-        write_records(out / "runs" / label, specs, records)
+        write_records(scratch / RUNS_DIR / label, specs, records)
     _release(backend)
     return arm, records
 
@@ -338,13 +345,21 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     _check_inputs(request, specs)
     with owner as held:
         _prepare_out(held)
-        return _evaluate(request, specs, settings, earlier, Path(request.out), log)
+        try:
+            return _evaluate(request, specs, settings, earlier, held, log)
+        except Exception as e:  # a full or read-only disk met inside lm-eval or datasets: exit 74 naming OUT
+            failure = machine_failure(e)
+            if failure is None or isinstance(e, QuantError):
+                raise
+            raise naming(failure, held.root) from e
 
 
-def _evaluate(request: EvalRequest, specs, settings: dict, earlier, out: Path, log) -> dict:
-    datasets_cache = out / "hf_datasets_cache"
-    gsm8k_dir, gpqa_csv = _eval_data(request, specs, out / "data")
-    task_dir = write_task_files(out / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,
+def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log) -> dict:
+    out, scratch = held.root, held.root / SCRATCH_DIR
+    scratch.mkdir()
+    datasets_cache = scratch / "hf_datasets_cache"
+    gsm8k_dir, gpqa_csv = _eval_data(request, specs, scratch / "data")
+    task_dir = write_task_files(scratch / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,
                                 gpqa_csv=gpqa_csv, datasets_cache=datasets_cache)
     go_offline(datasets_cache)
     run_settings = RunSettings(limit=request.limit, max_gen_toks=request.max_gen_toks, seeds=request.seeds,
@@ -357,17 +372,19 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, out: Path, l
     if earlier:
         baseline_arm, baseline = earlier
         baseline_arm = {**baseline_arm, "reused_from": str(request.baseline_run)}
-        write_records(out / "runs" / "baseline", specs, baseline)
+        write_records(scratch / RUNS_DIR / "baseline", specs, baseline)
         log(f"baseline: reusing the samples of {request.baseline_run}")
     else:
-        baseline_arm, baseline = _run("baseline", request.baseline, request.baseline_name, specs, task_dir, out,
+        baseline_arm, baseline = _run("baseline", request.baseline, request.baseline_name, specs, task_dir, scratch,
                                       run_settings, options, request.mtp_depth, log)
     evidence.check_failures("baseline", baseline_arm, _generations(baseline))  # before the candidate arm runs
-    candidate_arm, candidate = _run("candidate", request.candidate, request.candidate_name, specs, task_dir, out,
+    candidate_arm, candidate = _run("candidate", request.candidate, request.candidate_name, specs, task_dir, scratch,
                                     run_settings, options, request.mtp_depth, log)
     evidence.check_failures("candidate", candidate_arm, _generations(candidate))
-    for scratch in ("work", "hf_datasets_cache"):
-        shutil.rmtree(out / scratch, ignore_errors=True)
+    for name in ("work", "hf_datasets_cache"):
+        shutil.rmtree(scratch / name, ignore_errors=True)
+    os.replace(scratch / RUNS_DIR, out / RUNS_DIR)  # no runs/ stands there: refused or removed on entry
+    held.add([RUNS_DIR])  # both arms' samples, in place (and ours) before they are paired
 
     rows = compare_records(baseline, candidate, specs, request)
     problems = evidence.floor_problems(rows, {s.name: s.floor for s in specs})
@@ -380,7 +397,7 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, out: Path, l
               if verdict == "inconclusive" else [],
               "baseline": baseline_arm, "candidate": candidate_arm, "settings": settings, "rows": rows,
               "methods": METHODS}
-    write_report(report, out)
+    write_report(report, out, record=held.add)
     return report
 
 

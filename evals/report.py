@@ -38,7 +38,9 @@ METHODS = {
                       "verdict: non-inferiority of depth-1 acceptance against the MTP margin, combined with the "
                       "accuracy verdicts. An arm without a draft is reported as not measured, never as zero",
     "failures": "requests that failed after all retries, and empty generations, are scored wrong and counted",
-    "exit_code": "0 pass, 1 fail, 3 inconclusive (errors: 'error: ...' on stderr with exit code 1 or 2)",
+    "exit_code": "0 pass, 1 fail, 3 inconclusive, 4 invalid (an arm at or below its floor), 69 no verdict (an "
+                 "arm's requests failed); errors print 'error: ...' on stderr with 2 (bad input), 70 (a bug of this "
+                 "tool), 74 (the machine failed a write) or 130 (interrupted), as in the README's table",
 }
 
 
@@ -268,12 +270,17 @@ def print_table(report: dict) -> None:
             console.print(escape(line))
 
 
-def write_report(report: dict, out_dir: Path) -> dict[str, Path]:
-    """Write the PNG and markdown, then report.json last (atomically): its presence means the run finished."""
+def write_report(report: dict, out_dir: Path, record=None) -> dict[str, Path]:
+    """Write the PNG and markdown, then report.json last (atomically): its presence means the run finished.
+    `record(names)`: the owner record's, told of each file as soon as it is written."""
+    from quant.pipeline.files import write_atomic
+
     paths = {"png": out_dir / REPORT_PNG, "md": out_dir / REPORT_MD, "json": out_dir / REPORT_JSON}
     plot(report, paths["png"])
-    paths["md"].write_text(markdown(report))
-    tmp = paths["json"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(paths["json"])
+    write_atomic(paths["md"], markdown(report))
+    if record is not None:
+        record([REPORT_PNG, REPORT_MD])
+    write_atomic(paths["json"], json.dumps(report, indent=2) + "\n")
+    if record is not None:
+        record([REPORT_JSON])
     return paths

@@ -9,7 +9,7 @@ import traceback
 
 import typer
 
-from quant.errors import QuantError
+from quant.errors import QuantError, machine_failure
 from quant.process import exit_now
 
 app = typer.Typer(
@@ -73,22 +73,33 @@ def main() -> None:
         if code == INTERRUPTED:  # typer turns Ctrl-C into a silent exit 130
             _interrupted()
     except QuantError as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        _error(str(e))
         code = e.exit_code
     except KeyboardInterrupt:
         _interrupted()
         code = INTERRUPTED
     except OSError as e:  # read-only output, disk full, permission: the path and the system's reason
-        typer.secho(f"error: {os_error_line(e)}", fg=typer.colors.RED, err=True)
+        _error(os_error_line(e))
         code = IO_ERROR
-    except Exception as e:  # a bug of ours: one line and its own exit code, never read as a verdict
-        if os.environ.get("QUANT_DEBUG"):
-            traceback.print_exc()
-        first = (str(e).splitlines() or [""])[0][:300]
-        typer.secho(f"error: internal error ({type(e).__name__}: {first}); please report it "
-                    f"(QUANT_DEBUG=1 prints the traceback)", fg=typer.colors.RED, err=True)
-        code = INTERNAL_ERROR
+    except Exception as e:
+        machine = machine_failure(e)
+        if machine is not None:  # a full disk or a read-only one met inside a library (lm-eval, datasets, ...)
+            _error(os_error_line(machine))
+            code = IO_ERROR
+        else:  # a bug of ours: one line and its own exit code, never read as a verdict
+            if os.environ.get("QUANT_DEBUG"):
+                traceback.print_exc()
+            first = (str(e).splitlines() or [""])[0][:300]
+            _error(f"internal error ({type(e).__name__}: {first}); please report it (QUANT_DEBUG=1 prints the "
+                   f"traceback)")
+            code = INTERNAL_ERROR
     exit_now(code)
+
+
+def _error(message: str) -> None:
+    """One line on stderr; a path that is not valid UTF-8 is shown with its bytes escaped, never a crash."""
+    text = message.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    typer.secho(f"error: {text}", fg=typer.colors.RED, err=True)
 
 
 def _interrupted() -> None:
@@ -99,7 +110,7 @@ def _interrupted() -> None:
 def os_error_line(e: OSError) -> str:
     """`PATH: reason` of an OSError (the path it names, else its message)."""
     reason = e.strerror or " ".join(str(e).split())
-    return f"{e.filename}: {reason}" if e.filename is not None else reason
+    return f"{os.fsdecode(e.filename)}: {reason}" if e.filename is not None else reason
 
 
 if __name__ == "__main__":

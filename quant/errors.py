@@ -10,6 +10,31 @@ the error's `exit_code`, from the table in the README:
  69  EvidenceMissing: `quant eval` could not get the answers it needs (a server arm's requests failed)
 """
 
+import errno
+import os
+
+# The machine failing a write, wherever it surfaces: disk full, quota, read-only filesystem, permission.
+MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def machine_failure(e: BaseException) -> OSError | None:
+    """The OSError of the machine's own making behind `e` (itself, or its cause or context chain), if any:
+    libraries wrap them (datasets' DatasetGenerationError around errno 28, for one)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def naming(failure: OSError, where) -> OSError:
+    """`failure` as an OSError that names a path: its own, else `where` (the directory being written)."""
+    if failure.filename is not None:
+        return failure
+    return OSError(failure.errno, failure.strerror or os.strerror(failure.errno), str(where))
+
 
 class QuantError(Exception):
     """A problem with the user's input (a bad argument, an unreadable or invalid file), reported as one line."""

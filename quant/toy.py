@@ -188,6 +188,7 @@ def build_toy(
     seed: int = 0,
     overrides: dict | None = None,
     force: bool = False,
+    in_place: bool = False,
 ) -> Path:
     """Write the toy checkpoint `name` to `out` and return `out`.
 
@@ -199,6 +200,11 @@ def build_toy(
     family = toy_family(name)
     out = Path(out)
     max_shard_size = parse_shard_size(shard_size)
+    if in_place:  # `out` is a fresh scratch directory of the caller's (quant toy stages into one of its own)
+        out.mkdir()
+        _write_toy(family, out, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
+                   overrides=overrides or {})
+        return out
     _check_destination(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not mkdtemp: its directory is owner-only, and a checkpoint is shared data (mkdir honours the umask).

@@ -51,8 +51,9 @@ def test_resume_after_a_crash_gives_identical_bytes(sharded, tmp_path, monkeypat
 
     done_before = {p.name: p.stat().st_mtime_ns for p in resumed.glob("*.safetensors")}
     assert len(done_before) == 2
-    stray = resumed / (sorted(clean.glob("model-*.safetensors"))[2].name + ".tmp")
-    stray.write_bytes(b"half-written garbage")  # what a kill during save leaves behind
+    stray = resumed / ".quant-tmp" / sorted(clean.glob("model-*.safetensors"))[2].name
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"half-written garbage")  # what a kill during save leaves behind (in our own scratch)
     redo = []
     monkeypatch.setattr("quant.pipeline.run.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
     quantize_checkpoint(sharded, resumed)
@@ -61,7 +62,9 @@ def test_resume_after_a_crash_gives_identical_bytes(sharded, tmp_path, monkeypat
     assert tree_hashes(resumed) == tree_hashes(clean)
 
 
-def test_resume_redoes_a_shard_whose_bytes_changed(sharded, tmp_path, monkeypatch):
+def test_a_shard_whose_bytes_changed_is_never_overwritten_and_is_redone_once_moved(sharded, tmp_path, monkeypatch):
+    """A shard that no longer holds what this tool wrote is not ours (quant.ownership): the re-run refuses it in
+    one line, even with --overwrite; once it is moved away the re-run redoes that shard alone."""
     out = tmp_path / "q"
     quantize_checkpoint(sharded, out)
     reference = tree_hashes(out)
@@ -69,6 +72,11 @@ def test_resume_redoes_a_shard_whose_bytes_changed(sharded, tmp_path, monkeypatc
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
+    for overwrite in (False, True):
+        with pytest.raises(QuantError, match=f"{victim.name}: exists and was not written by this tool") as e:
+            quantize_checkpoint(sharded, out, overwrite=overwrite)
+        assert e.value.exit_code == 2 and victim.read_bytes() == bytes(data)
+    victim.rename(tmp_path / "moved")
     redo = []
     real = execute.run_shard
     monkeypatch.setattr("quant.pipeline.run.run_shard", lambda *a, **k: redo.append(a[2].file) or real(*a, **k))
@@ -370,8 +378,8 @@ def test_several_workers_write_the_same_bytes_as_one(sharded, tmp_path):
     quantize_checkpoint(sharded, two, workers=2)
     # Every file is identical but the manifest's record of what ran.
     ones, twos = tree_hashes(one), tree_hashes(two)
-    assert {k: v for k, v in twos.items() if k != "quant_manifest.json"} == \
-        {k: v for k, v in ones.items() if k != "quant_manifest.json"}
+    assert {k: v for k, v in twos.items() if k not in ("quant_manifest.json", ".quant-owner.json")} == \
+        {k: v for k, v in ones.items() if k not in ("quant_manifest.json", ".quant-owner.json")}
     manifests = [json.loads((d / "quant_manifest.json").read_text()) for d in (one, two)]
     assert [m.pop("run") for m in manifests] == [{"devices": ["cpu"]}, {"devices": ["cpu", "cpu"]}]
     assert manifests[0] == manifests[1]
@@ -380,11 +388,9 @@ def test_several_workers_write_the_same_bytes_as_one(sharded, tmp_path):
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(sharded, tmp_path):
     from quant.errors import QuantError
     from quant.ownership import claim
-    from quant.pipeline.output import earlier_quantize
 
     out = tmp_path / "q"
-    (out / ".quant-progress").mkdir(parents=True)  # a first run under way has its progress records started
-    with claim(out, "quantize", recognise=earlier_quantize):  # and holds the lock
+    with claim(out, "quantize"):  # a first run under way holds the lock
         with pytest.raises(QuantError, match="another quant command is writing into this directory"):
             quantize_checkpoint(sharded, out, check_engines=None)
     quantize_checkpoint(sharded, out, check_engines=None)  # free again: runs
@@ -408,14 +414,19 @@ def test_a_foreign_directory_with_an_empty_progress_dir_is_not_taken(sharded, tm
     assert (out / "notes.txt").read_text() == "a user's file"
 
 
-def test_a_resumed_run_removes_temporaries_an_interrupted_write_left(sharded, tmp_path):
+def test_a_rerun_keeps_files_with_temporary_looking_names_it_did_not_write(sharded, tmp_path):
+    """Temporaries live in our own `.quant-tmp/`; a user's `*.tmp` or `.tmpXXXXXX` beside the shards is theirs."""
     clean, out = tmp_path / "clean", tmp_path / "out"
     quantize_checkpoint(sharded, clean, check_engines=None)
     quantize_checkpoint(sharded, out, check_engines=None)
-    (out / ".tmpAb12Cd").write_bytes(b"x" * 1000)  # what a SIGKILL during safetensors' write leaves
-    (out / "model-00001-of-00002.safetensors.tmp").write_bytes(b"y")
+    users = {".tmpAb12Cd": b"x" * 1000, "model-00001-of-00002.safetensors.tmp": b"y"}
+    for name, data in users.items():
+        (out / name).write_bytes(data)
+    (out / ".quant-tmp").mkdir()
+    (out / ".quant-tmp" / "model-00001-of-00002.safetensors").write_bytes(b"half")  # what a kill of ours leaves
     quantize_checkpoint(sharded, out, check_engines=None)
-    assert tree_hashes(out) == tree_hashes(clean)
+    assert {k: v for k, v in tree_hashes(out).items() if k not in users} == tree_hashes(clean)
+    assert all((out / name).read_bytes() == data for name, data in users.items())
 
 
 def test_os_errors_are_one_line(sharded, tmp_path):

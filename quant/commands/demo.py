@@ -35,8 +35,8 @@ def command(
     if not 1 <= limit <= 200:
         raise QuantError(f"--limit {limit}: the toy test set has 200 questions; give 1 to 200")
     with claim(out, "demo", overwrite=overwrite, what="demo") as held:
-        held.save(["toy-glm5", "toy-glm5-mxfp4", "arith-fp8", "arith-mxfp4", "report"])
-        _demo(out, limit, overwrite)
+        held.add_dirs(["toy-glm5", "toy-glm5-mxfp4", "arith-fp8", "arith-mxfp4", "report"])
+        _demo(held.root, limit, overwrite)
 
 
 def _demo(out: Path, limit: int, overwrite: bool) -> None:

@@ -19,8 +19,9 @@ def command(
                                    "(bytes, or e.g. 500KB, 2MB) and write model.safetensors.index.json."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives byte-identical files."),
     overwrite: bool = typer.Option(False, "--overwrite", "--force",
-                                   help="Replace an earlier toy of other options, or write into a directory this "
-                                   "tool did not make (files it did not write are never deleted)."),
+                                   help="Replace an earlier output of this tool (another toy, an export), or write "
+                                   "into a directory this tool did not make (files it did not write are never deleted "
+                                   "or overwritten)."),
 ) -> None:
     """Write a tiny seeded checkpoint with the family's real tensor names, config and a byte-level tokenizer."""
     path = write_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=seed, overwrite=overwrite)
@@ -47,9 +48,9 @@ def write_toy(name: str, out: Path, *, fp8_block: bool = False, shard_size=None,
     parse_shard_size(shard_size)
     identity = {"toy": name, "seed": seed, "fp8_block": fp8_block, "shard_size": shard_size}
     with claim(out, "toy", identity=identity, overwrite=overwrite) as held:
-        staging = out / f".quant-toy-{secrets.token_hex(4)}"
+        staging = held.root / f".quant-toy-{secrets.token_hex(4)}"  # scratch of ours (quant.ownership.SCRATCH)
         try:
-            build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed)
+            build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed, in_place=True)
             held.replace_with(staging)
         finally:
             if staging.exists():

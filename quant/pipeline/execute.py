@@ -130,19 +130,21 @@ def write_shard(digest: str, shard: ShardJob, out: Path, tensors: dict[str, torc
     tmp = out / TMP_DIR / target.name
     save_shard(tensors, tmp)
     share_like_other_files(tmp)
-    os.replace(tmp, target)
     t1 = time.perf_counter()
-    out_sha = sha256_file(target)
+    out_sha = sha256_file(tmp)
     t2 = time.perf_counter()
     source_sha = source_hash.result()
     timing["hash_wait_s"] += time.perf_counter() - t2
     timing["hash_s"] += t2 - t1
     timing["write_s"] += t1 - t0
-    result = ShardResult(file=shard.file, sha256=out_sha, bytes=target.stat().st_size,
+    result = ShardResult(file=shard.file, sha256=out_sha, bytes=tmp.stat().st_size,
                          source_file=shard.source_file, source_sha256=source_sha,
                          tensors={n: _tensor_record(t) for n, t in sorted(tensors.items())}, records=records)
+    # The progress record before the shard: a shard in OUT always has the record that makes it ours (a kill in
+    # between leaves a record without its shard, which the next run redoes).
     write_atomic(progress_path(out, shard),
                  json.dumps({"plan_digest": digest, "result": result.__dict__}, sort_keys=True), out / TMP_DIR)
+    os.replace(tmp, target)
     return result
 
 

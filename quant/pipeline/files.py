@@ -8,6 +8,8 @@ import mmap
 import os
 from pathlib import Path
 
+from quant.ownership import write_new
+
 
 def sha256_file(path: Path, window: int = 1 << 26) -> str:
     """sha256 of a file, read through memory maps of 64 MB windows: hashing straight from the page cache
@@ -27,14 +29,9 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def write_atomic(path: Path, data: bytes | str, tmp_dir: Path | None = None) -> None:
-    """Write `path` through a temporary (`<name>.tmp` in `tmp_dir`, by default beside it) renamed into place."""
-    tmp = Path(tmp_dir or path.parent) / (path.name + ".tmp")
-    mode = "wb" if isinstance(data, bytes) else "w"
-    with open(tmp, mode) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `path` through a temporary of a fresh, exclusively created name (in `tmp_dir`, by default beside it)
+    renamed into place: no file of anyone else's is written through (quant.ownership.write_new)."""
+    write_new(path, data, tmp_dir)
 
 
 def _umask() -> int:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from quant.checkpoint import INDEX_FILE
-from quant.errors import EngineFailure, QuantError
-from quant.ownership import LOCK_FILE, OWNER_FILE, claim, remove_path, same_job
+from quant.errors import EngineFailure
+from quant.ownership import Claim, claim, real_path, remove_path, same_job
 from quant.pipeline.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE
 from quant.pipeline.progress import PROGRESS_DIR
@@ -38,8 +37,7 @@ RECIPE_FILE = "quant_recipe.yaml"  # a user's recipe, copied beside the model ca
 # final file (written with `Output.stage`) goes here, before config.json.
 FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, RECIPE_FILE, CARD_FILE, "config.json")
 OWN_FILES = set(FINAL_FILES) | {COMPLETE_MARKER}
-LEGACY_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6,8}$")
-BOOKKEEPING = {PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, LOCK_FILE, OWNER_FILE}
+SCRATCH_DIRS = (PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR)
 
 
 def read_record(path: Path):
@@ -50,64 +48,48 @@ def read_record(path: Path):
         return None
 
 
-def _is_progress_record(record: Path, out: Path) -> bool:
-    """A progress record of ours: our keys, naming the shard it is named after, which is there beside it."""
-    data = read_record(record)
-    if not isinstance(data, dict) or not isinstance(data.get("plan_digest"), str):
-        return False
-    shard = record.name[: -len(".json")]
-    result = data.get("result")
-    return isinstance(result, dict) and result.get("file") == shard and (out / shard).is_file()
+def side_files(src: Path) -> list[str]:
+    """The source's files an export carries over (tokenizer, generation config, ...): not weights, not a file
+    of the export's own, not hidden."""
+    return [f.name for f in sorted(Path(src).iterdir())
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in OWN_FILES and not f.name.startswith(".")]
 
 
-def earlier_quantize(out: Path) -> dict | None:
-    """An earlier (or running) quantize's output written before owner records existed, known by its records: a
-    completion marker of ours, a progress record that matches a shard beside it, or nothing but our own
-    bookkeeping (a run killed before its first shard). A foreign directory with an empty or made-up
-    `.quant-progress/` is not. Returns an owner-like record ({"identity": {"plan_digest": ...}}) or None."""
-    marker = read_record(out / COMPLETE_MARKER)
-    if isinstance(marker, dict) and isinstance(marker.get("plan_digest"), str):
-        return {"identity": {"plan_digest": marker["plan_digest"]}}
-    progress = out / PROGRESS_DIR
-    records = [r for r in progress.glob("*.json") if _is_progress_record(r, out)] if progress.is_dir() else []
-    if records:
-        return {"identity": {"plan_digest": read_record(records[0])["plan_digest"]}}
-    if all(p.name in BOOKKEEPING for p in out.iterdir()):
-        return {"identity": {}}
-    return None
+def verified_shards(hold: Claim) -> dict[str, tuple[int, str]]:
+    """Shards a killed run of ours finished: named by a progress record in our own `.quant-progress/` (trusted
+    only in a directory whose owner record is valid) and still holding the bytes that record hashed."""
+    from quant.ownership import unchanged
 
-
-def files_of_earlier_run(out: Path) -> set[str]:
-    """Top-level names an earlier quantize wrote into OUT, by its own records: the shards of its progress records
-    and index, its final files, the side files its manifest lists as copied, and its bookkeeping."""
-    names = set(FINAL_FILES) | {COMPLETE_MARKER} | (BOOKKEEPING - {LOCK_FILE, OWNER_FILE})
-    progress = out / PROGRESS_DIR
-    for record in progress.glob("*.json") if progress.is_dir() else []:
+    progress = hold.root / PROGRESS_DIR
+    if hold.previous is None or not hold.is_scratch(PROGRESS_DIR):
+        return {}
+    found = {}
+    for record in sorted(progress.glob("*.json")):
         data = read_record(record)
-        if isinstance(data, dict) and isinstance(data.get("result"), dict):
-            names.add(str(data["result"].get("file")))
-    index = read_record(out / INDEX_FILE)
-    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
-        names |= {str(f) for f in index["weight_map"].values()}
-    manifest = read_record(out / MANIFEST_FILE)
-    if isinstance(manifest, dict):
-        names |= {str(f) for f in (manifest.get("output") or {}).get("copied_files") or []}
-        names |= {str(f) for f in (manifest.get("output") or {}).get("shards") or {}}
-    return {n for n in names if n and "/" not in n and n not in (".", "..")}
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, dict):
+            continue
+        name, size, digest = result.get("file"), result.get("bytes"), result.get("sha256")
+        if name == record.name[: -len(".json")] and "/" not in str(name) and isinstance(size, int) \
+                and isinstance(digest, str) and unchanged(hold.root, name, (size, digest)):
+            found[name] = (size, digest)
+    return found
 
 
 class Output:
-    """One run's hold on OUT: `with Output(out, identity, source, overwrite) as o:` applies the ownership rule
-    (`quant.ownership`: a new or empty directory, or an earlier quantize of the same source and settings, which
-    resumes; anything else needs --overwrite) and takes the lock (a second run stops with a message), `begin()`
-    clears what an earlier run left unfinished, `tmp(name)` is where a file is written before it is renamed into
+    """One run's hold on OUT: `with Output(out, identity, source, overwrite, names) as o:` applies the ownership
+    rule (`quant.ownership`: a new or empty directory, or an earlier quantize of the same source and settings,
+    which resumes; anything else needs --overwrite, and even then a file of someone else's where the run would
+    write is refused before any work) and takes the lock (a second run stops with a message), `begin()` clears
+    what an earlier run of ours left unfinished, `tmp(name)` is where a file is written before it is renamed into
     place, `stage(name, data)` writes a final file, `publish(marker)` moves them in."""
 
     def __init__(self, out: Path, identity: dict | None = None, source: Path | None = None,
-                 overwrite: bool = False):
-        self.root = Path(out)
-        self.claim = claim(self.root, "quantize", identity=identity, inputs={"source checkpoint": source},
-                           overwrite=overwrite, recognise=earlier_quantize)
+                 overwrite: bool = False, names: list[str] | None = None):
+        self.claim = claim(Path(out), "quantize", identity=identity, inputs={"source checkpoint": source},
+                           overwrite=overwrite)
+        self.root = real_path(out)
+        self.names = list(names or []) + list(FINAL_FILES) + [COMPLETE_MARKER] + list(SCRATCH_DIRS)
         self.staged: list[str] = []
         self.hold = None
 
@@ -118,8 +100,13 @@ class Output:
     def __enter__(self) -> "Output":
         self.hold = self.claim.__enter__()
         try:
-            if self.hold.previous is not None and not same_job(self.hold.previous, self.hold.identity):
-                self._remove_earlier_run()  # only reachable with --overwrite (the claim refuses otherwise)
+            shards = verified_shards(self.hold)
+            if shards:
+                self.hold.add(sorted(shards), hashes=shards)
+            self.hold.require_free(self.names)
+            previous = self.hold.previous
+            if previous is not None and (previous.kind != "quantize" or not same_job(previous, self.hold.identity)):
+                self.hold.remove_all_ours()  # only reachable with --overwrite (the claim refuses otherwise)
         except BaseException as e:
             self.claim.__exit__(type(e), e, None)
             raise
@@ -132,22 +119,13 @@ class Output:
                 shutil.rmtree(self.staging_dir, ignore_errors=True)
             for name in (GPTQ_DIR, PROGRESS_DIR):  # bookkeeping that holds no finished work goes too
                 path = self.root / name
-                if path.is_dir() and not any(p for p in path.rglob("*") if p.is_file()):
+                if path.is_dir() and not path.is_symlink() and not any(p for p in path.rglob("*") if p.is_file()):
                     shutil.rmtree(path)
         self.claim.__exit__(*exc)
 
-    def _remove_earlier_run(self) -> None:
-        """--overwrite over an earlier quantize of other settings: its files go (ours, by its records); nothing
-        else in OUT is touched."""
-        for name in sorted(files_of_earlier_run(self.root) | set(self.hold.written_before())):
-            if name not in (LOCK_FILE, OWNER_FILE):
-                remove_path(self.root / name)
-        self.hold.written = []
-        self.hold.save()
-
-    def own(self, names) -> None:
-        """Record top-level names this run wrote (the owner record's `written`)."""
-        self.hold.save(list(names))
+    def own(self, names, hashes: dict[str, tuple[int, str]] | None = None) -> None:
+        """Record files this run wrote, with their size and sha256 (from `hashes` where already known)."""
+        self.hold.add(list(names), hashes)
 
     @property
     def tmp_dir(self) -> Path:
@@ -162,16 +140,12 @@ class Output:
         own `.quant-tmp/`, so nothing else is touched), the staged files, and the earlier run's final files
         (config.json first). Returns the names of the temporaries removed. Runs under the lock, so no live run
         owns them."""
-        stale = sorted(p.name for p in self.tmp_dir.iterdir()) if self.tmp_dir.is_dir() else []
-        # Earlier versions wrote temporaries beside the shards: `<name>.tmp` and safetensors' `.tmpXXXXXX`.
-        for p in self.root.iterdir():
-            if p.is_file() and (p.name.endswith(".tmp") or LEGACY_TMP.match(p.name)):
-                p.unlink()
-                stale.append(p.name)
+        stale = sorted(p.name for p in self.tmp_dir.iterdir()) if self.hold.is_scratch(TMP_DIR) else []
         for name in ("config.json", COMPLETE_MARKER) + FINAL_FILES[:-1]:
-            (self.root / name).unlink(missing_ok=True)
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
+            self.hold.remove_ours(name)  # ours by the record (a file of someone else's was refused on entry)
+        for name in (TMP_DIR, STAGING_DIR):
+            if self.hold.is_scratch(name):
+                remove_path(self.root / name)
         for d in (self.tmp_dir, self.root / PROGRESS_DIR):
             d.mkdir(exist_ok=True)
         return stale
@@ -200,6 +174,8 @@ class Output:
         for name in names[:-1]:
             os.replace(self.staging_dir / name, self.root / name)
         self.write(self.root / COMPLETE_MARKER, marker)
+        self.own(names[:-1] + [COMPLETE_MARKER])
         os.replace(self.staging_dir / "config.json", self.root / "config.json")
+        self.own(["config.json"])
         self.staging_dir.rmdir()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -26,8 +26,8 @@ from quant.validate import require_valid
 from quant.errors import EngineFailure, QuantError
 from quant.pipeline.files import sha256_bytes, sha256_file, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
-from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, OWN_FILES, RECIPE_FILE, Output,
-                                   read_record)
+from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record,
+                                   side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
 from quant.pipeline.solver import SolveRequest, WeightSolver
@@ -99,13 +99,13 @@ def quantization_config(plan: Plan, config: dict) -> dict:
                                      secondary_patterns(plan, config))
 
 
-def copy_side_files(src: Path, out: Path) -> list[str]:
-    """Tokenizer, generation config, chat template...: every top-level file that is not weights or ours."""
-    copied = []
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in OWN_FILES and not f.name.startswith("."):
-            shutil.copy2(f, out / f.name)
-            copied.append(f.name)
+def copy_side_files(src: Path, output: Output) -> list[str]:
+    """Tokenizer, generation config, chat template...: every top-level file that is not weights or ours, each
+    recorded as ours as soon as it is copied."""
+    copied = side_files(src)
+    for name in copied:
+        shutil.copy2(src / name, output.root / name)
+    output.own(copied)
     return copied
 
 
@@ -118,7 +118,7 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     total = sum(r.bytes for r in results)
     output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total},
                                          "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    side = copy_side_files(src, output.root)
+    side = copy_side_files(src, output)
     config = {k: v for k, v in src_config.items() if k != "quantization_config"}
     config["quantization_config"] = quantization_config(plan, src_config)
     manifest = {
@@ -150,24 +150,15 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     return manifest
 
 
-def kept_card_parts(out: Path, overwrite: bool) -> str | None:
-    """Before an earlier export in OUT is redone: its model card must be ours as we wrote it, apart from the
-    accuracy section `quant eval --card` fills (returned, to carry over when the weights stay the same). A card
-    edited by hand is refused, or with --overwrite kept beside as README.md.edited."""
+def kept_card_parts(out: Path) -> str | None:
+    """Before an earlier export in OUT is redone: the accuracy section `quant eval --card` filled into its model
+    card (returned, to carry over when the weights stay the same). The card is ours as recorded (a card edited by
+    hand was refused when the run took OUT: quant.ownership)."""
     card_path = out / CARD_FILE
     marker = read_record(out / COMPLETE_MARKER)
     if not card_path.is_file() or not isinstance(marker, dict):
         return None
-    text = card_path.read_text(errors="replace")
-    recorded = marker.get("card_sha256")
-    ours = recorded is None or sha256_bytes(without_accuracy(text).encode()) == recorded
-    if not ours:
-        if not overwrite:
-            raise QuantError(f"{card_path}: the model card was edited since this tool wrote it; move your edits "
-                             f"elsewhere or pass --overwrite (the edited card is then kept as README.md.edited)")
-        shutil.copy2(card_path, out / (CARD_FILE + ".edited"))
-        return None
-    return accuracy_of(text)
+    return accuracy_of(card_path.read_text(errors="replace"))
 
 
 def summarize(results: list[ShardResult]) -> dict:
@@ -257,7 +248,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
 
     identity = {"source": source_ref, "scheme": scheme, "recipe": plan.recipe.get("name"), "scale_mode": scale_mode,
                 "method": method, "plan_digest": plan.digest()}
-    with Output(out, identity, src_path, overwrite) as output:
+    names = [s.file for s in plan.shards] + side_files(src_path)
+    with Output(out, identity, src_path, overwrite, names) as output:
         return _quantize_into(output, plan, ckpt, src_path, source_ref, device_list, check_engines, progress, log,
                               calibrated)
 
@@ -266,7 +258,7 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
                    check_engines, progress: bool, log, calibrated=None) -> dict:
     """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
     out, digest = output.root, plan.digest()
-    earlier_card = kept_card_parts(out, overwrite=output.claim.overwrite)
+    earlier_card = kept_card_parts(out)
     stale = output.begin()
     if stale:
         log(f"removed {len(stale)} temporary file(s) an interrupted run left: {', '.join(stale[:3])}")
@@ -312,8 +304,7 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     if check_engines:
         self_check(out, list(check_engines), output.staging_dir)
     card = without_accuracy((output.staging_dir / CARD_FILE).read_text()).encode()
-    output.own([s.file for s in plan.shards] + manifest["output"]["copied_files"] + list(output.staged)
-               + [COMPLETE_MARKER, ".quant-progress"])
+    output.own([r.file for r in ordered], hashes={r.file: (r.bytes, r.sha256) for r in ordered})
     output.publish(json.dumps({"plan_digest": digest, "version": __version__, "card_sha256": sha256_bytes(card)}))
     shutil.rmtree(out / GPTQ_DIR, ignore_errors=True)  # every shard holds its solved weights now
     manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,

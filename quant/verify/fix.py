@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 from pathlib import Path
 
 from quant import engines
 from quant.checkpoint import open_checkpoint
 from quant.errors import QuantError
+from quant.ownership import write_new
 from quant.verify.contract import stored_family
 from quant.verify.hygiene import glob_to_regex
 from quant.verify.matching import is_glob
@@ -94,7 +94,5 @@ def fix_config(path: str | Path, out_config: str | Path) -> Path:
     ckpt = open_checkpoint(root)
     config = fixed_config(ckpt.config, inventory(ckpt))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_new(out, json.dumps(config, indent=2) + "\n")
     return out
