@@ -40,8 +40,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(VENV)/bin/quant demo $(DEMO_OUT)
 
-# pytest exits 5 when it collects no tests; that is not a failure of the suite.
+# The declared layers (pyproject.toml, [tool.importlinter]) first; pytest exits 5 when it collects no tests, which
+# is not a failure of the suite.
 test: $(VENV)/.installed
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadgroup; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 $(ENGINES_VENV)/.installed: pyproject.toml Makefile

@@ -2,14 +2,16 @@
 
 Nothing is read but config.json (no weights, no tokenizer, no calibration text) and nothing is written: OUT is
 neither created nor looked at. The decoder layers are the ones `--method gptq` runs: transformers builds the
-model from config.json on the meta device (`layers.config_model`, no memory), so every parameter's shape, which
-weights are `nn.Linear`s and which are fused `[E, ...]` expert parameters come from the same code the run uses.
-Which of them are quantized comes from the family's roles and the recipe (as the planner decides), the per-token
-sizes of what a layer carries to the next one and of its forward's largest transient from the family file
-(`decoder_layer.carry_bytes_per_token`, `workspace_bytes_per_token`).
+model from config.json on the meta device (`quant.model_exec.layers.config_model`, no memory), so every
+parameter's shape, which weights are `nn.Linear`s and which are fused `[E, ...]` expert parameters come from the
+same code the run uses. Which of them are quantized comes from the family's roles and the recipe (as the planner
+decides), the per-token sizes of what a layer carries to the next one and of its forward's largest transient from
+the family file (`decoder_layer.carry_bytes_per_token`, `workspace_bytes_per_token`).
 
-The memory model follows `quant.gptq.run.solve_checkpoint` layer by layer. On the first device (calibration,
-Hessians, and its share of the solves):
+The memory model (`memory_model`, a `MemoryModel`; `render` writes the report, `predict` does both) follows
+`quant.gptq.run.solve_checkpoint` layer by layer, its calibration passes and solve groups cut by the run's own
+`run.hessian_passes` and `run.solve_groups`. On the first device (calibration, Hessians, and its share of the
+solves):
   - resident: the text model outside the layers (embedding, final norm) and the layer kwargs (causal mask);
   - the calibration activations: samples x seq_len x hidden in the compute dtype (bf16 on CUDA, fp32 on CPU),
     plus each carried return (GLM-5's top-k indices); twice while a layer's forward builds the next inputs;
@@ -338,14 +340,143 @@ def _source_element_bytes(config: dict) -> int:
     return 4 if "32" in dtype else 2
 
 
-def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
-            devices: str = "auto", workers: int = 1, settings=None, device_memory: int | None = None
-            ) -> Prediction:
-    """The dry run's prediction (see the module docstring); `settings` is the run's GptqSettings."""
+@dataclass
+class MemoryModel:
+    """What a run holds, from config.json alone (the module docstring): the resolved run, and for --method gptq
+    every layer's plan and the sizes the phases are made of. `device0`, `host`... compute the peaks; `render`
+    writes them out."""
+
+    config_path: Path
+    family: str
+    decoder_layers: int
+    mtp: list[int]  # the MTP layers config.json declares
+    scheme: str
+    recipe: str
+    mtp_layer: str  # the recipe's mtp_layer ("as-main" | "bf16")
+    method: str
+    devices: list[str]
+    # --method gptq only:
+    settings: object = None  # the run's GptqSettings
+    dtype: str = ""  # the compute dtype ("float32" on CPU, "bfloat16" on accelerators)
+    batch: int = 0  # calibration windows per forward
+    plans: list[LayerPlan] = field(default_factory=list)
+    mtp_plans: list[MtpPlan] = field(default_factory=list)
+    acts: int = 0  # the calibration activations (samples x seq_len x hidden)
+    carry: int = 0  # what each layer carries to the next beside them, for every window
+    workspace: int = 0  # the largest transient of one layer forward over one batch
+    resident: int = 0  # the text model outside the layers and the layer kwargs (causal mask)
+    token_bytes: int = 0  # the calibration tokens
+    hidden: int = 0
+
+    @property
+    def every(self) -> list[LayerPlan]:
+        return self.plans + [m.plan for m in self.mtp_plans]
+
+    @property
+    def first_is_cpu(self) -> bool:
+        return _is_cpu(self.devices[0])
+
+    @property
+    def cpu_workers(self) -> int:
+        return sum(_is_cpu(d) for d in self.devices)
+
+    @property
+    def gathered(self) -> int:
+        """Devices other than the first: each solves groups whose weights are gathered from the first."""
+        return sum(d != self.devices[0] for d in self.devices)
+
+    @property
+    def at_once(self) -> int:
+        """Solver groups held at once on the first device: one per CPU worker when it is a CPU."""
+        return self.cpu_workers if self.first_is_cpu else 1
+
+    def device0(self, p: LayerPlan, groups_at_once: int, hessians: int | None = None) -> tuple[int, str]:
+        """(peak bytes, phase) of layer plan `p` on the first device, `hessians` the Hessians of its largest pass
+        (default: as planned)."""
+        h = p.hessian_bytes if hessians is None else hessians
+        mtp = next((m for m in self.mtp_plans if m.plan is p), None)
+        if mtp is not None:
+            return self._mtp_device0(mtp, groups_at_once, h)
+        held = self.resident + self.acts + self.carry + p.layer_bytes
+        phases = {"loading the layer": held + p.load_extra,
+                  "collecting Hessians": held + h + self.workspace,
+                  "solving": held + h + p.solve_bytes * groups_at_once + p.gather_bytes * self.gathered,
+                  "running the layer forward to the next one": self.resident + 2 * (self.acts + self.carry)
+                  + p.layer_bytes + self.workspace}
+        phase = max(phases, key=phases.get)
+        return phases[phase], phase
+
+    def _mtp_device0(self, m: MtpPlan, groups_at_once: int, h: int) -> tuple[int, str]:
+        """`run._solve_mtp`: the last main layer's outputs and carried returns stay held throughout; the draft's
+        final-normed inputs (`prev`) until its decoder inputs z (one per fed token) are made; the decoder layer
+        and its BF16 glue; its state read from the source while it loads (host memory, beside the layer); the
+        draft's outputs beside z when a next draft layer is fed them."""
+        dtype_bytes = 4 if self.dtype == "float32" else 2
+        cal = self.settings.calibration
+        p, z = m.plan, m.tokens * self.hidden * dtype_bytes
+        base = self.resident + self.acts + self.carry + p.layer_bytes + m.glue_bytes
+        # per batch while z is made: the embedding and its zeroed copy, both norms, the [2H] concat, eh_proj's output
+        making = self.batch * cal.seq_len * self.hidden * dtype_bytes * 7
+        phases = {"loading the MTP layer": base + self.acts + (m.source_bytes + m.stack_extra if self.first_is_cpu
+                                                               else 0),
+                  "making the MTP layer's inputs": base + self.acts + z + making,
+                  "collecting the MTP layer's Hessians": base + z + h + self.workspace,
+                  "solving the MTP layer": base + z + h + p.solve_bytes * groups_at_once
+                  + p.gather_bytes * self.gathered}
+        if m is not self.mtp_plans[-1]:
+            phases["running the MTP layer forward to the next one"] = base + 2 * z + self.workspace
+        phase = max(phases, key=phases.get)
+        return phases[phase], phase
+
+    @property
+    def worst(self) -> LayerPlan:
+        """The layer of the first device's peak."""
+        return max(self.every, key=lambda p: self.device0(p, self.at_once)[0])
+
+    @property
+    def solve_max(self) -> int:
+        """The largest solver group: what every other device holds."""
+        return max(p.solve_bytes for p in self.every)
+
+    @property
+    def parts(self) -> int:
+        """The solved codes and scales of two layers, on the host."""
+        return 2 * max(p.parts_bytes for p in self.every)
+
+    @property
+    def mapped(self) -> int:
+        """The source pages mapped while layers are read (`SourceReader.REMAP_BYTES` at most)."""
+        from quant.checkpoint import SourceReader
+
+        return min(SourceReader.REMAP_BYTES, self.resident + sum(p.layer_bytes for p in self.every))
+
+    @property
+    def mtp_source(self) -> int:
+        """An MTP layer's state read from the source while it loads (host memory)."""
+        return max([m.source_bytes + m.stack_extra for m in self.mtp_plans], default=0)
+
+    @property
+    def host(self) -> int:
+        """The host's peak: with a CPU first device everything on it, else what the host holds beside."""
+        base = self.parts + self.token_bytes + self.mapped
+        if self.first_is_cpu:
+            return self.device0(self.worst, self.at_once)[0] + base
+        return base + max(self.solve_max * self.cpu_workers, self.mtp_source)
+
+
+def _is_cpu(device: str) -> bool:
+    import torch
+
+    return torch.device(device).type == "cpu"
+
+
+def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
+                 devices: str = "auto", workers: int = 1, settings=None) -> MemoryModel:
+    """The run `quant quantize SRC --method ... --dry-run` describes, and for --method gptq what it holds
+    (`settings`: the run's GptqSettings)."""
     import torch
 
     from quant.families import family_for_config, text_config
-    from quant.checkpoint import SourceReader
     from quant.model_exec.layers import config_model
     from quant.planning.recipes import load_recipe
     from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
@@ -361,101 +492,74 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     root, config = _config_dir(src)
     family = family_for_config(config, root / "config.json")
     recipe_obj = load_recipe(recipe, family)
-    device_list = _device_list(devices, workers)
     cfg = text_config(config)
-    mtp = family.mtp_layers(config)
-    out = Prediction()
-    say = out.lines.append
-    say(f"dry run: {root / 'config.json'} ({family.name}; {cfg.get('num_hidden_layers')} decoder layers"
-        + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "") + f"), {scheme}, recipe "
-        f"{recipe_obj.name}, method {method}, devices {','.join(device_list)}")
+    model = MemoryModel(config_path=root / "config.json", family=family.name,
+                        decoder_layers=cfg.get("num_hidden_layers"), mtp=family.mtp_layers(config), scheme=scheme,
+                        recipe=recipe_obj.name, mtp_layer=recipe_obj.mtp_layer, method=method,
+                        devices=_device_list(devices, workers))
     if method == "rtn":
-        say("method rtn: no calibration and no Hessians; each worker rounds one source shard at a time "
-            "(its peak is about one shard in and its output; shard sizes are not in config.json)")
-        return out
+        return model
 
     from quant.gptq.run import GptqSettings
 
     settings = settings or GptqSettings()
-    first = torch.device(device_list[0])
-    dtype = torch.float32 if first.type == "cpu" else torch.bfloat16
+    dtype = torch.float32 if _is_cpu(model.devices[0]) else torch.bfloat16
     dtype_bytes = 4 if dtype == torch.float32 else 2
-    model = config_model(root, dtype, lambda why: QuantError(f"--method gptq cannot run {family.name}: {why}"))
-    plans = plan_layers(model, family, recipe_obj, scheme_obj, settings, dtype_bytes)
+    meta = config_model(root, dtype, lambda why: QuantError(f"--method gptq cannot run {family.name}: {why}"))
     cal = settings.calibration
-    mtp_plans = plan_mtp(root, config, family, recipe_obj, scheme_obj, settings, dtype, dtype_bytes, cal.samples,
-                         cal.seq_len)
-    mtp_of = {id(m.plan): m for m in mtp_plans}
-    every = plans + [m.plan for m in mtp_plans]
     tokens = cal.samples * cal.seq_len
     batch = min(settings.batch, cal.samples)
     values = {**{k: v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool)},
               "seq_len": cal.seq_len, "dtype_bytes": dtype_bytes}
     hidden = int(cfg["hidden_size"])
-    acts = tokens * hidden * dtype_bytes
     carry_exprs = family.layer_memory.get("carry_bytes_per_token") or {}
-    carry = sum(tokens * _expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
-                for name in family.layer_returns[1:] if name in carry_exprs)
     workspace_expr = family.layer_memory.get("workspace_bytes_per_token")
-    workspace = batch * cal.seq_len * _expression(workspace_expr, values, "workspace_bytes_per_token") \
-        if workspace_expr else 0
-    text = model.get_decoder()
+    text = meta.get_decoder()
     resident = sum(p.numel() for n, p in text.named_parameters() if not n.startswith("layers.")) * dtype_bytes
     resident += batch * cal.seq_len * cal.seq_len  # the causal mask the layers are handed (bool [B, 1, S, S])
-    token_bytes = tokens * 8
+    model.settings, model.dtype, model.batch, model.hidden = settings, str(dtype).replace("torch.", ""), batch, hidden
+    model.plans = plan_layers(meta, family, recipe_obj, scheme_obj, settings, dtype_bytes)
+    model.mtp_plans = plan_mtp(root, config, family, recipe_obj, scheme_obj, settings, dtype, dtype_bytes,
+                               cal.samples, cal.seq_len)
+    model.acts = tokens * hidden * dtype_bytes
+    model.carry = sum(tokens * _expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
+                      for name in family.layer_returns[1:] if name in carry_exprs)
+    model.workspace = batch * cal.seq_len * _expression(workspace_expr, values, "workspace_bytes_per_token") \
+        if workspace_expr else 0
+    model.resident, model.token_bytes = resident, tokens * 8
+    return model
 
-    def held(p: LayerPlan) -> int:
-        return resident + acts + carry + p.layer_bytes
 
-    def device0(p: LayerPlan, groups_at_once: int, hessians: int | None = None) -> tuple[int, str]:
-        h = p.hessian_bytes if hessians is None else hessians
-        if id(p) in mtp_of:
-            return mtp_device0(mtp_of[id(p)], groups_at_once, h)
-        phases = {"loading the layer": held(p) + p.load_extra,
-                  "collecting Hessians": held(p) + h + workspace,
-                  "solving": held(p) + h + p.solve_bytes * groups_at_once + p.gather_bytes * gathered,
-                  "running the layer forward to the next one": resident + 2 * (acts + carry) + p.layer_bytes
-                  + workspace}
-        phase = max(phases, key=phases.get)
-        return phases[phase], phase
+def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
+            devices: str = "auto", workers: int = 1, settings=None, device_memory: int | None = None
+            ) -> Prediction:
+    """The dry run's prediction (see the module docstring); `settings` is the run's GptqSettings."""
+    return render(memory_model(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
+                               settings=settings), device_memory)
 
-    def mtp_device0(m: MtpPlan, groups_at_once: int, h: int) -> tuple[int, str]:
-        """`run._solve_mtp`: the last main layer's outputs and carried returns stay held throughout; the draft's
-        final-normed inputs (`prev`) until its decoder inputs z (one per fed token) are made; the decoder layer
-        and its BF16 glue; its state read from the source while it loads (host memory, beside the layer); the
-        draft's outputs beside z when a next draft layer is fed them."""
-        p, z = m.plan, m.tokens * hidden * dtype_bytes
-        base = resident + acts + carry + p.layer_bytes + m.glue_bytes
-        # per batch while z is made: the embedding and its zeroed copy, both norms, the [2H] concat, eh_proj's output
-        making = batch * cal.seq_len * hidden * dtype_bytes * 7
-        phases = {"loading the MTP layer": base + acts + (m.source_bytes + m.stack_extra if first_is_cpu else 0),
-                  "making the MTP layer's inputs": base + acts + z + making,
-                  "collecting the MTP layer's Hessians": base + z + h + workspace,
-                  "solving the MTP layer": base + z + h + p.solve_bytes * groups_at_once + p.gather_bytes * gathered}
-        if m is not mtp_plans[-1]:
-            phases["running the MTP layer forward to the next one"] = base + 2 * z + workspace
-        phase = max(phases, key=phases.get)
-        return phases[phase], phase
 
-    cpu_workers = sum(torch.device(d).type == "cpu" for d in device_list)
-    gathered = sum(d != device_list[0] for d in device_list)  # groups other workers solve, gathered on the first
-    first_is_cpu = first.type == "cpu"
-    at_once = cpu_workers if first_is_cpu else 1
-    worst = max(every, key=lambda p: device0(p, at_once)[0])
-    peak0, phase = device0(worst, at_once)
-    solve_max = max(p.solve_bytes for p in every)
-    parts = 2 * max(p.parts_bytes for p in every)
-    mapped = min(SourceReader.REMAP_BYTES, resident + sum(p.layer_bytes for p in every))
-    if first_is_cpu:
-        host = peak0 + parts + token_bytes + mapped
-    else:  # the MTP layer's source state is read into host memory while it loads
-        mtp_source = max([m.source_bytes + m.stack_extra for m in mtp_plans], default=0)
-        host = parts + token_bytes + mapped + max(solve_max * cpu_workers, mtp_source)
+def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
+    """The dry run's report of `model`: its lines, and the peaks and passes they state; whether each device fits
+    is checked against its memory (`device_memory` for accelerators not on this machine)."""
+    out = Prediction()
+    say = out.lines.append
+    device_list, mtp = model.devices, model.mtp
+    say(f"dry run: {model.config_path} ({model.family}; {model.decoder_layers} decoder layers"
+        + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "") + f"), {model.scheme}, recipe "
+        f"{model.recipe}, method {model.method}, devices {','.join(device_list)}")
+    if model.method == "rtn":
+        say("method rtn: no calibration and no Hessians; each worker rounds one source shard at a time "
+            "(its peak is about one shard in and its output; shard sizes are not in config.json)")
+        return out
+    settings, plans, mtp_plans, every = model.settings, model.plans, model.mtp_plans, model.every
+    cal = settings.calibration
+    worst, at_once, solve_max, parts, mapped = model.worst, model.at_once, model.solve_max, model.parts, model.mapped
+    peak0, phase = model.device0(worst, at_once)
+    host, first_is_cpu, cpu_workers = model.host, model.first_is_cpu, model.cpu_workers
 
     gptq_layers = [p for p in plans if p.weights]
-    say(f"calibration: {cal.samples} windows x {cal.seq_len} tokens, {batch} per forward, compute dtype "
-        f"{str(dtype).replace('torch.', '')}; Hessian budget per pass {human(settings.hessian_bytes)} "
-        f"(--hessian-budget)")
+    say(f"calibration: {cal.samples} windows x {cal.seq_len} tokens, {model.batch} per forward, compute dtype "
+        f"{model.dtype}; Hessian budget per pass {human(settings.hessian_bytes)} (--hessian-budget)")
     by_passes: dict[int, list[int]] = {}
     for p in plans:
         by_passes.setdefault(p.passes, []).append(p.index)
@@ -474,7 +578,7 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         say(f"  {p.passes} pass{'es' * (p.passes != 1)}: MTP layer {p.index} ({p.weights} weights solved{detail}; "
             f"fed {m.tokens} tokens through enorm/hnorm/eh_proj)")
     solved_mtp = sum(m.plan.passes for m in mtp_plans)
-    if recipe_obj.mtp_layer == "bf16":
+    if model.mtp_layer == "bf16":
         mtp_note = "kept BF16 by the recipe"
     elif mtp_plans:
         mtp_note = (f"solved after them, fed as the engines run the draft ({solved_mtp} more "
@@ -483,28 +587,29 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
         mtp_note = "nothing to solve there (the recipe keeps its weights BF16, or the release publishes none)"
     say(f"  {sum(p.passes for p in plans)} passes over {len(plans)} layers; "
         f"{sum(p.weights for p in gptq_layers)} weights solved" + (f"; MTP {_ranges(mtp)} {mtp_note}" if mtp else ""))
-    worst_name = f"MTP layer {worst.index}" if id(worst) in mtp_of else str(worst.index)
+    worst_name = f"MTP layer {worst.index}" if any(m.plan is worst for m in mtp_plans) else str(worst.index)
     say(f"predicted peak memory (worst layer: {worst_name}, while {phase}; not counting the process's fixed "
         f"cost: runtime, CUDA context, kernels):")
-    say(f"  {device_list[0]}: {human(peak0)}  [activations {human(acts)}"
-        + (f" + carried {human(carry)}" if carry else "") + f" (x2 in the forward), layer {human(worst.layer_bytes)}, "
-        f"Hessians {human(worst.hessian_bytes)} per pass, solver {human(worst.solve_bytes)} per group, forward "
-        f"workspace {human(workspace)}, embedding and mask {human(resident)}]")
+    say(f"  {device_list[0]}: {human(peak0)}  [activations {human(model.acts)}"
+        + (f" + carried {human(model.carry)}" if model.carry else "") + f" (x2 in the forward), layer "
+        f"{human(worst.layer_bytes)}, Hessians {human(worst.hessian_bytes)} per pass, solver "
+        f"{human(worst.solve_bytes)} per group, forward workspace {human(model.workspace)}, embedding and mask "
+        f"{human(model.resident)}]")
     out.peaks[f"device:{device_list[0]}"] = peak0
     for d in device_list[1:]:
-        if torch.device(d).type == "cpu":
+        if _is_cpu(d):
             continue
         out.peaks[f"device:{d}"] = solve_max
-    others = [d for d in device_list[1:] if torch.device(d).type != "cpu"]
+    others = [d for d in device_list[1:] if not _is_cpu(d)]
     if others:
         say(f"  {_devices(others)}: {human(solve_max)}{' each' * (len(others) > 1)}  [the solver's working set of "
             f"one group of experts]")
     say(f"  host: {human(host)}  [" + ("everything above" + (f", {cpu_workers} solver groups at once"
                                                              if cpu_workers > 1 else "") + ", " if first_is_cpu
                                       else "") + f"solved codes and scales of two layers {human(parts)}, "
-        f"calibration tokens {human(token_bytes)}, mapped source pages {human(mapped)}"
-        + (f", the MTP layer's state read from the source while it loads {human(mtp_source)}"
-           if not first_is_cpu and mtp_source > solve_max * cpu_workers else "") + "]")
+        f"calibration tokens {human(model.token_bytes)}, mapped source pages {human(mapped)}"
+        + (f", the MTP layer's state read from the source while it loads {human(model.mtp_source)}"
+           if not first_is_cpu and model.mtp_source > solve_max * cpu_workers else "") + "]")
     out.peaks["host"] = host
     out.passes = {p.index: p.passes for p in plans}
     out.mtp_passes = {m.plan.index: m.plan.passes for m in mtp_plans}
@@ -512,7 +617,7 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
     shown: set = set()
     for d in dict.fromkeys(device_list):
         capacity = _capacity(d, device_memory)
-        if d != device_list[0] and torch.device(d).type != "cpu":
+        if d != device_list[0] and not _is_cpu(d):
             if (capacity, solve_max) in shown:
                 continue
             shown.add((capacity, solve_max))
@@ -523,14 +628,14 @@ def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", 
             say(f"  {d}: capacity unknown (give --device-memory, e.g. 80GB)")
             continue
         if need > capacity:
-            floor = resident + worst.layer_bytes + worst.load_extra
+            floor = model.resident + worst.layer_bytes + worst.load_extra
             advice = (f"the layer alone takes {human(floor)} while it loads: a device with more memory" if floor >=
                       capacity else "lower --calib-samples or --calib-seq-len (activations) or --hessian-budget "
                       "(more passes)")
             say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; {advice}")
         elif d == device_list[0] and any(p.per_expert for p in every):
             fewest, budget = _fewest_passes(every, HEADROOM * capacity - (host - peak0 if first_is_cpu else 0),
-                                            lambda p, h: device0(p, at_once, h)[0])
+                                            lambda p, h: model.device0(p, at_once, h)[0])
             note = (f"; the fewest passes that fit in {HEADROOM:.0%} of it: {fewest} per MoE layer, with "
                     f"--hessian-budget {budget}"
                     if fewest and fewest < max(p.passes for p in every) else "")
