@@ -3,7 +3,7 @@
 Runs lm-eval's GSM8K and GPQA-Diamond (from the hub through `datasets`, or from local files) on both models, pairs the answers question by
 question and decides non-inferiority against a margin; where both arms have an MTP draft, its acceptance too
 (its own margin). Exit code: 0 pass, 1 fail, 3 inconclusive, 4 invalid (an arm at or below its floor),
-69 no verdict (an arm's requests failed), 2 a bad argument (evals/evidence.py says why).
+69 no verdict (an arm's requests failed), 2 a bad argument (evals/statistics/evidence.py says why).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def command(
     from quant.errors import QuantError
 
     if card is not None:
-        from evals.card import check_card_target
+        from evals.report.card import check_card_target
 
         check_card_target(card)
 
@@ -75,12 +75,12 @@ def command(
         candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin, overwrite=overwrite,
     )
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
-    from evals.report import print_table
+    from evals.report.render import print_table
 
     print_table(report)
     typer.echo(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     if card is not None:
-        from evals.card import add_accuracy
+        from evals.report.card import add_accuracy
 
         typer.echo(f"updated {add_accuracy(card, report, out)}")
     raise typer.Exit(EXIT_CODES[report["verdict"]])

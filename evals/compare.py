@@ -10,13 +10,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from evals import evidence, stats
-from evals.backends import DTYPES, Backend, BackendOptions, is_url, open_backend
-from evals.acceptance import compare_acceptance
-from evals.pairing import generation_counts, pair_acceptance, pair_scores
-from evals.report import METHODS, REPORT_JSON, write_report
-from evals.run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
-from evals.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
+from evals.statistics import evidence
+
+from evals.statistics import accuracy
+from evals.arms.backends import DTYPES, Backend, BackendOptions, is_url, open_backend
+from evals.statistics.acceptance import compare_acceptance
+from evals.statistics.pairing import generation_counts, pair_acceptance, pair_scores
+from evals.report.render import METHODS, REPORT_JSON, write_report
+from evals.arms.lm_eval_run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
+from evals.arms.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
 from quant.errors import QuantError, machine_failure, naming
 
 EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3, evidence.INVALID: 4}
@@ -111,7 +113,7 @@ def _check(request: EvalRequest) -> None:
 
 def _same_source(a: str, b: str) -> bool:
     if is_url(a) or is_url(b):
-        from evals.backends import api_root
+        from evals.arms.backends import api_root
 
         return is_url(a) and is_url(b) and api_root(a) == api_root(b)
     return Path(a).resolve() == Path(b).resolve()
@@ -120,9 +122,9 @@ def _same_source(a: str, b: str) -> bool:
 def _check_inputs(request: EvalRequest, specs) -> None:
     """What can be checked before any work beyond the arguments: the data files, the data the hub must give
     (all of it named in one error when the hub is off), and every server answering with the model asked for."""
-    from evals import hub_data
-    from evals.backends import served_models
-    from evals.tasks import gpqa_data_file, gsm8k_data_files
+    from evals.arms import hub_data
+    from evals.arms.backends import served_models
+    from evals.arms.tasks import gpqa_data_file, gsm8k_data_files
 
     names = {s.name for s in specs}
     if request.data_dir is not None and "gsm8k" in names:
@@ -239,7 +241,7 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
     for spec in specs:
         for filter_name in spec.filters:
             paired = pair_scores(baseline, candidate, spec.name, filter_name)
-            comparison = stats.compare(paired.baseline, paired.candidate, margin=request.margin / 100.0,
+            comparison = accuracy.compare(paired.baseline, paired.candidate, margin=request.margin / 100.0,
                                        samples_per_question=len(paired.seeds))
             primary = filter_name == spec.primary_filter
             acceptance = pair_acceptance(baseline, candidate, spec.name, filter_name) if primary else None
@@ -267,7 +269,7 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
     log(f"{label}: {backend.description}")
     server_spec = None
     if backend.kind == "server" and options.mtp:
-        from evals.server_spec import probe
+        from evals.arms.server_metrics import probe
 
         server_spec = probe(source)  # vLLM: the counters before this arm's requests
     records = run_arm(backend, specs, task_dir, scratch / RUNS_DIR / label, settings, log=log)
@@ -287,9 +289,9 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
 
 
 def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options: BackendOptions, log) -> dict:
-    """A server arm's acceptance (evals/server_spec.py): vLLM's counters over the run, or SGLang's per-request
+    """A server arm's acceptance (evals/arms/server_metrics.py): vLLM's counters over the run, or SGLang's per-request
     meta_info from a greedy /generate replay of every greedy generation (attached to its records)."""
-    from evals import server_spec
+    from evals.arms import server_metrics as server_spec
 
     if spec.kind is None:
         return {"measured": False, "why": spec.why}
@@ -323,14 +325,14 @@ def _measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict
     nothing was."""
     if backend.draft is None:
         return {"measured": False, "why": backend.draft_note or "no MTP draft"}
-    from evals.mtp_measure import measure_records
+    from evals.arms.mtp_measure import measure_records
 
     log(f"  {backend.label}: MTP draft acceptance (depth {depth}, {len(backend.draft.layers)} MTP layer(s))")
     measured = measure_records(backend.lm, backend.draft, records, depth, log=log)
     for r in records:
         q = measured.get((r["task"], r["seed"], r["doc_id"]))
         r["mtp"] = q.to_json() if q else None
-    return {"measured": True, "source": "in-process draft (evals/mtp_draft.py), greedy verification",
+    return {"measured": True, "source": "in-process draft (evals/arms/mtp_draft.py), greedy verification",
             "depth": depth, "layers": len(backend.draft.layers)}
 
 
@@ -389,7 +391,7 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log) -
     rows = compare_records(baseline, candidate, specs, request)
     problems = evidence.floor_problems(rows, {s.name: s.floor for s in specs})
     verdict = evidence.INVALID if problems else \
-        stats.combine_verdicts([r["comparison"]["verdict"] for r in rows if r["primary"]]
+        accuracy.combine_verdicts([r["comparison"]["verdict"] for r in rows if r["primary"]]
                                + [r["acceptance"]["verdict"] for r in rows if r.get("acceptance")])
     report = {"verdict": verdict, "exit_code": EXIT_CODES[verdict], "margin_points": request.margin,
               "mtp_margin_points": request.mtp_margin, "problems": problems,
@@ -403,8 +405,8 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log) -
 
 def _eval_data(request: EvalRequest, specs, dest: Path) -> tuple[Path | None, Path | None]:
     """Local data the user gave, else the tasks' datasets from the hub (before the run goes offline)."""
-    from evals import hub_data
-    from evals.tasks import GPQA_COLUMNS
+    from evals.arms import hub_data
+    from evals.arms.tasks import GPQA_COLUMNS
 
     names = {s.name for s in specs}
     gsm8k_dir = request.data_dir

@@ -78,7 +78,7 @@ def sensitive_toy(work: Path, text: Path) -> Path:
 
 
 def accuracy(work: Path, args) -> None:
-    from evals.nll import mean_nll
+    from evals.arms.nll import mean_nll
 
     data = gsm8k(work, args.gsm8k_dir)
     src = sensitive_toy(work, data / "train.jsonl")

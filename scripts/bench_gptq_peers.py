@@ -12,7 +12,7 @@
      - with --with-autoround, auto-round 0.16.1 (scheme MXFP4, 200 iterations) in .venv-autoround the same way
        (run once: auto-round 0.16.1 then fails in its quantize_layer_outside_block on this toy, BENCHMARKS.md;
        a failure skips the row).
-   Every checkpoint is scored by the same code (`evals.nll.mean_nll` on `gptq_toy_heldout()`, both from the
+   Every checkpoint is scored by the same code (`evals.arms.nll.mean_nll` on `gptq_toy_heldout()`, both from the
    suite); reported: held-out NLL, the share of RTN's NLL loss recovered, (NLL_rtn - NLL) / (NLL_rtn - NLL_bf16),
    and wall time. A venv that cannot be built or a peer that fails prints one line and its row is left out.
 2. Phases. A one-layer GLM-5-shaped MoE checkpoint (GLM-5.2's attention, hidden size and expert shapes from
@@ -177,7 +177,7 @@ def peers(args) -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from test_gptq import GPTQ_TOY, gptq_toy_calibration, gptq_toy_heldout  # noqa: E402 (the suite's own)
 
-    from evals.nll import mean_nll
+    from evals.arms.nll import mean_nll
     from quant.gptq import GptqSettings
     from quant.gptq.calibration import calibration_tokens
     from quant.pipeline import quantize_checkpoint

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evals.paired_interval import tango_interval  # noqa: E402
+from evals.statistics.paired_interval import tango_interval  # noqa: E402
 
 
 def bootstrap_interval(x: int, y: int, n: int, rng, iterations: int = 2000) -> tuple[float, float]:

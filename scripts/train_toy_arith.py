@@ -17,14 +17,14 @@ weight decay throughout, so the correct MXFP4 export keeps the accuracy while a 
 wrong scales) does not. The 200 test questions are held out from training.
 
 Then the MTP layer (model.layers.2, which transformers never runs) is trained with the main model frozen: the
-draft head of evals/mtp_draft.py (the engines' MTP forward) on the target's own hidden states, cross-entropy on
+draft head of evals/arms/mtp_draft.py (the engines' MTP forward) on the target's own hidden states, cross-entropy on
 x[t+2] over the answer tokens (DeepSeek-V3's MTP loss at depth 1), the embedding and output head shared with the
 target and frozen, as in the engines. `--mtp-only` runs just this stage on the existing checkpoint (its main
 weights stay byte-identical).
 
 Writes evals/data/toy_arith/{train,test}.jsonl and the checkpoint (BF16 safetensors, config, tokenizer). Then
 scores it through the eval stage's own lm-eval pipeline: greedy accuracy, and the MTP draft's acceptance on the
-held-out questions (evals/acceptance.py).
+held-out questions (evals/statistics/acceptance.py).
 
     python scripts/train_toy_arith.py              # about 4-5 minutes on 2 CPU cores; byte-identical reruns
     python scripts/train_toy_arith.py --mtp-only   # retrain only the MTP layer of the existing checkpoint
@@ -273,7 +273,7 @@ def mtp_tensors(draft, checkpoint: Path) -> dict:
     """The trained MTP layer's tensors under the checkpoint's names and dtypes."""
     from safetensors.torch import load_file
 
-    from evals.mtp_draft import block_tensors, draft_layers
+    from evals.arms.mtp_draft import block_tensors, draft_layers
 
     stored = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
@@ -323,11 +323,11 @@ def save_checkpoint(model, toy_dir: Path, out: Path) -> None:
 def score(checkpoint: Path, limit: int, depth: int = 3, log=print) -> tuple[float, tuple[float, float] | None]:
     """Greedy 5-shot accuracy (flexible-extract) through the eval stage's own lm-eval pipeline, and the MTP draft's
     (depth-1 acceptance, mean accepted length at `depth`) on the same generations."""
-    from evals.acceptance import rates
-    from evals.backends import BackendOptions, open_backend
-    from evals.mtp_measure import measure_records
-    from evals.run import RunSettings, go_offline, run_arm
-    from evals.tasks import TASKS, write_task_files
+    from evals.statistics.acceptance import rates
+    from evals.arms.backends import BackendOptions, open_backend
+    from evals.arms.mtp_measure import measure_records
+    from evals.arms.lm_eval_run import RunSettings, go_offline, run_arm
+    from evals.arms.tasks import TASKS, write_task_files
 
     spec = TASKS["toy_arith"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -371,7 +371,7 @@ def mtp_stage(checkpoint: Path, train_rows: list[dict], args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evals.mtp_draft import load_draft
+    from evals.arms.mtp_draft import load_draft
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

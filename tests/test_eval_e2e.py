@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from evals.compare import EvalRequest, evaluate
-from evals.report import REPORT_JSON, REPORT_MD, REPORT_PNG
+from evals.report.render import REPORT_JSON, REPORT_MD, REPORT_PNG
 from quant.checkpoint import open_checkpoint
 from quant.errors import QuantError
 from quant.pipeline import quantize_checkpoint

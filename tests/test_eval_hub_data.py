@@ -11,9 +11,9 @@ from pathlib import Path
 import datasets
 import pytest
 
-from evals import hub_data
+from evals.arms import hub_data
 from evals.compare import EvalRequest, _eval_data
-from evals.tasks import GPQA_COLUMNS, gpqa_data_file, gsm8k_data_files, parse_tasks
+from evals.arms.tasks import GPQA_COLUMNS, gpqa_data_file, gsm8k_data_files, parse_tasks
 from quant.errors import QuantError
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

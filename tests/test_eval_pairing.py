@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from evals.pairing import generation_counts, pair_scores
+from evals.statistics.pairing import generation_counts, pair_scores
 from quant.errors import QuantError
 
 

@@ -1,4 +1,4 @@
-"""The server backend: lm-eval's local-completions / local-chat-completions against evals.server (transformers
+"""The server backend: lm-eval's local-completions / local-chat-completions against evals.arms.model_server (transformers
 generate behind an OpenAI-compatible API on 127.0.0.1) serving the trained toy."""
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from evals.compare import EvalRequest, evaluate
-from evals.server import Generator, serve
+from evals.arms.model_server import Generator, serve
 from quant.errors import QuantError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory):
     # --idle-timeout: the server also stops by itself should this process die before the teardown.
-    command = [sys.executable, "-m", "evals.server", str(FIXTURE), "--port", "0", "--idle-timeout", "120"]
+    command = [sys.executable, "-m", "evals.arms.model_server", str(FIXTURE), "--port", "0", "--idle-timeout", "120"]
     log = tmp_path_factory.mktemp("server") / "stderr.log"
     with open(log, "w") as stderr:  # a file, not a pipe: nobody drains a pipe while the tests run
         proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -76,7 +76,7 @@ def test_completions_server_matches_in_process_model(server_url, tmp_path):
     report = run(FIXTURE, server_url, tmp_path)
     row = next(r for r in report["rows"] if r["primary"])["comparison"]
     assert report["candidate"]["kind"] == "server" and report["baseline"]["kind"] == "transformers"
-    # evals.server does not speculate: the arm says so (and why) instead of reporting zero acceptance
+    # evals.arms.model_server does not speculate: the arm says so (and why) instead of reporting zero acceptance
     assert report["candidate"]["mtp"]["measured"] is False
     assert "neither SGLang's /get_server_info nor vLLM's /metrics" in report["candidate"]["mtp"]["why"]
     assert report["baseline"]["mtp"]["measured"] is True  # the in-process toy has its MTP layer

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from evals import stats
-from evals.paired_interval import tango_interval
+from evals.statistics import accuracy
+from evals.statistics.paired_interval import tango_interval
 
 
 def answer_sets(n: int, both: int, baseline_only: int, candidate_only: int):
@@ -20,19 +20,19 @@ def answer_sets(n: int, both: int, baseline_only: int, candidate_only: int):
 
 
 def test_exact_mcnemar_known_values():
-    assert stats.mcnemar_exact(2, 0) == pytest.approx(0.5)
-    assert stats.mcnemar_exact(0, 2) == pytest.approx(0.5)
-    assert stats.mcnemar_exact(0, 0) == 1.0
+    assert accuracy.mcnemar_exact(2, 0) == pytest.approx(0.5)
+    assert accuracy.mcnemar_exact(0, 2) == pytest.approx(0.5)
+    assert accuracy.mcnemar_exact(0, 0) == 1.0
     # b=10, c=2: 2 * P(X <= 2), X ~ Bin(12, 1/2) = 2 * (1 + 12 + 66) / 4096
-    assert stats.mcnemar_exact(10, 2) == pytest.approx(2 * 79 / 4096)
-    assert stats.mcnemar_exact(5, 5) == pytest.approx(1.0)
+    assert accuracy.mcnemar_exact(10, 2) == pytest.approx(2 * 79 / 4096)
+    assert accuracy.mcnemar_exact(5, 5) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("b, c, expected_se", [(2, 0, 0.0071), (3, 1, 0.0100), (5, 3, 0.0142)])
 def test_paired_stderr_matches_worked_example(b, c, expected_se):
     # lm-eval.md 8.3: GSM8K n = 200 with a 2-question deficit.
     base, cand = answer_sets(200, 190, b, c)
-    se = stats.paired_stderr(base, cand)
+    se = accuracy.paired_stderr(base, cand)
     assert se == pytest.approx(expected_se, abs=5e-5)
     n = 200
     assert se == pytest.approx(math.sqrt((b + c) - (b - c) ** 2 / n) / math.sqrt(n * (n - 1)))
@@ -41,14 +41,14 @@ def test_paired_stderr_matches_worked_example(b, c, expected_se):
 def test_accuracy_stderr_is_lm_evals():
     # 193 / 200 = 0.965 -> 0.0130 (the published "0.965 ± 0.013").
     base, _ = answer_sets(200, 193, 0, 0)
-    assert stats.accuracy_stderr(base) == pytest.approx(math.sqrt(0.965 * 0.035 / 199))
-    assert round(stats.accuracy_stderr(base), 4) == 0.0130
+    assert accuracy.accuracy_stderr(base) == pytest.approx(math.sqrt(0.965 * 0.035 / 199))
+    assert round(accuracy.accuracy_stderr(base), 4) == 0.0130
 
 
 def test_score_interval_is_close_to_wald_for_large_n():
     base, cand = answer_sets(4000, 3000, 120, 80)
-    result = stats.compare(base, cand, margin=0.02)
-    d, se = result.difference, stats.paired_stderr(base, cand)
+    result = accuracy.compare(base, cand, margin=0.02)
+    d, se = result.difference, accuracy.paired_stderr(base, cand)
     assert d == pytest.approx(-0.01)
     assert result.ci_low == pytest.approx(d - 1.96 * se, abs=0.05 * 1.96 * se)
     assert result.ci_high == pytest.approx(d + 1.96 * se, abs=0.05 * 1.96 * se)
@@ -78,20 +78,20 @@ def test_no_discordant_pair_is_not_a_zero_width_interval():
     # b = c = 0: the bound is 3.84 / (n + 3.84), the score-test rule of three.
     for n in (4, 100, 188, 189):
         base, cand = answer_sets(n, n // 2, 0, 0)
-        result = stats.compare(base, cand, margin=0.02)
+        result = accuracy.compare(base, cand, margin=0.02)
         bound = 1.959964 ** 2 / (n + 1.959964 ** 2)
         assert (result.ci_low, result.ci_high) == (pytest.approx(-bound, rel=1e-4), pytest.approx(bound, rel=1e-4))
-        assert result.verdict == (stats.PASS if n >= 189 else stats.INCONCLUSIVE)
-    assert stats.compare(*answer_sets(4, 2, 0, 0), margin=0.02).n_to_pass == 189
+        assert result.verdict == (accuracy.PASS if n >= 189 else accuracy.INCONCLUSIVE)
+    assert accuracy.compare(*answer_sets(4, 2, 0, 0), margin=0.02).n_to_pass == 189
 
 
 def test_n_to_pass_follows_the_observed_discordance():
-    result = stats.compare(*answer_sets(100, 90, 2, 3), margin=0.02)
-    assert result.verdict == stats.INCONCLUSIVE and result.n_to_pass > 100
+    result = accuracy.compare(*answer_sets(100, 90, 2, 3), margin=0.02)
+    assert result.verdict == accuracy.INCONCLUSIVE and result.n_to_pass > 100
     k = result.n_to_pass
     assert tango_interval(3 * k / 100, 2 * k / 100, float(k))[0] > -0.02  # x = candidate-only mass
     assert tango_interval(3 * (k - 1) / 100, 2 * (k - 1) / 100, float(k - 1))[0] <= -0.02
-    assert stats.compare(*answer_sets(100, 80, 10, 0), margin=0.02).n_to_pass is None  # observed -10 points
+    assert accuracy.compare(*answer_sets(100, 80, 10, 0), margin=0.02).n_to_pass is None  # observed -10 points
 
 
 @pytest.mark.parametrize("n", [20, 50, 100, 200])
@@ -110,29 +110,29 @@ def test_score_interval_coverage_at_small_n(n):
 
 
 def test_verdict_rule():
-    assert stats.verdict((-0.019, 0.01), 0.02) == stats.PASS
-    assert stats.verdict((-0.03, 0.01), 0.02) == stats.INCONCLUSIVE
-    assert stats.verdict((-0.2, -0.021), 0.02) == stats.FAIL
-    assert stats.combine_verdicts(["pass", "inconclusive"]) == "inconclusive"
-    assert stats.combine_verdicts(["pass", "fail", "inconclusive"]) == "fail"
-    assert stats.combine_verdicts(["pass", "pass"]) == "pass"
+    assert accuracy.verdict((-0.019, 0.01), 0.02) == accuracy.PASS
+    assert accuracy.verdict((-0.03, 0.01), 0.02) == accuracy.INCONCLUSIVE
+    assert accuracy.verdict((-0.2, -0.021), 0.02) == accuracy.FAIL
+    assert accuracy.combine_verdicts(["pass", "inconclusive"]) == "inconclusive"
+    assert accuracy.combine_verdicts(["pass", "fail", "inconclusive"]) == "fail"
+    assert accuracy.combine_verdicts(["pass", "pass"]) == "pass"
 
 
 def test_large_deficit_fails_and_small_sample_is_inconclusive():
     base, cand = answer_sets(200, 100, 60, 0)  # candidate loses 30 points
-    result = stats.compare(base, cand, margin=0.02)
-    assert result.verdict == stats.FAIL
+    result = accuracy.compare(base, cand, margin=0.02)
+    assert result.verdict == accuracy.FAIL
     assert (result.baseline_only_correct, result.candidate_only_correct) == (60, 0)
     assert result.mcnemar_p < 1e-15
     base, cand = answer_sets(30, 20, 2, 1)  # a 1-question deficit on 30 questions: CI far wider than 2 points
-    assert stats.compare(base, cand, margin=0.02).verdict == stats.INCONCLUSIVE
+    assert accuracy.compare(base, cand, margin=0.02).verdict == accuracy.INCONCLUSIVE
 
 
 def test_seed_averaged_scores_use_questions_as_the_unit():
     # Two seeds per question, averaged: per-question scores in {0, 0.5, 1}.
     base = np.array([1.0, 1.0, 0.5, 0.0, 1.0, 0.5])
     cand = np.array([1.0, 0.5, 0.5, 0.5, 0.0, 1.0])
-    result = stats.compare(base, cand, margin=0.02, samples_per_question=2)
+    result = accuracy.compare(base, cand, margin=0.02, samples_per_question=2)
     assert result.n_questions == 6
     assert result.difference == pytest.approx((cand - base).mean())
     # Sign test: baseline higher on questions 1 and 4, candidate higher on 3 and 5.
@@ -145,5 +145,17 @@ def test_seed_averaged_scores_use_questions_as_the_unit():
 
 def test_seed_averaged_interval_does_not_collapse_when_every_difference_is_zero():
     scores = np.array([1.0, 0.5, 0.0, 1.0] * 25)
-    result = stats.compare(scores, scores.copy(), margin=0.02, samples_per_question=2)
-    assert result.ci_high - result.ci_low > 0.05 and result.verdict == stats.INCONCLUSIVE
+    result = accuracy.compare(scores, scores.copy(), margin=0.02, samples_per_question=2)
+    assert result.ci_high - result.ci_low > 0.05 and result.verdict == accuracy.INCONCLUSIVE
+
+
+def test_accuracy_stderr_is_lm_evals_own_to_the_last_bit():
+    """The statistics layer imports no lm-eval; its standard error must still be lm-eval's figure exactly."""
+    import random
+
+    from lm_eval.api.metrics import mean_stderr
+
+    rng = random.Random(0)
+    for n in (2, 3, 17, 200, 1319):
+        scores = [rng.choice([0.0, 1.0, 0.5, 1 / 3]) for _ in range(n)]
+        assert accuracy.accuracy_stderr(scores) == mean_stderr(scores)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from evals.run import go_offline
-from evals.tasks import GPQA_COLUMNS, TASKS, gpqa_choice_order, parse_tasks, write_task_files
+from evals.arms.lm_eval_run import go_offline
+from evals.arms.tasks import GPQA_COLUMNS, TASKS, gpqa_choice_order, parse_tasks, write_task_files
 from quant.errors import QuantError
 
 GPQA_EXTRA_COLUMNS = ("Record ID", "High-level domain")

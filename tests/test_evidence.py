@@ -1,4 +1,4 @@
-"""Evidence before a verdict (evals/evidence.py) and `quant eval --out` under the ownership rule: arms at their
+"""Evidence before a verdict (evals/statistics/evidence.py) and `quant eval --out` under the ownership rule: arms at their
 floor make the verdict invalid, never pass; inconclusive verdicts say what would decide them; --out never deletes
 what eval did not write."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evals import evidence
+from evals.statistics import evidence
 from evals.compare import EXIT_CODES, EvalRequest, evaluate
 from quant.errors import QuantError
 from quant.ownership import claim

@@ -260,7 +260,7 @@ def test_new_family_quantizes_and_passes_every_engine(new_toys, toy, tmp_path):
 
 
 def test_minimax_mtp_is_refused_in_one_line(new_toys):
-    from evals.mtp_draft import draft_layers
+    from evals.arms.mtp_draft import draft_layers
 
     ckpt = open_checkpoint(new_toys["minimax-m2"])
     assert ckpt.config["num_mtp_modules"] == 3 and ckpt.config["use_mtp"] is True

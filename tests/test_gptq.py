@@ -129,7 +129,7 @@ def test_gptq_recovers_most_of_rtns_held_out_loss(tmp_path, one_torch_thread):
     """The quantization-sensitive toy (tests/data/gptq_toy: trained without fake-quant, on GSM8K text beside its
     task): every linear in MXFP4, held-out NLL on GSM8K test text. RTN loses, GPTQ must beat it and recover at
     least half of the loss (scripts/bench_gptq.py measures the same at full size)."""
-    from evals.nll import mean_nll
+    from evals.arms.nll import mean_nll
 
     texts = gptq_toy_heldout()
     settings = GptqSettings(gptq_toy_calibration())

@@ -126,11 +126,11 @@ def test_the_mtp_layer_is_solved_after_the_main_layers(toy_factory, tmp_path, on
 
 
 def test_the_mtp_block_computes_what_the_eval_draft_computes(toy_factory):
-    """`quant.model_exec.mtp.MtpBlock` (what GPTQ calibrates the MTP layer with) and `evals.mtp_draft` (what the
+    """`quant.model_exec.mtp.MtpBlock` (what GPTQ calibrates the MTP layer with) and `evals.arms.mtp_draft` (what the
     acceptance measurement runs, as the engines do) give the same draft hidden states for the same inputs."""
     import torch
 
-    from evals.mtp_draft import load_draft
+    from evals.arms.mtp_draft import load_draft
     from quant.checkpoint import open_checkpoint
     from quant.gptq.mtp import mtp_layers
     from quant.model_exec.layers import DecoderStack

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from evals import stats
-from evals.card import CARD_IMAGE, add_accuracy
+from evals.statistics import accuracy
+from evals.report.card import CARD_IMAGE, add_accuracy
 from quant.pipeline import auto_devices, quantize_checkpoint
 from quant.pipeline.model_card import ACCURACY_END, ACCURACY_START
 from quant.toy import build_toy
@@ -33,7 +33,7 @@ def test_eval_card_replaces_the_accuracy_section(tmp_path):
     base = np.array([1] * 180 + [0] * 20, dtype=float)
     cand = base.copy()
     cand[:4] = 0
-    comparison = stats.compare(base, cand, margin=0.02).to_json()
+    comparison = accuracy.compare(base, cand, margin=0.02).to_json()
     report = {"verdict": comparison["verdict"], "margin_points": 2.0, "baseline": {"name": "glm5-fp8"},
               "rows": [{"label": "GSM8K 5-shot", "primary": True, "comparison": comparison},
                        {"label": "GSM8K 5-shot", "primary": False, "comparison": comparison}]}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from evals.acceptance import compare_acceptance, simulate
+from evals.statistics.acceptance import compare_acceptance, simulate
 
 FIXTURE = Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model"
 
@@ -66,8 +66,8 @@ def _brute_force_chains(draft, ids, hidden, start, depth):
 def test_one_pass_chains_equal_recomputed_chains():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evals.mtp_draft import load_draft
-    from evals.mtp_measure import draft_chains, extend_chains, target_pass
+    from evals.arms.mtp_draft import load_draft
+    from evals.arms.mtp_measure import draft_chains, extend_chains, target_pass
 
     model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(FIXTURE)

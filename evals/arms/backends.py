@@ -1,4 +1,4 @@
-"""The two ways a model is evaluated: an OpenAI-compatible server (SGLang, vLLM, evals.server) through lm-eval's
+"""The two ways a model is evaluated: an OpenAI-compatible server (SGLang, vLLM, evals.arms.model_server) through lm-eval's
 local-completions / local-chat-completions, or a checkpoint run in this process by transformers through HFLM.
 
 In process, a quantized checkpoint (Quark MXFP4, Quark FP8, block FP8) is first dequantized into a plain BF16
@@ -53,7 +53,7 @@ class Backend:
     chat: bool = False
     description: str = ""      # e.g. "transformers on cpu (BF16 51, MXFP4 30 weight tensors, dequantized ...)"
     notes: list[str] = field(default_factory=list)
-    draft: object = None       # in process: the checkpoint's MTP draft (evals.mtp_draft.MtpDraft), if it has one
+    draft: object = None       # in process: the checkpoint's MTP draft (evals.arms.mtp_draft.MtpDraft), if it has one
     draft_note: str = ""       # why there is no draft, when there is none
 
     def seed_gen_kwargs(self, seed: int) -> dict:
@@ -266,7 +266,7 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
                           with_draft: bool = False):
     """(model, tokenizer, description, notes[, draft]) for a checkpoint directory; a quantized one is dequantized
     into `work_dir` first (deleted again once loaded). With `with_draft`, also the checkpoint's MTP draft
-    (evals.mtp_draft; None when it has no MTP layers), read from the same (dequantized) tensors."""
+    (evals.arms.mtp_draft; None when it has no MTP layers), read from the same (dequantized) tensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -296,7 +296,7 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
         tokenizer = AutoTokenizer.from_pretrained(load_dir)
         draft = None
         if with_draft:
-            from evals.mtp_draft import load_draft
+            from evals.arms.mtp_draft import load_draft
 
             draft = load_draft(load_dir, dtype=getattr(torch, dtype), device=_torch_device(device))
     except (OSError, ValueError) as e:

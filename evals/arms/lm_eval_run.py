@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from evals.backends import FAILED_GENERATION, Backend
-from evals.tasks import TaskSpec
+from evals.arms.backends import FAILED_GENERATION, Backend
+from evals.arms.tasks import TaskSpec
 from quant.errors import QuantError
 
 SAMPLES_FILE = "samples.jsonl"

@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from evals.backends import api_root
+from evals.arms.backends import api_root
 
 VLLM_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",

@@ -1,9 +1,9 @@
-"""Draft acceptance of an in-process arm, measured on its own eval generations (evals/acceptance.py defines it).
+"""Draft acceptance of an in-process arm, measured on its own eval generations (evals/statistics/acceptance.py defines it).
 
 For each question the prompt (tokenized as lm-eval's HFLM did for generation) and the generated answer are run
 through the target once, teacher-forced: its hidden state after the final norm and its greedy next token at every
 position. The MTP draft then proposes, for every anchor in the generation, a chain of `depth` tokens the way the
-engines chain it (evals/mtp_draft.py): step 1 teacher-forced over the whole sequence, step j on the verified
+engines chain it (evals/arms/mtp_draft.py): step 1 teacher-forced over the whole sequence, step j on the verified
 prefix plus the chain's own earlier tokens and hidden states (the draft's KV for those positions comes from the
 chain, as in the engines' draft cache).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evals.acceptance import QuestionAcceptance, simulate
+from evals.statistics.acceptance import QuestionAcceptance, simulate
 
 
 def target_pass(model, ids):

@@ -7,25 +7,27 @@ stays the unit of resampling and the seeds are never treated as independent ques
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from evals.paired_interval import noninferiority_p, smallest_passing_n, tango_interval
+from evals.statistics.paired_interval import noninferiority_p, smallest_passing_n, tango_interval
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
 
 def accuracy_stderr(scores) -> float:
-    """lm-eval's standard error of a mean (sample stddev with n-1, over sqrt(n)), as printed in its tables.
+    """lm-eval's standard error of a mean (sample stddev with n-1, over sqrt(n)), as printed in its tables:
+    `lm_eval.api.metrics.mean_stderr`'s arithmetic in the same order (lm-eval 0.4.x), so the figures agree to the
+    last bit without importing lm-eval here (tests/test_eval_stats.py checks it against lm-eval's own function).
 
     For seed-averaged scores this is the question-clustered standard error."""
-    from lm_eval.api.metrics import mean_stderr
-
-    scores = np.asarray(scores, dtype=float)
-    if scores.size < 2:
+    values = [float(x) for x in np.asarray(scores, dtype=float).tolist()]
+    if len(values) < 2:
         return float("nan")
-    return float(mean_stderr(scores.tolist()))
+    mu = sum(values) / len(values)
+    return math.sqrt(sum([(x - mu) ** 2 for x in values]) / (len(values) - 1)) / math.sqrt(len(values))
 
 
 def paired_stderr(baseline, candidate) -> float:
@@ -110,7 +112,7 @@ class Comparison:
 def discordance(baseline, candidate) -> tuple[float, float]:
     """(x, y): the discordance mass for the candidate and for the baseline. 0/1 scores: the discordant pair counts
     (c, b). Seed-averaged scores: sums of the positive and negative parts of the per-question differences, so a
-    question contributes at most one unit (evals.paired_interval)."""
+    question contributes at most one unit (evals.statistics.paired_interval)."""
     d = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
     return float(np.clip(d, 0, None).sum()), float(np.clip(-d, 0, None).sum())
 

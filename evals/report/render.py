@@ -29,7 +29,7 @@ METHODS = {
                "Tango's score test rejects delta <= -margin at 2.5%), fail when the "
                "whole CI is below -margin, inconclusive when the CI contains -margin. The overall verdict uses "
                "each task's primary filter (flexible-extract): fail if any fails, else inconclusive if any is",
-    "mtp_acceptance": "each arm's MTP draft on that arm's own generations (in process: evals/mtp_draft.py, the "
+    "mtp_acceptance": "each arm's MTP draft on that arm's own generations (in process: evals/arms/mtp_draft.py, the "
                       "engines' MTP forward; servers: the engine's own counters, README). Depth-1 acceptance = "
                       "share of generated positions where the draft's greedy token equals the target's next greedy "
                       "token; mean accepted length = tokens per verification round of a greedy speculative decode "
@@ -115,7 +115,7 @@ def mtp_status(report: dict) -> list[str]:
 
 
 def verdict_notes(report: dict) -> list[str]:
-    """Why a verdict is invalid, and what would decide an inconclusive one (evals/evidence.py)."""
+    """Why a verdict is invalid, and what would decide an inconclusive one (evals/statistics/evidence.py)."""
     lines = []
     if report.get("problems"):
         lines += ["Why no verdict on accuracy can be given:", ""] + [f"- {p}" for p in report["problems"]] + [""]
