@@ -45,6 +45,7 @@ class TaskSpec:
     # four-choice GPQA; for free-form answers a documented minimum (a model that cannot follow the 5-shot format).
     floor: float = 0.05
     size: int | None = None     # questions in the test set (what --limit can reach)
+    fewshot: int = 0            # few-shot examples per prompt (the lm-eval task it extends)
 
     @property
     def primary_filter(self) -> str:
@@ -57,9 +58,9 @@ TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
         TaskSpec("gsm8k", "GSM8K 5-shot", "gsm8k_local", "tasks/gsm8k/gsm8k.yaml", "gsm8k-jsonl",
-                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=512, size=1319),
+                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=512, size=1319, fewshot=5),
         TaskSpec("toy_arith", "toy arithmetic 5-shot", "toy_arith_local", "tasks/gsm8k/gsm8k.yaml", "gsm8k-jsonl",
-                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=64, size=200),
+                 ("flexible-extract", "strict-match"), sampled=False, default_max_gen_toks=64, size=200, fewshot=5),
         TaskSpec("gpqa_diamond", "GPQA-Diamond CoT", "gpqa_diamond_cot_zeroshot_local",
                  "tasks/gpqa/cot_zeroshot/_gpqa_cot_zeroshot_yaml", "gpqa-csv",
                  ("flexible-extract", "strict-match"), sampled=True, default_max_gen_toks=32768,

@@ -1,0 +1,141 @@
+"""CI gates as files: vLLM's GSM8K accuracy config, read and written, so a release's own CI can carry the gate.
+
+vLLM gates a model with one YAML per model (`tests/evals/gsm8k/configs/*.yaml`, read by
+`tests/evals/gsm8k/test_gsm8k_correctness.py`): `model_name`, `accuracy_threshold`, `tolerance` (default 0.08 in
+that test: `eval_config.get("tolerance", 0.08)`), `num_questions`, `num_fewshot`, and `min_acceptance_length` for
+models with a draft (e.g. `DeepSeek-V4.1-Flash-NVFP4-DSpark-TP4.yaml`); `server_args`, `env` and
+`startup_max_wait_seconds` start vLLM's own server and are carried, not used, here. The test passes when
+`accuracy >= accuracy_threshold - tolerance`; the acceptance gate when the mean acceptance length is at least
+`min_acceptance_length`.
+
+`quant eval --gate FILE` applies it to the candidate arm (a gate miss makes the verdict `fail`, exit 1) after
+checking that the run asks what the gate was set for (its task, question count and few-shot count);
+`quant eval --write-gate FILE` writes one from this run's baseline arm.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from quant.errors import QuantError
+
+DEFAULT_TOLERANCE = 0.08  # vLLM's test_gsm8k_correctness.py
+GATE_KEYS = {
+    "model_name": str, "accuracy_threshold": float, "tolerance": float, "min_acceptance_length": float,
+    "num_questions": int, "num_fewshot": int, "server_args": str, "env": dict, "startup_max_wait_seconds": int,
+    "task": str,  # ours: the task the gate is on (vLLM's configs are GSM8K, the default)
+}
+REQUIRED = ("accuracy_threshold",)
+
+
+@dataclass(frozen=True)
+class Gate:
+    accuracy_threshold: float
+    tolerance: float = DEFAULT_TOLERANCE
+    min_acceptance_length: float | None = None
+    num_questions: int | None = None
+    num_fewshot: int | None = None
+    model_name: str | None = None
+    task: str = "gsm8k"
+    carried: dict = field(default_factory=dict)  # server_args, env, startup_max_wait_seconds: vLLM's, kept as is
+
+
+def read_gate(path: Path) -> Gate:
+    """The gate in `path`; QuantError naming the file and key for anything it cannot use."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise QuantError(f"--gate {path}: cannot read it ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(data, dict):
+        raise QuantError(f"--gate {path}: not a mapping of gate settings (accuracy_threshold, tolerance, ...)")
+    for key, value in data.items():
+        if key not in GATE_KEYS:
+            close = difflib.get_close_matches(str(key), GATE_KEYS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(GATE_KEYS)})"
+            raise QuantError(f"--gate {path}: {key}: unknown key{hint}")
+        want = GATE_KEYS[key]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else \
+            isinstance(value, want) and not isinstance(value, bool)
+        if not ok or (want is float and not math.isfinite(value)):
+            raise QuantError(f"--gate {path}: {key}: {value!r} is not a {want.__name__}")
+    for key in REQUIRED:
+        if key not in data:
+            raise QuantError(f"--gate {path}: {key} is missing (the accuracy the gated model must reach)")
+    for key in ("accuracy_threshold", "tolerance"):
+        if key in data and not 0 <= data[key] <= 1:
+            raise QuantError(f"--gate {path}: {key}: {data[key]} is outside [0, 1] (an accuracy fraction)")
+    carried = {k: data[k] for k in ("server_args", "env", "startup_max_wait_seconds") if k in data}
+    return Gate(float(data["accuracy_threshold"]), float(data.get("tolerance", DEFAULT_TOLERANCE)),
+                float(data["min_acceptance_length"]) if "min_acceptance_length" in data else None,
+                data.get("num_questions"), data.get("num_fewshot"), data.get("model_name"),
+                data.get("task", "gsm8k"), carried)
+
+
+def check_run(gate: Gate, path: Path, tasks: list, limit: int | None, mtp: bool) -> None:
+    """Refuse, before any work, a run that does not ask what the gate was set for."""
+    spec = next((s for s in tasks if s.name == gate.task), None)
+    if spec is None:
+        raise QuantError(f"--gate {path}: gates {gate.task}, which --tasks does not run")
+    questions = spec.size if limit is None or (spec.size is not None and limit >= spec.size) else limit
+    if gate.num_questions is not None and gate.num_questions != questions:
+        raise QuantError(f"--gate {path}: num_questions {gate.num_questions}, but this run asks {questions} "
+                         f"({gate.task}); pass --limit {gate.num_questions}")
+    if gate.num_fewshot is not None and gate.num_fewshot != spec.fewshot:
+        raise QuantError(f"--gate {path}: num_fewshot {gate.num_fewshot}, but {gate.task} here is "
+                         f"{spec.fewshot}-shot")
+    if gate.min_acceptance_length is not None and not mtp:
+        raise QuantError(f"--gate {path}: min_acceptance_length needs the MTP measurement (drop --no-mtp)")
+
+
+def apply_gate(gate: Gate, report: dict) -> dict:
+    """The gate's checks on the candidate arm of `report`: each with what was measured and what it needed."""
+    row = next(r for r in report["rows"] if r["task"] == gate.task and r["primary"])
+    accuracy = row["comparison"]["candidate_accuracy"]
+    needed = gate.accuracy_threshold - gate.tolerance
+    checks = [{"check": "accuracy", "measured": accuracy, "required": needed,
+               "passed": accuracy >= needed - 1e-12,
+               "rule": f"accuracy >= accuracy_threshold {gate.accuracy_threshold:g} - tolerance {gate.tolerance:g}"}]
+    if gate.min_acceptance_length is not None:
+        acceptance = row.get("acceptance") or {}
+        length = acceptance.get("candidate_length")
+        measured = length is not None and math.isfinite(length)
+        checks.append({"check": "acceptance length", "measured": length if measured else None,
+                       "required": gate.min_acceptance_length,
+                       "passed": bool(measured and length >= gate.min_acceptance_length),
+                       "rule": f"mean acceptance length >= min_acceptance_length {gate.min_acceptance_length:g}"
+                               + ("" if measured else " (not measured: the candidate has no draft)")})
+    return {"task": gate.task, "model_name": gate.model_name, "checks": checks,
+            "passed": all(c["passed"] for c in checks)}
+
+
+def gate_from_baseline(report: dict, spec, margin_points: float, mtp_margin_points: float,
+                       model_name: str | None) -> dict:
+    """A gate file's contents from this run's baseline arm: its accuracy as the threshold with the run's margin as
+    the tolerance, and (where it has a draft) its acceptance length less the MTP margin as the minimum."""
+    task = spec.name
+    row = next((r for r in report["rows"] if r["task"] == task and r["primary"]), None)
+    if row is None:
+        raise QuantError(f"--write-gate: this run has no {task} result to set a gate from")
+    gate = {"model_name": model_name or report["candidate"].get("name") or "MODEL",
+            "accuracy_threshold": round(row["comparison"]["baseline_accuracy"], 4),
+            "tolerance": round(margin_points / 100, 4), "num_questions": row["comparison"]["n_questions"],
+            "num_fewshot": spec.fewshot}
+    length = (row.get("acceptance") or {}).get("baseline_length")
+    if length is not None and math.isfinite(length):
+        gate["min_acceptance_length"] = round(length * (1 - mtp_margin_points / 100), 3)
+    if task != "gsm8k":
+        gate["task"] = task
+    return {k: v for k, v in gate.items() if v is not None}
+
+
+def write_gate(path: Path, gate: dict) -> None:
+    from quant.pipeline.files import write_atomic
+
+    header = ("# A CI gate in vLLM's GSM8K eval config format (tests/evals/gsm8k/configs), written by\n"
+              "# `quant eval --write-gate` from a baseline run; `quant eval --gate` applies it.\n")
+    write_atomic(Path(path), header + yaml.safe_dump(gate, sort_keys=False))

@@ -1,0 +1,98 @@
+"""CI gates as files (evals/gate.py): vLLM's GSM8K config format read strictly, applied as vLLM's test applies it
+(accuracy >= accuracy_threshold - tolerance; mean acceptance length >= min_acceptance_length), and written back
+from a baseline run."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from evals.arms.tasks import TASKS
+from evals.gate import apply_gate, check_run, gate_from_baseline, read_gate, write_gate
+from quant.errors import QuantError
+
+# The fields of vLLM's tests/evals/gsm8k/configs/DeepSeek-V4.1-Flash-NVFP4-DSpark-TP4.yaml, as it has them.
+VLLM_CONFIG = """model_name: "nvidia/DeepSeek-V4.1-Flash-NVFP4"
+accuracy_threshold: 0.88
+tolerance: 0.03
+min_acceptance_length: 2.5
+num_questions: 1319
+num_fewshot: 5
+startup_max_wait_seconds: 1800
+server_args: >-
+  --max-model-len 8192
+  --tensor-parallel-size 4
+"""
+
+
+def report(candidate_accuracy: float, candidate_length: float | None = 3.1, baseline_accuracy: float = 0.9,
+           n: int = 1319, task: str = "gsm8k") -> dict:
+    acceptance = None if candidate_length is None else {"candidate_length": candidate_length,
+                                                        "baseline_length": 3.2}
+    return {"rows": [{"task": task, "primary": True, "acceptance": acceptance,
+                      "comparison": {"candidate_accuracy": candidate_accuracy, "baseline_accuracy": baseline_accuracy,
+                                     "n_questions": n}},
+                     {"task": task, "primary": False, "acceptance": None,
+                      "comparison": {"candidate_accuracy": 0.0, "baseline_accuracy": 0.0, "n_questions": n}}],
+            "candidate": {"name": "cand"}}
+
+
+def gate_file(tmp_path, text: str = VLLM_CONFIG):
+    path = tmp_path / "gate.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_vllms_own_config_reads_and_gates_as_its_test_does(tmp_path):
+    gate = read_gate(gate_file(tmp_path))
+    assert (gate.accuracy_threshold, gate.tolerance, gate.min_acceptance_length) == (0.88, 0.03, 2.5)
+    assert gate.carried["startup_max_wait_seconds"] == 1800
+    assert apply_gate(gate, report(0.85))["passed"]          # 0.85 >= 0.88 - 0.03
+    below = apply_gate(gate, report(0.8499))
+    assert not below["passed"] and below["checks"][0]["check"] == "accuracy"
+    slow_draft = apply_gate(gate, report(0.95, candidate_length=2.4))
+    assert not slow_draft["passed"] and [c["passed"] for c in slow_draft["checks"]] == [True, False]
+    no_draft = apply_gate(gate, report(0.95, candidate_length=None))
+    assert not no_draft["passed"] and "not measured" in no_draft["checks"][1]["rule"]
+
+
+def test_the_default_tolerance_is_vllms(tmp_path):
+    gate = read_gate(gate_file(tmp_path, "accuracy_threshold: 0.5\n"))
+    assert gate.tolerance == 0.08 and apply_gate(gate, report(0.42))["passed"]
+
+
+@pytest.mark.parametrize("text,phrase", [("accuracy_treshold: 0.5\n", "did you mean 'accuracy_threshold'"),
+                                         ("tolerance: 0.1\n", "accuracy_threshold is missing"),
+                                         ("accuracy_threshold: high\n", "is not a float"),
+                                         ("accuracy_threshold: 88\n", "outside [0, 1]"),
+                                         ("- 1\n", "not a mapping")])
+def test_a_bad_gate_file_is_one_line_naming_the_key(tmp_path, text, phrase):
+    with pytest.raises(QuantError, match=phrase.replace("[", r"\[").replace("]", r"\]")) as e:
+        read_gate(gate_file(tmp_path, text))
+    assert e.value.exit_code == 2 and "gate.yaml" in str(e.value)
+
+
+def test_a_run_that_does_not_ask_what_the_gate_was_set_for_is_refused(tmp_path):
+    path = gate_file(tmp_path)
+    gate = read_gate(path)
+    specs = [TASKS["gsm8k"]]
+    check_run(gate, path, specs, limit=None, mtp=True)  # all 1,319 questions, 5-shot: what the gate says
+    with pytest.raises(QuantError, match="num_questions 1319, but this run asks 200.*--limit 1319"):
+        check_run(gate, path, specs, limit=200, mtp=True)
+    with pytest.raises(QuantError, match="gates gsm8k, which --tasks does not run"):
+        check_run(gate, path, [TASKS["toy_arith"]], limit=None, mtp=True)
+    with pytest.raises(QuantError, match="min_acceptance_length needs the MTP measurement"):
+        check_run(gate, path, specs, limit=None, mtp=False)
+
+
+def test_a_gate_written_from_a_baseline_reads_back_and_gates_the_baseline_itself(tmp_path):
+    r = report(0.9, baseline_accuracy=0.91234)
+    written = gate_from_baseline(r, TASKS["gsm8k"], margin_points=2.0, mtp_margin_points=5.0, model_name=None)
+    assert written == {"model_name": "cand", "accuracy_threshold": 0.9123, "tolerance": 0.02,
+                       "num_questions": 1319, "num_fewshot": 5, "min_acceptance_length": 3.04}
+    path = tmp_path / "written.yaml"
+    write_gate(path, written)
+    assert yaml.safe_load(path.read_text()) == written
+    gate = read_gate(path)
+    assert apply_gate(gate, report(0.9123 - 0.02, candidate_length=3.04))["passed"]
+    assert not apply_gate(gate, report(0.9123 - 0.0201, candidate_length=3.04))["passed"]
