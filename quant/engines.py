@@ -143,6 +143,12 @@ def split_mtp(module: str, config: dict) -> tuple[int, str] | None:
     return None
 
 
+def nextn_draft_rules() -> list[Mtp]:
+    """The MTP rules of every engine whose draft carries runtime names of its own (mtp.draft_naming: nextn)."""
+    rules = [engine_rules(name).mtp for name in engine_names()]
+    return [r for i, r in enumerate(rules) if r.draft_naming == "nextn" and r not in rules[:i]]
+
+
 def sglang_mtp_rule() -> Mtp:
     return engine_rules("sglang").mtp
 

@@ -155,7 +155,7 @@ def consistency_findings(ckpt, shape_of=None) -> list:
     if known is not None and isinstance(model_type, str) and model_type not in known and not remote:
         out.append(Finding("error", "all", (), "config.json:model_type",
                            f"model_type {model_type!r} is not one transformers {_transformers_version()} knows: "
-                           "AutoConfig (which SGLang, vLLM and transformers build the config with) raises "
+                           "AutoConfig (which every engine builds the config with) raises "
                            "ValueError", "use the model_type of the architecture (or an auto_map for remote code)",
                            "config consistency"))
     note = unknown_family_note(config)
