@@ -24,7 +24,7 @@ from quant.families import text_config
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "TensorInfo", "Problem", "open_checkpoint", "load_tensors", "read_json", "text_config",
+__all__ = ["Checkpoint", "TensorInfo", "Problem", "open_checkpoint", "build_checkpoint", "load_tensors", "read_json", "text_config",
            "validate_config", "lm_layer_indices", "safetensors_dtype"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -152,22 +152,37 @@ def open_checkpoint(path: str | Path, metadata_dir: str | Path | None = None) ->
         raise UnreadableCheckpoint(f"{root}: not a checkpoint directory")
     meta = Path(metadata_dir) if metadata_dir is not None else root
     config = read_json(meta / "config.json")
+    index = read_json(meta / INDEX_FILE) if (meta / INDEX_FILE).exists() else None
+    files = None
+    if index is None:
+        if (root / SINGLE_FILE).exists():
+            files = [SINGLE_FILE]
+        else:
+            files = sorted(p.name for p in root.glob("*.safetensors"))
+            if not files:
+                raise UnreadableCheckpoint(f"{root}: no {INDEX_FILE} and no *.safetensors files")
+
+    def header(file: str):
+        fpath = root / file
+        return read_shard_header(fpath) if fpath.is_file() else None
+
+    return build_checkpoint(root, meta, config, index, files, header)
+
+
+def build_checkpoint(root, meta, config: dict, index: dict | None, files: list[str] | None, read_header) -> Checkpoint:
+    """The Checkpoint of `config` and `index` (None: no index; then the shards are `files`), each shard's header
+    from `read_header(file)`: name -> (dtype, shape), None for a missing file, an exception for an unreadable
+    one. `root` and `meta` (where the shards and config.json / the index live) only name things in messages and
+    become `Checkpoint.root`: a directory here, a Hub repository in quant.hub, which reads the same headers over
+    HTTP and so finds the same problems."""
     problems: list[Problem] = []
-    index = None
     expected: dict[str, str] = {}  # tensor -> file, from the index
-    if (meta / INDEX_FILE).exists():
-        index = read_json(meta / INDEX_FILE)
+    if index is not None:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise UnreadableCheckpoint(f"{meta / INDEX_FILE}: no 'weight_map' object")
         expected = {str(k): str(v) for k, v in weight_map.items()}
         files = sorted(set(expected.values()))
-    elif (root / SINGLE_FILE).exists():
-        files = [SINGLE_FILE]
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-        if not files:
-            raise UnreadableCheckpoint(f"{root}: no {INDEX_FILE} and no *.safetensors files")
 
     tensors: dict[str, TensorInfo] = {}
     readable: list[str] = []
@@ -177,16 +192,16 @@ def open_checkpoint(path: str | Path, metadata_dir: str | Path | None = None) ->
                                     f"{root / INDEX_FILE}: file name '{file}' escapes the checkpoint directory"))
             continue
         fpath = root / file
-        if not fpath.is_file():
-            first = next((t for t, f in expected.items() if f == file), None)
-            problems.append(Problem("missing-file", file, first,
-                                    f"{fpath}: listed in the index (e.g. for {first}) but missing"))
-            continue
         try:
-            header = read_shard_header(fpath)
+            header = read_header(file)
         except Exception as e:  # safetensors raises its own error type for corrupt/truncated headers
             problems.append(Problem("corrupt-shard", file, None,
                                     f"{fpath}: unreadable safetensors file ({str(e).splitlines()[0]})"))
+            continue
+        if header is None:
+            first = next((t for t, f in expected.items() if f == file), None)
+            problems.append(Problem("missing-file", file, first,
+                                    f"{fpath}: listed in the index (e.g. for {first}) but missing"))
             continue
         readable.append(file)
         for name, (dtype, shape) in header.items():

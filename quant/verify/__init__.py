@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.checkpoint import open_checkpoint
+from quant.checkpoint import Checkpoint, open_checkpoint
 from quant.engines import select_profiles
 from quant.verify import hygiene
 from quant.verify.block_fp8 import block_fp8_findings, is_block_fp8
@@ -23,11 +23,12 @@ from quant.verify.shapes import config_shapes, consistency_findings
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 
 
-def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: int | None = None,
+def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None = None, tp: int | None = None,
                       metadata_dir: str | Path | None = None) -> Report:
     """Predict engine load failures of the Quark (or official block-FP8) checkpoint at `path`. `engines`: names ("sglang"), pinned
-    releases ("sglang==0.5.12") or "all"; default: the serving engines, SGLang and vLLM. Raises UnreadableCheckpoint when it cannot be read."""
-    ckpt = open_checkpoint(path, metadata_dir)
+    releases ("sglang==0.5.12") or "all"; default: the serving engines, SGLang and vLLM. Raises UnreadableCheckpoint when it cannot be read.
+    `path` may be an open Checkpoint (quant.hub's, read from the Hub's headers)."""
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, metadata_dir)
     profiles = select_profiles(engines)
     findings = hygiene.integrity_findings(ckpt)
     shape_of = config_shapes(ckpt.config)
@@ -56,4 +57,5 @@ def verify_checkpoint(path: str | Path, engines: list[str] | None = None, tp: in
     order: dict[str, list[str]] = {}
     for p in profiles:
         order.setdefault(p.engine, []).append(p.release)
-    return Report(str(path), [p.label for p in profiles], merge_versions(findings, order))
+    label = str(ckpt.root if isinstance(path, Checkpoint) else path)
+    return Report(label, [p.label for p in profiles], merge_versions(findings, order))

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from quant import engines
-from quant.checkpoint import open_checkpoint
+from quant.checkpoint import Checkpoint, open_checkpoint
 from quant.errors import QuantError
 from quant.ownership import write_new
 from quant.verify.contract import stored_family
@@ -87,11 +87,16 @@ def fixed_config(config: dict, modules) -> dict:
 
 
 def fix_config(path: str | Path, out_config: str | Path) -> Path:
-    """Write the corrected config.json of checkpoint `path` to `out_config` (refuses the original)."""
-    root, out = Path(path), Path(out_config)
-    if out.resolve() == (root / "config.json").resolve():
-        raise QuantError(f"{out}: refusing to overwrite the checkpoint's own config.json; write elsewhere")
-    ckpt = open_checkpoint(root)
+    """Write the corrected config.json of checkpoint `path` (a directory, or an open Checkpoint: quant.hub's) to
+    `out_config` (refuses the original)."""
+    out = Path(out_config)
+    if isinstance(path, Checkpoint):
+        ckpt = path
+    else:
+        root = Path(path)
+        if out.resolve() == (root / "config.json").resolve():
+            raise QuantError(f"{out}: refusing to overwrite the checkpoint's own config.json; write elsewhere")
+        ckpt = open_checkpoint(root)
     config = fixed_config(ckpt.config, inventory(ckpt))
     out.parent.mkdir(parents=True, exist_ok=True)
     write_new(out, json.dumps(config, indent=2) + "\n")

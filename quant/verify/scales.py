@@ -342,25 +342,40 @@ def scan_scales(path, metadata_dir=None, stats: ScanStats | None = None, threads
     return findings + group_issues(issues)
 
 
+class _LocalShard:
+    """One shard file's scale bytes: `start` of the data region, `offsets` name -> (begin, end) within it, and
+    `read(ranges)` the bytes of (position, length) ranges in order, one `pread` each. A checkpoint that is not a
+    directory provides its own through `open_shard(file)` (quant.hub: HTTP range requests, several in flight)."""
+
+    def __init__(self, path: Path):
+        self.start, self.offsets = _offsets(path)
+        self.fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):  # small reads among the weights: no readahead into them
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def read(self, ranges):
+        return (os.pread(self.fd, length, pos) for pos, length in ranges)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def _scan_shard(ckpt, file: str, wanted_names: list[tuple[str, str]]) -> tuple[list[Finding], list[Issue], ScanStats]:
     stats = ScanStats()
     findings: list[Finding] = []
     issues: list[Issue] = []
     fpath = ckpt.shard_path(file)
     try:
-        start, offsets = _offsets(fpath)
-        fd = os.open(fpath, os.O_RDONLY)
+        shard = ckpt.open_shard(file) if hasattr(ckpt, "open_shard") else _LocalShard(fpath)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
         return [_unreadable(fpath, None, e)], [], stats
     try:
-        if hasattr(os, "posix_fadvise"):  # small reads among the weights: no readahead into them
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         stats.files += 1
+        offsets = shard.offsets
         wanted = sorted((offsets[n][0], n, k) for n, k in wanted_names if n in offsets)
-        for begin, name, kind in wanted:
+        ranges = [(shard.start + begin, offsets[name][1] - begin) for begin, name, _ in wanted]
+        for (_, name, kind), (_, length), raw in zip(wanted, ranges, shard.read(ranges)):
             info = ckpt.tensors[name]
-            length = offsets[name][1] - begin
-            raw = os.pread(fd, length, start + begin)
             if len(raw) != length:
                 findings.append(_unreadable(fpath, name, f"{len(raw)} of {length} bytes"))
                 continue
@@ -370,7 +385,7 @@ def _scan_shard(ckpt, file: str, wanted_names: list[tuple[str, str]]) -> tuple[l
     except (OSError, ValueError) as e:
         findings.append(_unreadable(fpath, None, e))
     finally:
-        os.close(fd)
+        shard.close()
     return findings, issues, stats
 
 
