@@ -12,7 +12,9 @@ from quant.engines import SERVING_ENGINES
 
 
 def command(
-    ckpt: Path = typer.Argument(..., help="Quark checkpoint directory (config.json + safetensors shards)."),
+    ckpt: Path = typer.Argument(..., help="Quark checkpoint directory (config.json + safetensors shards), or a "
+                                          "Hub model ORG/NAME[@REVISION]: its config, index and shard headers are "
+                                          "read over HTTP, never the weights (HF_TOKEN for private or gated ones)."),
     engine: List[str] = typer.Option(list(SERVING_ENGINES), "--engine", "-e",
                                      help="sglang | vllm | transformers | all, or one release: sglang==0.5.12 "
                                           "(repeatable; default: the serving engines sglang and vllm, each at its "
@@ -32,20 +34,29 @@ def command(
     2 when the checkpoint cannot be read. With --scales the scale values are checked too."""
     from rich.console import Console
 
+    from quant.hub import hub_reference, open_hub_checkpoint
     from quant.verify import fix_config, verify_checkpoint
 
     if fix is not None:
         check_fix_target(ckpt, fix, overwrite)  # before any work
-    report = verify_checkpoint(ckpt, engines=engine, tp=tp)
-    scanned = None
-    if scales:
-        from quant.verify.scales import ScanStats, scan_scales
+    ref = hub_reference(ckpt)  # ORG/NAME[@REVISION] that is no local path: read over HTTP, never the weights
+    hub = open_hub_checkpoint(ref) if ref is not None else None
+    try:
+        report = verify_checkpoint(hub or ckpt, engines=engine, tp=tp)
+        scanned = None
+        if scales:
+            from quant.verify.scales import ScanStats, scan_scales
 
-        scanned = ScanStats()
-        report.findings += scan_scales(ckpt, stats=scanned)
-    fixed = fix_config(ckpt, fix) if fix is not None else None
+            scanned = ScanStats()
+            report.findings += scan_scales(hub or ckpt, stats=scanned)
+        fixed = fix_config(hub or ckpt, fix) if fix is not None else None
+    finally:
+        if hub is not None:
+            hub.close()
     if json_out:
         data = report.to_json()
+        if hub is not None:
+            data["hub"] = hub.summary()
         if fixed is not None:
             data["fixed_config"] = str(fixed)
         if scanned is not None:
@@ -61,6 +72,8 @@ def command(
                           f"{scanned.files} shard(s)")
         if fixed is not None:
             console.print(f"wrote corrected config to {fixed} (re-run verify-manifest on a copy using it)")
+        if hub is not None:
+            console.print(hub.traffic_line())
     raise typer.Exit(report.exit_code)
 
 

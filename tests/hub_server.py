@@ -1,0 +1,328 @@
+"""A Hugging Face Hub-compatible HTTP server on 127.0.0.1 for tests: the endpoints huggingface_hub's own client
+calls for model_info, hf_hub_download and range reads, with the Hub's status codes and headers.
+
+    server = HubServer().start()
+    server.add_repo("org/good", folder)           # a local directory served as a model repository
+    env = {"HF_ENDPOINT": server.url, ...}        # huggingface_hub reads HF_ENDPOINT when it is imported
+
+Endpoints (as huggingface.co answers them, read from huggingface_hub 2.x: hf_api.model_info,
+file_download.get_hf_file_metadata / hf_hub_download, utils/_http.hf_raise_for_status):
+
+  GET /api/models/{repo}[/revision/{rev}][?blobs=true]  model info: id, sha, private, gated, siblings (with
+                                                        size, blobId and lfs {sha256, size} when blobs=true)
+  HEAD|GET /{repo}/resolve/{rev}/{path}                 a regular file: 200 with ETag (git blob id),
+                                                        X-Repo-Commit, Content-Length, ranges;
+                                                        an LFS file (*.safetensors): 302 to the storage origin's
+                                                        /cdn/{sha256}?expires=G with X-Linked-Size,
+                                                        X-Linked-Etag, X-Repo-Commit
+  GET /api/agent-harnesses                              huggingface_hub's telemetry registry (empty)
+  HEAD|GET /cdn/{sha256}?expires=G                      the LFS blob, on a second port (another origin, as the
+                                                        Hub's storage is): `Range: bytes=a-b` answered 206 with
+                                                        Content-Range; 403 once the signed URL has expired
+
+Errors carry the Hub's X-Error-Code: RepoNotFound (401 without a token, 404 with one: the Hub does not tell a
+private repository from a missing one), RevisionNotFound (404), EntryNotFound (404, with X-Repo-Commit),
+GatedRepo (401 without a token, 403 with a token that has no access). Requests and response body bytes are
+counted (`stats`, `reset`; `stats.auth_to_storage` counts blob requests that carried a token off the Hub);
+`fail_after(n)` drops every connection after n more blob reads (a network failure mid-way), `expire_after(n)`
+expires every storage URL handed out so far after n more."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
+RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    folder: Path
+    files: dict[str, Path]
+    sha: str
+    revisions: set[str]
+    gated: bool = False
+    private: bool = False
+    tokens: set[str] = field(default_factory=set)  # tokens with access (gated or private)
+
+    def is_lfs(self, name: str) -> bool:
+        return name.endswith(LFS_SUFFIXES)
+
+    def oid(self, name: str) -> str:
+        """A stable content id: the sha256 of an LFS file (of its name and size for sparse test files, which the
+        client never checks on range reads), the git blob id of a regular file."""
+        path = self.files[name]
+        if self.is_lfs(name):
+            return hashlib.sha256(f"{self.repo_id}/{name}:{path.stat().st_size}".encode()).hexdigest()
+        data = path.read_bytes()
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    bytes: int = 0  # response bodies
+    auth_to_storage: int = 0  # blob requests with an Authorization header (a token sent off the Hub)
+    log: list = field(default_factory=list)  # (method, path, range, status, body bytes)
+
+
+class HubServer:
+    def __init__(self):
+        self.repos: dict[str, Repo] = {}
+        self.blobs: dict[str, tuple[Repo, str]] = {}  # sha256 -> (repo, file)
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        self._fail_after: int | None = None
+        self._expire_after: int | None = None
+        self.generation = 0  # storage URLs carry it; older ones have expired
+        self.httpd: ThreadingHTTPServer | None = None
+        self.storage: ThreadingHTTPServer | None = None
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    def add_repo(self, repo_id: str, folder: Path, revisions=("main",), gated=False, private=False,
+                 tokens=()) -> Repo:
+        folder = Path(folder)
+        files = {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*"))
+                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
+        sha = hashlib.sha1(repo_id.encode() + b"".join(f"{n}:{p.stat().st_size}".encode()
+                                                          for n, p in files.items())).hexdigest()
+        repo = Repo(repo_id, folder, files, sha, set(revisions) | {sha}, gated, private, set(tokens))
+        self.repos[repo_id] = repo
+        for name in files:
+            if repo.is_lfs(name):
+                self.blobs[repo.oid(name)] = (repo, name)
+        return repo
+
+    def start(self) -> "HubServer":
+        server = self
+
+        class Handler(_Handler):
+            hub = server
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.storage = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        for httpd in (self.httpd, self.storage):
+            httpd.daemon_threads = True
+            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        for httpd in (self.httpd, self.storage):
+            if httpd is not None:
+                httpd.shutdown()
+                httpd.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    @property
+    def storage_url(self) -> str:
+        return f"http://127.0.0.1:{self.storage.server_address[1]}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.stats = Stats()
+            self._fail_after = self._expire_after = None
+
+    def expire_after(self, n: int) -> None:
+        """Serve `n` more blob requests, then expire every storage URL handed out so far."""
+        with self.lock:
+            self._expire_after = n
+
+    def fail_after(self, n: int) -> None:
+        """Serve `n` more blob (LFS) requests, then drop every connection without an answer."""
+        with self.lock:
+            self._fail_after = n
+
+    def _count(self, method, path, rng, status, nbytes) -> None:
+        with self.lock:
+            self.stats.requests += 1
+            self.stats.bytes += nbytes
+            self.stats.log.append((method, path, rng, status, nbytes))
+
+    def _blob_allowed(self) -> bool:
+        with self.lock:
+            if self._expire_after is not None:
+                self._expire_after -= 1
+                if self._expire_after < 0:
+                    self.generation += 1
+                    self._expire_after = None
+            if self._fail_after is None:
+                return True
+            self._fail_after -= 1
+            return self._fail_after >= 0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: HubServer
+    protocol_version = "HTTP/1.1"  # keep-alive, as the Hub's front ends
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    # ---- plumbing ----------------------------------------------------------------------------------------------
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        head = self.command == "HEAD"
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, str(v))
+        if "Content-Length" not in (headers or {}):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+        self.hub._count(self.command, self.path, self.headers.get("Range"), status, 0 if head else len(body))
+
+    def _json(self, status: int, obj, headers: dict | None = None) -> None:
+        self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
+
+    def _error(self, status: int, code: str, message: str, headers: dict | None = None) -> None:
+        self._json(status, {"error": message}, {"X-Error-Code": code, "X-Error-Message": message, **(headers or {})})
+
+    def _token(self) -> str | None:
+        auth = self.headers.get("Authorization") or ""
+        return auth[7:] if auth.startswith("Bearer ") else None
+
+    def _repo(self, repo_id: str, files: bool) -> Repo | None:
+        """The repository, or None after answering as the Hub does (missing, private, gated)."""
+        repo = self.hub.repos.get(repo_id)
+        token = self._token()
+        if repo is None or (repo.private and token not in repo.tokens):
+            self._error(401 if token is None else 404, "RepoNotFound", "Repository not found")
+            return None
+        if files and repo.gated and token not in repo.tokens:
+            if token is None:
+                self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access "
+                                              f"to it and be authenticated to access it. Please log in.")
+            else:
+                self._error(403, "GatedRepo", f"Access to model {repo_id} is restricted and you are not in the "
+                                              f"authorized list. Visit https://huggingface.co/{repo_id} to ask "
+                                              f"for access.")
+            return None
+        return repo
+
+    def _ranged(self, data_len: int, read, headers: dict) -> None:
+        """Answer a GET or HEAD of `data_len` bytes (read(begin, end) -> bytes), honouring one `Range`."""
+        rng = self.headers.get("Range")
+        headers = {**headers, "Accept-Ranges": "bytes"}
+        if rng:
+            m = RANGE.match(rng.strip())
+            if m and (m.group(1) or m.group(2)):
+                if m.group(1):
+                    begin = int(m.group(1))
+                    end = min(int(m.group(2)) if m.group(2) else data_len - 1, data_len - 1)
+                else:  # suffix range: the last n bytes
+                    begin, end = max(0, data_len - int(m.group(2))), data_len - 1
+                if begin >= data_len:
+                    self._send(416, b"", {**headers, "Content-Range": f"bytes */{data_len}"})
+                    return
+                body = read(begin, end + 1) if self.command == "GET" else b""
+                self._send(206, body, {**headers, "Content-Range": f"bytes {begin}-{end}/{data_len}",
+                                       "Content-Length": end + 1 - begin})
+                return
+        body = read(0, data_len) if self.command == "GET" else b""
+        self._send(200, body, {**headers, "Content-Length": data_len})
+
+    # ---- endpoints ---------------------------------------------------------------------------------------------
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        path = unquote(url.path)
+        try:
+            if path == "/api/agent-harnesses":  # huggingface_hub's user-agent telemetry: an empty registry
+                self._json(200, {"standardEnvVars": [], "harnesses": {}})
+            elif path.startswith("/api/models/"):
+                self._model_info(path[len("/api/models/"):], "blobs=true" in url.query)
+            elif path.startswith("/cdn/"):
+                self._blob(path[len("/cdn/"):], url.query)
+            elif "/resolve/" in path:
+                repo_id, rest = path[1:].split("/resolve/", 1)
+                revision, _, name = rest.partition("/")
+                self._resolve(repo_id, revision, name)
+            else:
+                self._error(404, "NotFound", "Not found")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _model_info(self, rest: str, blobs: bool) -> None:
+        repo_id, _, revision = rest.partition("/revision/")
+        repo = self._repo(repo_id, files=False)
+        if repo is None:
+            return
+        if revision and revision not in repo.revisions:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return
+        siblings = []
+        for name, p in repo.files.items():
+            sib = {"rfilename": name}
+            if blobs:
+                size = p.stat().st_size
+                sib.update(size=size, blobId=repo.oid(name) if not repo.is_lfs(name) else hashlib.sha1(
+                    repo.oid(name).encode()).hexdigest())
+                if repo.is_lfs(name):
+                    sib["lfs"] = {"sha256": repo.oid(name), "size": size, "pointerSize": 134}
+            siblings.append(sib)
+        self._json(200, {"_id": repo.sha[:24], "id": repo_id, "modelId": repo_id, "sha": repo.sha,
+                         "private": repo.private, "gated": "manual" if repo.gated else False, "disabled": False,
+                         "tags": [], "siblings": siblings})
+
+    def _resolve(self, repo_id: str, revision: str, name: str) -> None:
+        repo = self._repo(repo_id, files=True)
+        if repo is None:
+            return
+        if revision not in repo.revisions:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return
+        commit = {"X-Repo-Commit": repo.sha}
+        if name not in repo.files:
+            self._error(404, "EntryNotFound", "Entry not found", commit)
+            return
+        path = repo.files[name]
+        if repo.is_lfs(name):
+            oid = repo.oid(name)
+            location = f"{self.hub.storage_url}/cdn/{oid}?expires={self.hub.generation}"
+            self._send(302, b"", {**commit, "Location": location, "ETag": f'"{oid}"',
+                                  "X-Linked-Etag": f'"{oid}"', "X-Linked-Size": path.stat().st_size})
+            return
+        data = path.read_bytes()
+        self._ranged(len(data), lambda b, e: data[b:e], {**commit, "ETag": f'"{repo.oid(name)}"',
+                                                         "Content-Type": "application/octet-stream"})
+
+    def _blob(self, oid: str, query: str) -> None:
+        if oid not in self.hub.blobs:
+            self._send(404, b"not found")
+            return
+        if self.headers.get("Authorization"):
+            with self.hub.lock:
+                self.hub.stats.auth_to_storage += 1
+        allowed = self.hub._blob_allowed()
+        if query != f"expires={self.hub.generation}":
+            self._send(403, b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>",
+                       {"Content-Type": "application/xml"})
+            return
+        if not allowed:
+            self.hub._count(self.command, self.path, self.headers.get("Range"), 0, 0)
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)  # no answer at all: the client sees the connection drop
+            return
+        repo, name = self.hub.blobs[oid]
+        path = repo.files[name]
+
+        def read(begin: int, end: int) -> bytes:
+            with open(path, "rb") as f:
+                f.seek(begin)
+                return f.read(end - begin)
+
+        self._ranged(path.stat().st_size, read, {"ETag": f'"{oid}"', "Content-Type": "binary/octet-stream"})
