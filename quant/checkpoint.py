@@ -24,8 +24,8 @@ from quant.families import text_config
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "TensorInfo", "Problem", "open_checkpoint", "build_checkpoint", "load_tensors", "read_json", "text_config",
-           "validate_config", "lm_layer_indices", "safetensors_dtype"]
+__all__ = ["Checkpoint", "TensorInfo", "Problem", "open_checkpoint", "build_checkpoint", "load_tensors", "read_json",
+           "text_config", "validate_config", "lm_layer_indices", "safetensors_dtype"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

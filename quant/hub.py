@@ -44,7 +44,10 @@ REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96})(?:@(?P<r
 IN_FLIGHT = 16  # concurrent range requests
 RETRIES = 3  # per range request, on connection errors, 429 and 5xx
 RETRY_STATUS = (429, 500, 502, 503, 504)
-HEADER_ENTRY = 100  # bytes of header JSON per tensor beyond its name: {"dtype":..,"shape":[..],"data_offsets":[..]}
+# Bytes of header JSON per tensor beyond its name and its two offsets: "":{"dtype":"BF16","shape":[..],
+# "data_offsets":[,]}, with room for three dimensions (within 15 % above the headers safetensors writes, never
+# below them, on the toys and a GLM-5.2-sized export; a header longer than guessed costs one more request).
+HEADER_ENTRY = 64
 UNINDEXED_HEADER = 100_000  # first read of a shard no index describes (huggingface_hub's own guess)
 MAX_HEADER = 100_000_000  # the safetensors library's limit
 
@@ -462,7 +465,8 @@ def _open(api, ref: HubRef, endpoint: str, traffic: Traffic) -> HubCheckpoint:
         weight_map = index.get("weight_map") if index is not None else None
         if isinstance(weight_map, dict):
             for name, file in weight_map.items():
-                guesses[str(file)] = guesses.get(str(file), 64) + len(str(name).encode()) + HEADER_ENTRY
+                digits = len(str(sizes.get(str(file)) or 10 ** 10))
+                guesses[str(file)] = guesses.get(str(file), 64) + len(str(name).encode()) + HEADER_ENTRY + 2 * digits
             wanted = sorted(f for f in guesses if is_safe_relative(f))
         else:
             wanted = files or []
