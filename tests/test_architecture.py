@@ -1,0 +1,80 @@
+"""README's architecture section is the import-linter contract (pyproject.toml), layer for layer, in order: the
+picture a newcomer reads is the one `lint-imports` holds in `make test`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def contract_layers() -> list[str]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    first = next(c for c in config["contracts"] if c["type"] == "layers" and "quant.cli" in c["layers"])
+    return [" | ".join(part.strip() for part in layer.split("|")) for layer in first["layers"]]
+
+
+def readme_layers() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Architecture", 1)[1].split("```\n", 2)[1]
+    return [line.strip() for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def test_the_readme_architecture_is_the_layer_contract():
+    assert readme_layers() == contract_layers()
+
+
+def test_every_package_module_is_in_a_layer():
+    """A new top-level module of quant must be placed in the contract (and so in the README)."""
+    layered = {name.strip() for layer in contract_layers() for name in layer.split("|")}
+    modules = {f"quant.{p.stem}" for p in (REPO / "quant").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert modules - layered == set(), "add these to the layers contract in pyproject.toml and to README.md"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Small functions with one job each: a longer one in quant/ or evals/ is split, not grown."""
+    import ast
+
+    long = []
+    for path in sorted([*(REPO / "quant").rglob("*.py"), *(REPO / "evals").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []
+
+
+def test_no_engine_name_or_architecture_in_the_preflights_code():
+    """Engine knowledge is rule data (quant/manifests/engines.yaml): the preflight's code names no engine release
+    and no model class (docstrings and comments aside)."""
+    import ast
+    import re
+
+    pattern = re.compile(r"sglang|vllm|ForCausalLM|ForConditionalGeneration", re.IGNORECASE)
+    found = []
+    # synthetic.py builds full-size header-only checkpoints for the benchmarks and tests: data, not the preflight.
+    for path in sorted(p for p in (REPO / "quant" / "verify").glob("*.py") if p.name != "synthetic.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and pattern.search(node.value):
+                found.append(f"{path.name}:{node.lineno} {node.value[:60]!r}")
+            elif isinstance(node, ast.Name) and pattern.search(node.id):
+                found.append(f"{path.name}:{node.lineno} {node.id}")
+            elif isinstance(node, ast.Attribute) and pattern.search(node.attr):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert found == []
