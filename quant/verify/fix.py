@@ -59,21 +59,21 @@ def fixed_config(config: dict, modules) -> dict:
         if is_glob(entry):
             wanted[glob_to_regex(entry)] = None
     never = _never_quantized_everywhere()
-    coarse = engines.sglang_moe_coarse()
+    drafts = engines.nextn_draft_rules()
+    coarse = {engines.nextn_moe_coarse(rule) for rule in drafts}
     quantized_names: set[str] = set()
-    float_draft_experts = False
+    float_draft_experts: set[str] = set()
     for name, mod in modules.items():
         if not mod.is_linear:
             continue
         aliases = engines.exclude_aliases(name, config)
         if stored_family(mod) == "float":
-            float_draft_experts |= coarse in aliases
+            float_draft_experts |= coarse & set(aliases)
             if any(not any(rx.search(name) for rx in patterns) for patterns in never):
                 wanted.update(dict.fromkeys(aliases))
         else:
             quantized_names.update(aliases)
-    if float_draft_experts:  # the coarse draft prefix stays while any MTP expert is stored BF16
-        quantized_names.discard(coarse)
+    quantized_names -= float_draft_experts  # a coarse draft prefix stays while any MTP expert is stored BF16
     q["exclude"] = [e for e in wanted if e not in quantized_names]
 
     mtp = engines.mtp_layers(config)
@@ -82,7 +82,8 @@ def fixed_config(config: dict, modules) -> dict:
         lqc = q["layer_quant_config"]
         for key in list(lqc):
             if key.startswith(prefix):
-                lqc.setdefault(engines.map_sglang_mtp_checkpoint_name(key, prefix[:-1]), lqc[key])
+                for rule in drafts:
+                    lqc.setdefault(engines.map_nextn_checkpoint_name(rule, key, prefix[:-1]), lqc[key])
     return config
 
 
