@@ -35,8 +35,9 @@ TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
 MANIFEST_KEYS = ("quantization_config", "norm_perturbation", "families")
 TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
             "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb", "config_json_renames", "renames",
-            "fp8_block")
+            "fp8_block", "native")
 TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type")
+TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config")
 TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
                 "quantization_config")
 
@@ -44,7 +45,7 @@ TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", 
 # dropped from these lists, as in the real configs.
 PER_LAYER_CONFIG_KEYS = ("layer_types", "mlp_layer_types", "indexer_types")
 # Initialisers for MTP extras, by the kind named in toys.yaml (H = hidden size).
-MTP_INIT_KINDS = ("ones", "zeros", "projection", "copy:")
+MTP_INIT_KINDS = ("ones", "zeros", "projection", "square", "copy:")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class ToyFamily:
     config_json_renames: dict[str, str]
     fp8: Fp8Release
     renames: tuple[tuple[re.Pattern, str], ...] = ()  # tensor-name fixes after transformers' save (release names)
+    native: dict | None = None  # a release that ships microscaled (DeepSeek-V4): toys.yaml `native`
 
 
 @cache
@@ -107,6 +109,7 @@ def _manifest(path: Path = TOYS_MANIFEST) -> dict:
         check_keys(spec, TOY_KEYS, where)
         check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
         check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
+        check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
     return data
 
 
@@ -158,6 +161,7 @@ def toy_family(name: str) -> ToyFamily:
             quantization_config=dict(fp8.get("quantization_config") or {}),
         ),
         renames=tuple((re.compile(p), r) for p, r in (spec.get("renames") or {}).items()),
+        native=dict(spec["native"]) if spec.get("native") else None,
     )
 
 
@@ -248,6 +252,9 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     _cast_f32(tensors, family.f32_tensors)
     _perturb(tensors, family.perturb, generator)
     config_json = _release_config_json(family, config_json, n_main, n_mtp)
+    if family.native and not fp8_block:
+        tensors = _microscale(tensors, family.native)
+        config_json["quantization_config"] = dict(family.native.get("quantization_config") or {})
     if fp8_block:
         tensors = _quantize_fp8_block(tensors, family.fp8)
         config_json["quantization_config"] = _quantization_config(family.fp8, tensors, n_main + n_mtp)
@@ -288,6 +295,8 @@ def _model_config(family: ToyFamily, overrides: dict):
     text["num_hidden_layers"] = n_main + n_mtp
     if n_mtp and family.mtp.layer_type and isinstance(text.get("layer_types"), list):
         text["layer_types"] = list(text["layer_types"]) + [family.mtp.layer_type] * n_mtp
+        if isinstance(text.get("mlp_layer_types"), list):  # DeepSeek-V4: the MTP block is a routed-MoE block
+            text["mlp_layer_types"] = list(text["mlp_layer_types"]) + ["moe"] * n_mtp
     if not family.text_config_key and "num_mtp_layers" in _config_parameters(family.config_class):
         # DeepseekV3Config aliases num_mtp_layers to num_nextn_predict_layers and defaults it to 1.
         kwargs["num_mtp_layers"] = n_mtp
@@ -379,6 +388,8 @@ def _mtp_extras(family: ToyFamily, tensors: dict, config_json: dict, n_main: int
         for leaf, kind in family.mtp.extras.items():
             if kind in ("ones", "zeros"):  # zeros: Gemma-style norms that scale by (1 + weight), as Qwen3.5's
                 value = (torch.ones if kind == "ones" else torch.zeros)(hidden, dtype=torch.bfloat16)
+            elif kind == "square":  # DeepSeek-V4's MTP e_proj / h_proj: [H, H]
+                value = (torch.randn(hidden, hidden, generator=generator) * std).to(torch.bfloat16)
             elif kind == "projection":  # eh_proj / fc: [H, 2H] over concat(norm(embedding), norm(hidden state))
                 value = (torch.randn(hidden, 2 * hidden, generator=generator) * std).to(torch.bfloat16)
             else:
@@ -456,6 +467,30 @@ def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
             weight, scale_inv = quantize_fp8_block(value)
             out[name] = weight
             out[name + "_scale_inv"] = scale_inv
+        else:
+            out[name] = value
+    return out
+
+
+def _microscale(tensors: dict, native: dict) -> dict:
+    """The release's own storage (toys.yaml `native`): `mxfp4` weights as int8 E2M1 pairs + E8M0 `.scale` per
+    32 inputs, `fp8_ue8m0` weights as float8_e4m3fn + E8M0 `.scale` per 128x128 block, `bf16_tensors` cast to
+    BF16; the scale rules are the release's, not this tool's (quant.sources.microscaled)."""
+    import torch
+
+    from quant.sources.microscaled import encode_fp8_ue8m0, encode_mxfp4_release
+
+    mx = [re.compile(p) for p in native.get("mxfp4", [])]
+    fp8 = [re.compile(p) for p in native.get("fp8_ue8m0", [])]
+    bf16 = [re.compile(p) for p in native.get("bf16_tensors", [])]
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith(".weight") and any(p.search(name) for p in mx):
+            out[name], out[name[: -len("weight")] + "scale"] = encode_mxfp4_release(value)
+        elif name.endswith(".weight") and any(p.search(name) for p in fp8):
+            out[name], out[name[: -len("weight")] + "scale"] = encode_fp8_ue8m0(value)
+        elif any(p.search(name) for p in bf16):
+            out[name] = value.to(torch.bfloat16)
         else:
             out[name] = value
     return out

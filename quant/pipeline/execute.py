@@ -23,6 +23,7 @@ from quant.pipeline.output import TMP_DIR
 from quant.pipeline.progress import ShardResult, progress_path
 from quant.planning.plan import Plan, ShardJob, TensorJob
 from quant.planning.schemes import SCHEMES
+from quant.sources import native
 
 ERROR_SAMPLE_ROWS = 128  # rows on which a large weight's error is measured; smaller weights: every row
 
@@ -63,7 +64,10 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Count
     """One job's output tensors and manifest record. `solved` (a `quant.pipeline.solver.Solution`: GPTQ's) holds
     the weights a solver solved; the others are rounded to nearest."""
     t0 = time.perf_counter()
-    src = reader.load(job.source)
+    if job.action == "passthrough":
+        return _passthrough(job, reader, timing)
+    is_native = isinstance(job.source, native.NativeSource)
+    src = native.read_decoded(reader, job.source) if is_native else reader.load(job.source)
     t1 = time.perf_counter()
     timing["read_s"] += t1 - t0
     record = {"action": job.action, "source": job.source.describe(), "role": job.role,
@@ -93,6 +97,20 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Count
         timing["error_stats_s"] += time.perf_counter() - t2
         out = {f"{job.output}.{suffix}": t.contiguous() for suffix, t in parts.items()}
     record["outputs"] = {name: _tensor_record(t) for name, t in out.items()}
+    return {name: t.cpu() for name, t in out.items()}, record
+
+
+def _passthrough(job: TensorJob, reader: SourceReader, timing: Counter) -> tuple[dict[str, torch.Tensor], dict]:
+    """A native MXFP4 weight into Quark MXFP4: its codes and scales bit for bit (quant.sources), nothing rounded."""
+    t0 = time.perf_counter()
+    parts = native.passthrough_parts(reader, job.source)
+    timing["read_s"] += time.perf_counter() - t0
+    out = {f"{job.output}.{suffix}": t for suffix, t in parts.items()}
+    record = {"action": job.action, "source": job.source.describe(), "role": job.role,
+              "source_dtype": reader.ckpt.tensors[job.source.name].dtype,
+              "source_shape": list(parts["weight"].shape[:-1]) + [parts["weight"].shape[-1] * 2],
+              "source_encoding": job.source.encoding, "scheme": job.scheme, "rel_mse": 0.0, "sqnr_db": None,
+              "outputs": {name: _tensor_record(t) for name, t in out.items()}}
     return {name: t.cpu() for name, t in out.items()}, record
 
 

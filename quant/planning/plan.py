@@ -19,6 +19,7 @@ from quant.families import Family, text_config
 from quant.errors import QuantError
 from quant.planning.recipes import BF16, FP8, SCHEME, Recipe
 from quant.planning.schemes import Scheme, secondary_scheme
+from quant.sources import native
 
 FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<param>[a-z_]+)$")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -26,8 +27,9 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class TensorJob:
-    """One output module or tensor. `action`: copy (as stored), dequantize (block-FP8 source kept in BF16),
-    quantize (to `scheme`)."""
+    """One output module or tensor. `action`: copy (as stored), dequantize (block-FP8 or microscaled source kept
+    in BF16), quantize (to `scheme`), passthrough (a native MXFP4 source whose target is MXFP4: codes and scales
+    carried over bit for bit, quant.sources)."""
 
     output: str  # output tensor name (copy/dequantize) or module name (quantize: module.weight, ...)
     action: str
@@ -50,7 +52,7 @@ class Plan:
     recipe: dict
     scheme: Scheme
     scale_mode: str
-    source_format: str  # "bf16" or "fp8-block"
+    source_format: str  # "bf16", "fp8-block" or "microscaled" (quant.sources: DeepSeek-V4's MXFP4 / UE8M0 FP8)
     shards: list[ShardJob]
     kept_modules: list[str]  # 2-D weights left unquantized: the exclusion manifest
     quantized: dict[str, str]  # module -> scheme name
@@ -67,6 +69,8 @@ class Plan:
 
 
 def source_format(ckpt: Checkpoint) -> str:
+    if native.is_microscaled(ckpt):
+        return native.MICROSCALED
     qc = ckpt.quantization_config
     if not qc:
         return "bf16"
@@ -95,6 +99,7 @@ class Planner:
         self.format = source_format(ckpt)
         self.kept: list[str] = []
         self.quantized: dict[str, str] = {}
+        self.scales = native.scale_tensors(ckpt.tensors) if self.format == native.MICROSCALED else set()
 
     def treatment(self, module: str) -> tuple[str | None, Scheme | None]:
         """(role, scheme) for a module; scheme None = stays BF16."""
@@ -148,6 +153,24 @@ class Planner:
             self.quantized[module] = scheme.name
             jobs.append(TensorJob(module, "quantize", source, role, scheme.name))
 
+    def add_native(self, jobs: list[TensorJob], name: str, info, encoding) -> None:
+        """A microscaled weight: passthrough when its target is its own format, else decoded exactly once (kept
+        BF16: dequantize; another scheme: quantize)."""
+        module = name[: -len(".weight")]
+        if len(encoding.shape) != 2:
+            raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is a {len(encoding.shape)}-D "
+                             f"{encoding.kind} tensor; only 2-D microscaled weights are supported")
+        role, scheme = self.treatment(module)
+        self.check_weight(name, "F32", encoding.shape, scheme)
+        source = native.native_source(self.ckpt, name, encoding)
+        if scheme is None:
+            self.kept.append(module)
+            jobs.append(TensorJob(name, "dequantize", source, role))
+            return
+        self.quantized[module] = scheme.name
+        action = "passthrough" if native.passes_through(encoding, scheme.name) else "quantize"
+        jobs.append(TensorJob(module, action, source, role, scheme.name))
+
     def split_fused(self, jobs: list[TensorJob], name: str, info) -> bool:
         m = FUSED_EXPERTS.match(name)
         fused = (self.family.fused_experts or {}).get(m.group("param")) if m else None
@@ -176,6 +199,13 @@ class Planner:
                 if name[: -len(SCALE_INV)] not in self.ckpt.tensors:
                     raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has no matching weight")
                 continue  # consumed with its weight
+            if name in self.scales:
+                continue  # a microscaled weight's E8M0 scales: consumed with its weight
+            encoding = native.recognise(self.ckpt.tensors, name, str(self.ckpt.root / info.file)) \
+                if self.scales else None
+            if encoding is not None:
+                self.add_native(jobs, name, info, encoding)
+                continue
             if self.split_fused(jobs, name, info):
                 continue
             if name.endswith(".weight") and len(info.shape) == 2:
