@@ -134,3 +134,19 @@ def test_verify_manifest_on_the_passthrough_export(v4):
     report = verify_checkpoint(out, engines=["sglang", "vllm"])
     assert not [f for f in report.findings if ".experts." in f.tensor]
     assert {f.tensor for f in report.findings} == {"model.layers.2.*"}
+
+
+def test_ue8m0_fp8_attention_passes_through_into_block_fp8(v4, tmp_path):
+    """fp8-block target: UE8M0 128x128 attention keeps its E4M3 codes, its scales become the exact F32 powers
+    of two; the MXFP4 experts (another format) are decoded once and quantized."""
+    src, _, _ = v4
+    out = tmp_path / "fp8"
+    manifest = quantize_checkpoint(src, out, scheme="fp8-block", recipe="all-linear", check_engines="",
+                                   log=lambda m: None)
+    source, export = _tensors(src), _tensors(out)
+    name = "layers.1.attn.wq_b"
+    assert manifest["tensors"][name]["action"] == "passthrough"
+    assert torch.equal(export[name + ".weight"].view(torch.uint8), source[name + ".weight"].view(torch.uint8))
+    want = source[name + ".scale"].view(torch.uint8).numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    np.testing.assert_array_equal(export[name + ".weight_scale_inv"].numpy(), want)
+    assert manifest["tensors"][EXPERT]["action"] == "quantize"

@@ -101,14 +101,15 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Count
 
 
 def _passthrough(job: TensorJob, reader: SourceReader, timing: Counter) -> tuple[dict[str, torch.Tensor], dict]:
-    """A native MXFP4 weight into Quark MXFP4: its codes and scales bit for bit (quant.sources), nothing rounded."""
+    """A weight into the format it already has (native MXFP4 into Quark MXFP4, UE8M0 128x128 FP8 into block
+    FP8): its codes and scales bit for bit (quant.sources), nothing decoded or rounded."""
     t0 = time.perf_counter()
     parts = native.passthrough_parts(reader, job.source)
     timing["read_s"] += time.perf_counter() - t0
     out = {f"{job.output}.{suffix}": t for suffix, t in parts.items()}
     record = {"action": job.action, "source": job.source.describe(), "role": job.role,
               "source_dtype": reader.ckpt.tensors[job.source.name].dtype,
-              "source_shape": list(parts["weight"].shape[:-1]) + [parts["weight"].shape[-1] * 2],
+              "source_shape": native.logical_shape(reader.ckpt, job.source),
               "source_encoding": job.source.encoding, "scheme": job.scheme, "rel_mse": 0.0, "sqnr_db": None,
               "outputs": {name: _tensor_record(t) for name, t in out.items()}}
     return {name: t.cpu() for name, t in out.items()}, record

@@ -28,8 +28,8 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 @dataclass(frozen=True)
 class TensorJob:
     """One output module or tensor. `action`: copy (as stored), dequantize (block-FP8 or microscaled source kept
-    in BF16), quantize (to `scheme`), passthrough (a native MXFP4 source whose target is MXFP4: codes and scales
-    carried over bit for bit, quant.sources)."""
+    in BF16), quantize (to `scheme`), passthrough (a microscaled source whose target is its own format: codes and
+    scales carried over bit for bit, quant.sources.native.passes_through)."""
 
     output: str  # output tensor name (copy/dequantize) or module name (quantize: module.weight, ...)
     action: str

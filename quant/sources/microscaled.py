@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["MXFP4", "FP8_UE8M0", "SCALE_SUFFIX", "Encoding", "recognise", "scale_name", "decode", "decode_mxfp4",
-           "decode_fp8_ue8m0", "to_quark_mxfp4", "scale_tensors"]
+           "decode_fp8_ue8m0", "to_quark_mxfp4", "to_fp8_block", "scale_tensors"]
 
 MXFP4 = "mxfp4"
 FP8_UE8M0 = "fp8-ue8m0"
@@ -143,6 +143,19 @@ def to_quark_mxfp4(codes: "torch.Tensor", scales: "torch.Tensor") -> dict[str, "
     """Quark's MXFP4 parts (uint8 `weight` [..., K/2], uint8 `weight_scale` [..., K/32]) of a native MXFP4 weight:
     the same bytes (same nibble order), reinterpreted; nothing is decoded or rounded."""
     return {"weight": _bytes(codes).clone(), "weight_scale": _bytes(scales).clone()}
+
+
+def to_fp8_block(q: "torch.Tensor", scales: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """Official block-FP8 parts (float8_e4m3fn `weight`, F32 `weight_scale_inv`) of a UE8M0 128x128 FP8 weight:
+    the same E4M3 codes, each E8M0 byte written as the fp32 power of two it means (exact; 0xFF refused)."""
+    import torch
+
+    from quant.numerics import mxfp4
+
+    scale_bytes = _bytes(scales)
+    _check_scales(scale_bytes, "FP8 weight")
+    return {"weight": q.contiguous().view(torch.float8_e4m3fn).clone(),
+            "weight_scale_inv": mxfp4.scale_values(scale_bytes).clone()}
 
 
 # Writing the formats (toys and tests): the release's own rules, deliberately not quant/numerics' RTN rule, so a

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from quant.checkpoint import Source
-from quant.sources.microscaled import MXFP4, Encoding, decode, recognise, scale_tensors, to_quark_mxfp4
+from quant.sources.microscaled import (FP8_UE8M0, MXFP4, Encoding, decode, recognise, scale_tensors,
+                                       to_fp8_block, to_quark_mxfp4)
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +19,7 @@ __all__ = ["MICROSCALED", "NativeSource", "is_microscaled", "native_source", "re
 
 MICROSCALED = "microscaled"  # Plan.source_format of a checkpoint whose weights carry `.scale` E8M0 siblings
 MXFP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4")  # targets whose weight is stored exactly as a native MXFP4 source
+FP8_BLOCK_SCHEME = "fp8-block"  # the official 128x128 block-FP8 target: F8_E4M3 + F32 weight_scale_inv
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,12 @@ def native_source(ckpt: "Checkpoint", name: str, encoding: Encoding) -> NativeSo
 
 
 def passes_through(encoding: Encoding, scheme_name: str | None) -> bool:
-    """A native MXFP4 weight whose target is MXFP4 keeps its codes and scales bit for bit."""
-    return encoding.kind == MXFP4 and scheme_name in MXFP4_SCHEMES
+    """A weight whose target is the format it already has keeps its codes and scales bit for bit: native MXFP4
+    into MXFP4; UE8M0 128x128 FP8 into 128x128 block FP8 (its E8M0 scales written as the F32 powers of two they
+    are)."""
+    if encoding.kind == MXFP4:
+        return scheme_name in MXFP4_SCHEMES
+    return encoding.kind == FP8_UE8M0 and encoding.block == (128, 128) and scheme_name == FP8_BLOCK_SCHEME
 
 
 def read_codes(reader: "SourceReader", src: NativeSource) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -59,5 +65,13 @@ def read_decoded(reader: "SourceReader", src: NativeSource) -> "torch.Tensor":
 
 
 def passthrough_parts(reader: "SourceReader", src: NativeSource) -> dict[str, "torch.Tensor"]:
-    """Quark MXFP4 parts {weight, weight_scale} of a native MXFP4 weight, bit for bit."""
-    return to_quark_mxfp4(*read_codes(reader, src))
+    """The target's parts, bit for bit: Quark MXFP4 {weight, weight_scale} of a native MXFP4 weight, or block-FP8
+    {weight, weight_scale_inv} of a UE8M0 128x128 one."""
+    codes, scales = read_codes(reader, src)
+    return to_quark_mxfp4(codes, scales) if src.encoding == MXFP4 else to_fp8_block(codes, scales)
+
+
+def logical_shape(ckpt: "Checkpoint", src: NativeSource) -> list[int]:
+    """The decoded shape of a native weight (MXFP4: two elements per stored byte)."""
+    shape = list(ckpt.tensors[src.name].shape)
+    return shape[:-1] + [shape[-1] * 2] if src.encoding == MXFP4 else shape
