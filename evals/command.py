@@ -54,8 +54,14 @@ def command(
     card: Optional[Path] = typer.Option(None, help="Export directory (written by quant quantize) whose model card "
                                         "(README.md) gets this accuracy section (replaced on every run; "
                                         "report.png is copied beside)"),
+    gate: Optional[Path] = typer.Option(None, "--gate", help="A CI gate in vLLM's GSM8K eval config format "
+                                        "(accuracy_threshold, tolerance, min_acceptance_length, num_questions, "
+                                        "num_fewshot): applied to the candidate; a miss is a fail (exit 1)"),
+    write_gate: Optional[Path] = typer.Option(None, "--write-gate", help="Write such a gate file from this run's "
+                                              "baseline arm (its accuracy, the margin as tolerance, its acceptance "
+                                              "length less the MTP margin), for a release's own CI"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write --out into a directory this tool did not make "
-                                   "(files it did not write are never deleted)"),
+                                   "(files it did not write are never deleted); let --write-gate replace a file"),
 ) -> None:
     """Compare a candidate against a baseline on GSM8K / GPQA-Diamond with paired statistics."""
     from evals.compare import EXIT_CODES, EvalRequest, evaluate
@@ -73,12 +79,14 @@ def command(
         server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
         batch_size=batch_size, device=device, dtype=dtype, baseline_name=baseline_name,
         candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin, overwrite=overwrite,
+        gate=gate, write_gate=write_gate,
     )
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
     from evals.report.render import print_table
 
     print_table(report)
-    typer.echo(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
+    typer.echo(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}"
+               + (f", gate {write_gate}" if write_gate else ""))
     if card is not None:
         from evals.report.card import add_accuracy
 

@@ -16,6 +16,8 @@ from evals.statistics import accuracy
 from evals.arms.backends import DTYPES, Backend, BackendOptions, is_url, open_backend
 from evals.statistics.acceptance import compare_acceptance
 from evals.statistics.pairing import generation_counts, pair_acceptance, pair_scores
+from evals.statistics.recovery import recovery
+from evals.gate import apply_gate, check_run, gate_from_baseline, read_gate, write_gate
 from evals.report.render import METHODS, REPORT_JSON, write_report
 from evals.arms.lm_eval_run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
 from evals.arms.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
@@ -61,6 +63,8 @@ class EvalRequest:
     mtp_margin: float = 5.0             # non-inferiority margin on depth-1 acceptance, in points
     toy_data_dir: Path = EVAL_DATA_DIR / "toy_arith"
     overwrite: bool = False             # write into an --out this tool did not make (quant.ownership)
+    gate: Path | None = None            # a CI gate file (vLLM's GSM8K config format: evals/gate.py)
+    write_gate: Path | None = None      # write a gate file from this run's baseline arm
 
 
 def _check(request: EvalRequest) -> None:
@@ -249,6 +253,7 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
                 "task": spec.name, "label": spec.label, "filter": filter_name,
                 "primary": primary, "seeds": paired.seeds,
                 "comparison": comparison.to_json(),
+                "recovery": recovery(paired.baseline, paired.candidate).to_dict(),
                 "acceptance": compare_acceptance(*acceptance, margin=request.mtp_margin / 100.0)
                 if acceptance else None,
                 "baseline_generations": generation_counts(baseline, spec.name, filter_name).to_json(),
@@ -342,21 +347,63 @@ def evaluate(request: EvalRequest, log=print) -> dict:
     specs = parse_tasks(request.tasks)
     settings = _settings(request, specs)
     earlier = load_baseline_run(request.baseline_run, specs, settings) if request.baseline_run else None
+    gate = _read_gate(request, specs)
     owner = _claim_out(request)
     owner.check()  # a foreign --out, or an input inside it, is refused before the servers are asked
     _check_inputs(request, specs)
     with owner as held:
         _prepare_out(held)
         try:
-            return _evaluate(request, specs, settings, earlier, held, log)
+            report = _evaluate(request, specs, settings, earlier, held, log, gate)
         except Exception as e:  # a full or read-only disk met inside lm-eval or datasets: exit 74 naming OUT
             failure = machine_failure(e)
             if failure is None or isinstance(e, QuantError):
                 raise
             raise naming(failure, held.root) from e
+    if request.write_gate is not None:
+        spec = next((s for s in specs if s.name == "gsm8k"), specs[0])
+        write_gate(request.write_gate, gate_from_baseline(report, spec, request.margin, request.mtp_margin,
+                                                          request.candidate_name))
+    return report
 
 
-def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log) -> dict:
+def _read_gate(request: EvalRequest, specs):
+    """The --gate file, checked against this run before any work; --write-gate's target, checked likewise (a new
+    file outside every input, or --overwrite)."""
+    if request.write_gate is not None:
+        _check_gate_target(request)
+    if request.gate is None:
+        return None
+    gate = read_gate(request.gate)
+    check_run(gate, request.gate, specs, request.limit, request.mtp)
+    return gate
+
+
+def _check_gate_target(request: EvalRequest) -> None:
+    import os
+
+    from quant.ownership import is_within, real_path, require_usable_name
+
+    target = Path(request.write_gate)
+    require_usable_name(target, "--write-gate")
+    for label, source in (("candidate", request.candidate), ("baseline", request.baseline)):
+        if source and not is_url(source) and is_within(real_path(target.parent) / target.name, source):
+            raise QuantError(f"--write-gate {target}: inside the {label} checkpoint; write elsewhere")
+    if target.is_symlink() or target.is_dir():
+        raise QuantError(f"--write-gate {target}: a directory or a symbolic link; give the path of a new file")
+    if os.path.lexists(target) and not request.overwrite:
+        raise QuantError(f"--write-gate {target}: exists; choose a new path or pass --overwrite to replace it")
+
+
+def _apply_gate(report: dict, gate) -> None:
+    """The gate's checks go into the report; a miss makes the verdict a fail (an invalid run stays invalid: it is
+    no evidence either way)."""
+    report["gate"] = apply_gate(gate, report)
+    if not report["gate"]["passed"] and report["verdict"] != evidence.INVALID:
+        report["verdict"], report["exit_code"] = "fail", EXIT_CODES["fail"]
+
+
+def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, gate=None) -> dict:
     out, scratch = held.root, held.root / SCRATCH_DIR
     scratch.mkdir()
     datasets_cache = scratch / "hf_datasets_cache"
@@ -399,6 +446,8 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log) -
               if verdict == "inconclusive" else [],
               "baseline": baseline_arm, "candidate": candidate_arm, "settings": settings, "rows": rows,
               "methods": METHODS}
+    if gate is not None:
+        _apply_gate(report, gate)
     write_report(report, out, record=held.add)
     return report
 

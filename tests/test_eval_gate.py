@@ -96,3 +96,47 @@ def test_a_gate_written_from_a_baseline_reads_back_and_gates_the_baseline_itself
     gate = read_gate(path)
     assert apply_gate(gate, report(0.9123 - 0.02, candidate_length=3.04))["passed"]
     assert not apply_gate(gate, report(0.9123 - 0.0201, candidate_length=3.04))["passed"]
+
+
+def test_gate_and_recovery_end_to_end_on_the_trained_toy(tmp_path):
+    """A gate written from a baseline run, then applied: a threshold above what the candidate measured is a fail
+    (exit 1) naming the gate, one below passes it; recovery with its interval is in report.json, report.md and the
+    model card."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from evals.compare import EvalRequest, evaluate
+    from evals.report.card import add_accuracy
+    from quant.pipeline import quantize_checkpoint
+
+    toy = Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model"
+    baseline = shutil.copytree(toy, tmp_path / "baseline")
+    candidate = tmp_path / "cand"
+    quantize_checkpoint(toy, candidate, check_engines=None, log=lambda m: None)
+    common = dict(candidate=str(candidate), tasks="toy_arith", limit=20, max_gen_toks=24, dtype="float32", mtp=False)
+    first = evaluate(EvalRequest(baseline=str(baseline), out=tmp_path / "e1", write_gate=tmp_path / "gate.yaml",
+                                 **common), log=lambda m: None)
+    written = yaml.safe_load((tmp_path / "gate.yaml").read_text())
+    assert written["task"] == "toy_arith" and written["num_questions"] == 20 and written["num_fewshot"] == 5
+    assert written["accuracy_threshold"] == round(first["rows"][0]["comparison"]["baseline_accuracy"], 4)
+
+    measured = first["rows"][0]["comparison"]["candidate_accuracy"]
+    rec = first["rows"][0]["recovery"]
+    assert rec["ci_low"] <= rec["ratio"] <= rec["ci_high"]
+    assert "recovery [95% CI]" in (tmp_path / "e1" / "report.md").read_text()
+    assert json.loads((tmp_path / "e1" / "report.json").read_text())["rows"][0]["recovery"] == rec
+    assert "recovery [95% CI]" in add_accuracy(candidate, first, tmp_path / "e1").read_text()
+
+    # Above what it measured: a draft acceptance length no draft reaches (the trained toy may answer all 20).
+    high = tmp_path / "high.yaml"
+    high.write_text("task: toy_arith\naccuracy_threshold: 0.0\nmin_acceptance_length: 50\nnum_questions: 20\n")
+    missed = evaluate(EvalRequest(baseline_run=tmp_path / "e1", out=tmp_path / "e2", gate=high,
+                                  **{**common, "mtp": True}), log=lambda m: None)
+    assert missed["verdict"] == "fail" and missed["exit_code"] == 1 and not missed["gate"]["passed"]
+    assert "## CI gate" in (tmp_path / "e2" / "report.md").read_text()
+    low = tmp_path / "low.yaml"
+    low.write_text(f"task: toy_arith\naccuracy_threshold: {max(0.0, measured - 0.01):.4f}\ntolerance: 0.0\n")
+    passed = evaluate(EvalRequest(baseline_run=tmp_path / "e1", out=tmp_path / "e3", gate=low, **common),
+                      log=lambda m: None)
+    assert passed["gate"]["passed"] and passed["verdict"] == first["verdict"]

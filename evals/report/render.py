@@ -37,6 +37,8 @@ METHODS = {
                       "Intervals: paired percentile bootstrap over questions (10,000 resamples, pooled ratios); "
                       "verdict: non-inferiority of depth-1 acceptance against the MTP margin, combined with the "
                       "accuracy verdicts. An arm without a draft is reported as not measured, never as zero",
+    "recovery": "candidate accuracy ÷ baseline accuracy over the same questions, with the 95% score interval for "
+                "the ratio of paired proportions (Nam & Blackwelder 2002; Tang, Tang & Chan 2003)",
     "failures": "requests that failed after all retries, and empty generations, are scored wrong and counted",
     "exit_code": "0 pass, 1 fail, 3 inconclusive, 4 invalid (an arm at or below its floor), 69 no verdict (an "
                  "arm's requests failed); errors print 'error: ...' on stderr with 2 (bad input), 70 (a bug of this "
@@ -50,6 +52,27 @@ def _pt(x: float, signed: bool = False) -> str:
 
 def _p(p: float) -> str:
     return f"{p:.3g}" if p >= 0.001 else f"{p:.1e}"
+
+
+def recovery_cell(rec: dict | None) -> str:
+    """Candidate ÷ baseline accuracy in percent with its interval (evals/statistics/recovery.py)."""
+    if not rec or rec.get("ratio") is None:
+        return "-"
+    return f"{100 * rec['ratio']:.1f}% [{100 * rec['ci_low']:.1f}, {100 * rec['ci_high']:.1f}]"
+
+
+def gate_lines(report: dict) -> list[str]:
+    """The CI gate's checks (quant eval --gate), one line each."""
+    gate = report.get("gate")
+    if not gate:
+        return []
+    lines = [f"CI gate on {gate['task']}" + (f" ({gate['model_name']})" if gate.get("model_name") else "")
+             + (": passed" if gate["passed"] else ": MISSED (the verdict is a fail)")]
+    for check in gate["checks"]:
+        measured = "not measured" if check["measured"] is None else f"{check['measured']:.4g}"
+        lines.append(f"- {check['check']}: {measured}, needs {check['required']:.4g} ({check['rule']}): "
+                     + ("pass" if check["passed"] else "miss"))
+    return lines
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -66,6 +89,7 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{_pt(c['candidate_accuracy'])} ± {_pt(c['candidate_stderr'])}",
             _pt(c["difference"], signed=True),
             f"[{_pt(c['ci_low'], True)}, {_pt(c['ci_high'], True)}]",
+            recovery_cell(r.get("recovery")),
             f"{_p(c['mcnemar_p'])} (b={c['baseline_only_correct']}, c={c['candidate_only_correct']})",
             "-" if c.get("n_to_pass") is None else str(c["n_to_pass"]),
             c["verdict"],
@@ -75,7 +99,7 @@ def table_rows(report: dict) -> list[list[str]]:
 
 def table_header(report: dict) -> list[str]:
     return ["Eval", "n", f"{report['baseline']['name']} baseline", report["candidate"]["name"], "Δ (pt)",
-            "95% CI (pt)", "McNemar p", "n to pass", f"verdict (margin {report['margin_points']:g} pt)"]
+            "95% CI (pt)", "recovery [95% CI]", "McNemar p", "n to pass", f"verdict (margin {report['margin_points']:g} pt)"]
 
 
 def acceptance_rows(report: dict) -> list[list[str]]:
@@ -142,7 +166,10 @@ def markdown(report: dict) -> str:
         "|" + "|".join("---" for _ in header) + "|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
-    lines += ["", "Accuracies in percent ± 1 standard error; Δ = candidate − baseline in points.", ""]
+    lines += ["", "Accuracies in percent ± 1 standard error; Δ = candidate − baseline in points; recovery = "
+              "candidate ÷ baseline accuracy.", ""]
+    if report.get("gate"):
+        lines += ["## CI gate", ""] + gate_lines(report) + [""]
     lines += ["## MTP draft acceptance (speculative decoding)", ""] + mtp_status(report) + [""]
     acc = acceptance_rows(report)
     if acc:
@@ -268,6 +295,8 @@ def print_table(report: dict) -> None:
     for line in verdict_notes(report):
         if line:
             console.print(escape(line))
+    for line in gate_lines(report):
+        console.print(escape(line))
 
 
 def write_report(report: dict, out_dir: Path, record=None) -> dict[str, Path]:

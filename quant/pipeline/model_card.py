@@ -190,16 +190,25 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
     return "\n".join(lines)
 
 
+def _recovery(rec: dict | None) -> str:
+    """Candidate ÷ baseline accuracy with its interval, as release cards report "recovery"."""
+    if not rec or rec.get("ratio") is None:
+        return "-"
+    return f"{rec['ratio']:.1%} [{rec['ci_low']:.1%}, {rec['ci_high']:.1%}]"
+
+
 def accuracy_section(report: dict, image: str | None) -> str:
     """The card's accuracy section from a `quant eval` report."""
-    rows = ["| task | baseline | candidate | Δ (points) | 95% CI | verdict |", "|---|---|---|---|---|---|"]
+    rows = ["| task | baseline | candidate | Δ (points) | 95% CI | recovery [95% CI] | verdict |",
+            "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         if not row.get("primary"):
             continue
         c = row["comparison"]
         rows.append(f"| {row['label']} ({c['n_questions']} questions) | {c['baseline_accuracy']:.1%} | "
                     f"{c['candidate_accuracy']:.1%} | {100 * c['difference']:+.1f} | "
-                    f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | {c['verdict']} |")
+                    f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] | {_recovery(row.get('recovery'))} | "
+                    f"{c['verdict']} |")
     text = [f"Against `{report['baseline'].get('name', 'baseline')}` (margin {report['margin_points']:g} points, "
             f"overall verdict **{report['verdict']}**):", "", *rows]
     accepted = [row for row in report["rows"] if row.get("acceptance")]
