@@ -543,21 +543,30 @@ def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
     is checked against its memory (`device_memory` for accelerators not on this machine)."""
     out = Prediction()
     say = out.lines.append
-    device_list, mtp = model.devices, model.mtp
-    say(f"dry run: {model.config_path} ({model.family}; {model.decoder_layers} decoder layers"
-        + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "") + f"), {model.scheme}, recipe "
-        f"{model.recipe}, method {model.method}, devices {','.join(device_list)}")
+    say(_header_line(model))
     if model.method == "rtn":
         say("method rtn: no calibration and no Hessians; each worker rounds one source shard at a time "
             "(its peak is about one shard in and its output; shard sizes are not in config.json)")
         return out
-    settings, plans, mtp_plans, every = model.settings, model.plans, model.mtp_plans, model.every
-    cal = settings.calibration
-    worst, at_once, solve_max, parts, mapped = model.worst, model.at_once, model.solve_max, model.parts, model.mapped
-    peak0, phase = model.device0(worst, at_once)
-    host, first_is_cpu, cpu_workers = model.host, model.first_is_cpu, model.cpu_workers
+    _say_calibration(model, say)
+    _say_peaks(model, out)
+    out.passes = {p.index: p.passes for p in model.plans}
+    out.mtp_passes = {m.plan.index: m.plan.passes for m in model.mtp_plans}
+    _say_fit(model, device_memory, say)
+    return out
 
-    gptq_layers = [p for p in plans if p.weights]
+
+def _header_line(model: MemoryModel) -> str:
+    mtp = model.mtp
+    return (f"dry run: {model.config_path} ({model.family}; {model.decoder_layers} decoder layers"
+            + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "") + f"), {model.scheme}, recipe "
+            f"{model.recipe}, method {model.method}, devices {','.join(model.devices)}")
+
+
+def _say_calibration(model: MemoryModel, say) -> None:
+    """The calibration set, and the passes each layer (decoder and MTP) takes to collect its Hessians."""
+    settings, plans = model.settings, model.plans
+    cal = settings.calibration
     say(f"calibration: {cal.samples} windows x {cal.seq_len} tokens, {model.batch} per forward, compute dtype "
         f"{model.dtype}; Hessian budget per pass {human(settings.hessian_bytes)} (--hessian-budget)")
     by_passes: dict[int, list[int]] = {}
@@ -571,23 +580,36 @@ def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
                   f"in all" if example.experts_per_pass else "")
         what = f"{example.weights} weights solved{detail}" if n else "nothing to solve: forward only"
         say(f"  {n} pass{'es' * (n != 1)}: {_ranges(layers)} ({what})")
-    for m in mtp_plans:
+    for m in model.mtp_plans:
         p = m.plan
         detail = (f"; {p.experts_per_pass} experts per pass, {human(p.hessians_total)} of Hessians in all"
                   if p.experts_per_pass else "")
         say(f"  {p.passes} pass{'es' * (p.passes != 1)}: MTP layer {p.index} ({p.weights} weights solved{detail}; "
             f"fed {m.tokens} tokens through enorm/hnorm/eh_proj)")
+    gptq_layers = [p for p in plans if p.weights]
+    say(f"  {sum(p.passes for p in plans)} passes over {len(plans)} layers; "
+        f"{sum(p.weights for p in gptq_layers)} weights solved"
+        + (f"; MTP {_ranges(model.mtp)} {_mtp_note(model)}" if model.mtp else ""))
+
+
+def _mtp_note(model: MemoryModel) -> str:
+    """What becomes of the MTP layers: kept BF16, solved after the decoder layers, or nothing to solve."""
+    mtp_plans = model.mtp_plans
     solved_mtp = sum(m.plan.passes for m in mtp_plans)
     if model.mtp_layer == "bf16":
-        mtp_note = "kept BF16 by the recipe"
-    elif mtp_plans:
-        mtp_note = (f"solved after them, fed as the engines run the draft ({solved_mtp} more "
-                    f"pass{'es' * (solved_mtp != 1)}, {sum(m.plan.weights for m in mtp_plans)} weights)")
-    else:
-        mtp_note = "nothing to solve there (the recipe keeps its weights BF16, or the release publishes none)"
-    say(f"  {sum(p.passes for p in plans)} passes over {len(plans)} layers; "
-        f"{sum(p.weights for p in gptq_layers)} weights solved" + (f"; MTP {_ranges(mtp)} {mtp_note}" if mtp else ""))
-    worst_name = f"MTP layer {worst.index}" if any(m.plan is worst for m in mtp_plans) else str(worst.index)
+        return "kept BF16 by the recipe"
+    if mtp_plans:
+        return (f"solved after them, fed as the engines run the draft ({solved_mtp} more "
+                f"pass{'es' * (solved_mtp != 1)}, {sum(m.plan.weights for m in mtp_plans)} weights)")
+    return "nothing to solve there (the recipe keeps its weights BF16, or the release publishes none)"
+
+
+def _say_peaks(model: MemoryModel, out: Prediction) -> None:
+    """The predicted peak of the first device (with its parts), of the other accelerators and of the host."""
+    say = out.lines.append
+    device_list, worst, solve_max = model.devices, model.worst, model.solve_max
+    peak0, phase = model.device0(worst, model.at_once)
+    worst_name = f"MTP layer {worst.index}" if any(m.plan is worst for m in model.mtp_plans) else str(worst.index)
     say(f"predicted peak memory (worst layer: {worst_name}, while {phase}; not counting the process's fixed "
         f"cost: runtime, CUDA context, kernels):")
     say(f"  {device_list[0]}: {human(peak0)}  [activations {human(model.acts)}"
@@ -600,20 +622,34 @@ def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
         if _is_cpu(d):
             continue
         out.peaks[f"device:{d}"] = solve_max
-    others = [d for d in device_list[1:] if not _is_cpu(d)]
+    others = _other_accelerators(model)
     if others:
         say(f"  {_devices(others)}: {human(solve_max)}{' each' * (len(others) > 1)}  [the solver's working set of "
             f"one group of experts]")
-    say(f"  host: {human(host)}  [" + ("everything above" + (f", {cpu_workers} solver groups at once"
-                                                             if cpu_workers > 1 else "") + ", " if first_is_cpu
-                                      else "") + f"solved codes and scales of two layers {human(parts)}, "
-        f"calibration tokens {human(model.token_bytes)}, mapped source pages {human(mapped)}"
-        + (f", the MTP layer's state read from the source while it loads {human(model.mtp_source)}"
-           if not first_is_cpu and model.mtp_source > solve_max * cpu_workers else "") + "]")
-    out.peaks["host"] = host
-    out.passes = {p.index: p.passes for p in plans}
-    out.mtp_passes = {m.plan.index: m.plan.passes for m in mtp_plans}
-    # Does it fit?
+    say(_host_line(model))
+    out.peaks["host"] = model.host
+
+
+def _other_accelerators(model: MemoryModel) -> list[str]:
+    return [d for d in model.devices[1:] if not _is_cpu(d)]
+
+
+def _host_line(model: MemoryModel) -> str:
+    first_is_cpu, cpu_workers = model.first_is_cpu, model.cpu_workers
+    return (f"  host: {human(model.host)}  [" + ("everything above" + (f", {cpu_workers} solver groups at once"
+                                                                      if cpu_workers > 1 else "") + ", "
+                                                if first_is_cpu else "")
+            + f"solved codes and scales of two layers {human(model.parts)}, "
+            f"calibration tokens {human(model.token_bytes)}, mapped source pages {human(model.mapped)}"
+            + (f", the MTP layer's state read from the source while it loads {human(model.mtp_source)}"
+               if not first_is_cpu and model.mtp_source > model.solve_max * cpu_workers else "") + "]")
+
+
+def _say_fit(model: MemoryModel, device_memory: int | None, say) -> None:
+    """Does it fit? One line per device (accelerators of one capacity and need together)."""
+    device_list, solve_max, host = model.devices, model.solve_max, model.host
+    peak0 = model.device0(model.worst, model.at_once)[0]
+    others = _other_accelerators(model)
     shown: set = set()
     for d in dict.fromkeys(device_list):
         capacity = _capacity(d, device_memory)
@@ -626,23 +662,31 @@ def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
         need = host if d == "cpu" else peak0 if d == device_list[0] else solve_max
         if capacity is None:
             say(f"  {d}: capacity unknown (give --device-memory, e.g. 80GB)")
-            continue
-        if need > capacity:
-            floor = model.resident + worst.layer_bytes + worst.load_extra
-            advice = (f"the layer alone takes {human(floor)} while it loads: a device with more memory" if floor >=
-                      capacity else "lower --calib-samples or --calib-seq-len (activations) or --hessian-budget "
-                      "(more passes)")
-            say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; {advice}")
-        elif d == device_list[0] and any(p.per_expert for p in every):
-            fewest, budget = _fewest_passes(every, HEADROOM * capacity - (host - peak0 if first_is_cpu else 0),
-                                            lambda p, h: model.device0(p, at_once, h)[0])
-            note = (f"; the fewest passes that fit in {HEADROOM:.0%} of it: {fewest} per MoE layer, with "
-                    f"--hessian-budget {budget}"
-                    if fewest and fewest < max(p.passes for p in every) else "")
-            say(f"  fits on {d}: {human(need)} of {human(capacity)}{note}")
+        elif need > capacity:
+            say(f"  DOES NOT FIT on {d}: needs {human(need)} of {human(capacity)}; {_advice(model, capacity)}")
+        elif d == device_list[0] and any(p.per_expert for p in model.every):
+            say(f"  fits on {d}: {human(need)} of {human(capacity)}{_fewest_passes_note(model, capacity, peak0)}")
         else:
             say(f"  fits on {d}: {human(need)} of {human(capacity)}")
-    return out
+
+
+def _advice(model: MemoryModel, capacity: int) -> str:
+    """What to change when a device is too small: the layer alone, or the calibration and the Hessian budget."""
+    floor = model.resident + model.worst.layer_bytes + model.worst.load_extra
+    if floor >= capacity:
+        return f"the layer alone takes {human(floor)} while it loads: a device with more memory"
+    return "lower --calib-samples or --calib-seq-len (activations) or --hessian-budget (more passes)"
+
+
+def _fewest_passes_note(model: MemoryModel, capacity: int, peak0: int) -> str:
+    """The fewest passes per MoE layer that fit in HEADROOM of the first device, when fewer than planned."""
+    every, at_once = model.every, model.at_once
+    fewest, budget = _fewest_passes(every, HEADROOM * capacity - (model.host - peak0 if model.first_is_cpu else 0),
+                                    lambda p, h: model.device0(p, at_once, h)[0])
+    if fewest and fewest < max(p.passes for p in every):
+        return (f"; the fewest passes that fit in {HEADROOM:.0%} of it: {fewest} per MoE layer, with "
+                f"--hessian-budget {budget}")
+    return ""
 
 
 def _fewest_passes(plans: list[LayerPlan], room: int, need) -> tuple[int | None, str | None]:
