@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -102,36 +103,104 @@ def _method_args(settings: dict) -> str:
             f"--calib-seq-len {c['seq_len']} --calib-seed {c['seed']} --damp {settings['damp']}")
 
 
+@dataclass(frozen=True)
+class _Source:
+    """How the card names the source: a hub id (the card's base_model), or a local directory by its name."""
+
+    base: str     # the hub id as given, or the local directory's name
+    hub: bool
+    hub_id: str   # the hub id without hf://, or the name again for a local source
+
+    @classmethod
+    def of(cls, source_ref: str) -> "_Source":
+        base = _source_name(source_ref)
+        hub = source_ref.startswith("hf://") or (base == source_ref and "/" in base)
+        return cls(base=base, hub=hub, hub_id=source_ref[len("hf://"):] if source_ref.startswith("hf://") else base)
+
+
 def render_card(manifest: dict, config: dict, source_ref: str, source_readme: str | None) -> str:
-    settings, recipe = manifest["settings"], manifest["recipe"]
+    settings = manifest["settings"]
     scheme = settings["scheme"]
     short, words = SCHEME_WORDS.get(scheme, (scheme, scheme))
-    base = _source_name(source_ref)
-    hub = source_ref.startswith("hf://") or (base == source_ref and "/" in base)
-    hub_id = source_ref[len("hf://"):] if source_ref.startswith("hf://") else base
+    source = _Source.of(source_ref)
+    serve_on = _serving_engines(manifest)
+    lines = [
+        *_card_header(source, short, source_readme), "",
+        *_intro(manifest, config, source, words, serve_on), "",
+        *_recipe_section(manifest), "",
+        *_kept_section(manifest, config), "",
+        *_error_section(manifest), "",
+        *_serve_section(manifest, serve_on), "",
+        *_accuracy_placeholder(), "",
+        *_reproduce_section(manifest, source, short), "",
+    ]
+    return "\n".join(lines)
+
+
+def _card_header(source: _Source, short: str, source_readme: str | None) -> list[str]:
+    """The YAML front matter (library, tags, the hub base model, the source's license) and the title."""
     source_meta = _front_matter(source_readme or "")
     # base_model is a hub id by the convention; a local source has none to give (its path is in the manifest).
     meta = {"library_name": "transformers", "tags": sorted({short.lower(), "quark", "moe", "moe-quant"}),
-            **({"base_model": hub_id} if hub else {})}
+            **({"base_model": source.hub_id} if source.hub else {})}
     if source_meta.get("license"):
         meta["license"] = source_meta["license"]
+    return ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "", f"# {source.base} ({short})"]
+
+
+def _intro(manifest: dict, config: dict, source: _Source, words: str, serve_on: list[str]) -> list[str]:
+    settings = manifest["settings"]
+    arch = (config.get("architectures") or ["?"])[0]
+    source_words = f"`{source.hub_id}`" if source.hub else f"The local checkpoint `{source.base}`"
+    engine_words = " and ".join(ENGINE_NAMES[e] for e in serve_on) or "no serving engine"
+    return [f"{source_words} ({arch}) quantized with moe-quant {settings.get('version', '')}: {words}, scale rule "
+            f"`{settings.get('scale_mode', 'even')}`, {_method_words(settings)}, in the AMD Quark checkpoint format "
+            f"(`quant_method: quark`) that {engine_words} load."]
+
+
+def _recipe_section(manifest: dict) -> list[str]:
+    recipe, scheme = manifest["recipe"], manifest["settings"]["scheme"]
+    return ["## Recipe", "",
+            f"`{recipe['name']}`: {recipe.get('description', '')}.",
+            "Roles and what they get: " + ", ".join(f"{role} → {scheme if what == 'scheme' else what}"
+                                                    for role, what in sorted(recipe["roles"].items())) + "."]
+
+
+def _kept_section(manifest: dict, config: dict) -> list[str]:
+    """What stays BF16 and why, and what the exclusion list holds."""
     exclude = config.get("quantization_config", {}).get("exclude") or []
     aliases = [e for e in exclude if e.startswith(("model.decoder.", "model.eh_proj", "model.enorm", "model.hnorm",
                                                    "model.shared_head", "language_model.", "visual."))]
-    shared_bf16 = any(r.get("role") == "shared_experts" and r.get("action") == "copy"
-                      for r in manifest["tensors"].values())
-    routed_q = any(r.get("role") == "routed_experts" and r.get("action") == "quantize"
-                   for r in manifest["tensors"].values())
-    mtp = bool(manifest.get("mtp_layers")) or any(n.startswith("mtp.") for n in manifest["tensors"])
-    arch = (config.get("architectures") or ["?"])[0]
-    recipe_arg = (f" --recipe {manifest['recipe_file']}" if manifest.get("recipe_file")
-                  else "" if recipe["name"] == "experts-only" else f" --recipe {recipe['name']}")
-    scale_arg = "" if settings.get("scale_mode", "even") == "even" else f" --scale-mode {settings['scale_mode']}"
-    engines = manifest.get("engines") or {}
-    checked = engines.get("checked") or []
-    loads_in = engines.get("scheme_loads_in") or ["sglang", "vllm"]
-    serve_on = [e for e in ENGINE_NAMES if any(x.split("==")[0] == e for x in loads_in)]
-    # The commands run from this directory (the export is `.`), so every path in them exists.
+    return ["## What stays BF16 and why", "",
+            *_kept_table(manifest["tensors"]), "",
+            f"`quantization_config.exclude` lists {len(exclude)} entries: every BF16 linear under each name an "
+            f"engine looks it up by"
+            f"{f', including {len(aliases)} engine-runtime aliases (MTP or wrapper names)' if aliases else ''}.",
+            ]
+
+
+def _error_section(manifest: dict) -> list[str]:
+    return ["## Quantization error per role", "",
+            *_role_table(manifest["tensors"]), "",
+            "Relative MSE and SQNR of each quantized weight against its source (quant_manifest.json lists every "
+            "tensor with source and output sha256)."]
+
+
+def _serving_engines(manifest: dict) -> list[str]:
+    """The engines (of ENGINE_NAMES, in its order) that load the export's scheme."""
+    loads_in = (manifest.get("engines") or {}).get("scheme_loads_in") or ["sglang", "vllm"]
+    return [e for e in ENGINE_NAMES if any(x.split("==")[0] == e for x in loads_in)]
+
+
+def _has_mtp(manifest: dict) -> bool:
+    return bool(manifest.get("mtp_layers")) or any(n.startswith("mtp.") for n in manifest["tensors"])
+
+
+def _serve_commands(manifest: dict, mtp: bool) -> dict[str, str]:
+    """The SGLang and vLLM commands that serve the export from its directory (the export is `.`)."""
+    tensors = manifest["tensors"].values()
+    shared_bf16 = any(r.get("role") == "shared_experts" and r.get("action") == "copy" for r in tensors)
+    routed_q = any(r.get("role") == "routed_experts" and r.get("action") == "quantize" for r in tensors)
     sglang = "python -m sglang.launch_server --model-path . --tp 8 --trust-remote-code"
     if shared_bf16 and routed_q:
         sglang += " --disable-shared-experts-fusion"
@@ -140,54 +209,48 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
         sglang += (" \\\n    --speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
                    "--speculative-num-draft-tokens 4")
         vllm += " \\\n    --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'"
-    commands = {"sglang": sglang, "vllm": vllm}
-    serve = []
+    return {"sglang": sglang, "vllm": vllm}
+
+
+def _serve_section(manifest: dict, serve_on: list[str]) -> list[str]:
+    """The serve commands of the engines that load the scheme, and what the preflight checked when written."""
+    mtp = _has_mtp(manifest)
+    commands = _serve_commands(manifest, mtp)
+    lines = ["## Serve", "", "Run from this directory (the export is `.`).", ""]
     for engine in serve_on:
-        serve += [f"{ENGINE_NAMES[engine]}:", "", "```bash", commands[engine], "```", ""]
+        lines += [f"{ENGINE_NAMES[engine]}:", "", "```bash", commands[engine], "```", ""]
     missing = [e for e in ENGINE_NAMES if e not in serve_on]
     if missing:
-        serve += [f"{' and '.join(ENGINE_NAMES[e] for e in missing)} cannot load this scheme ({scheme}); only the "
-                  f"commands above apply.", ""]
+        lines += [f"{' and '.join(ENGINE_NAMES[e] for e in missing)} cannot load this scheme "
+                  f"({manifest['settings']['scheme']}); only the commands above apply.", ""]
+    checked = (manifest.get("engines") or {}).get("checked") or []
     checked_words = (f"The export passed the preflight for {', '.join(checked)} when it was written."
                      if checked else "The export was written without the engine self-check (--check-engines '').")
-    source_words = f"`{hub_id}`" if hub else f"The local checkpoint `{base}`"
-    engine_words = " and ".join(ENGINE_NAMES[e] for e in serve_on) or "no serving engine"
-    lines = [
-        "---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
-        f"# {base} ({short})", "",
-        f"{source_words} ({arch}) quantized with moe-quant {settings.get('version', '')}: {words}, scale rule "
-        f"`{settings.get('scale_mode', 'even')}`, {_method_words(settings)}, in the AMD Quark checkpoint format "
-        f"(`quant_method: quark`) that {engine_words} load.", "",
-        "## Recipe", "",
-        f"`{recipe['name']}`: {recipe.get('description', '')}.",
-        "Roles and what they get: " + ", ".join(f"{role} → {scheme if what == 'scheme' else what}"
-                                                for role, what in sorted(recipe["roles"].items())) + ".", "",
-        "## What stays BF16 and why", "",
-        *_kept_table(manifest["tensors"]), "",
-        f"`quantization_config.exclude` lists {len(exclude)} entries: every BF16 linear under each name an engine "
-        f"looks it up by{f', including {len(aliases)} engine-runtime aliases (MTP or wrapper names)' if aliases else ''}.",
-        "",
-        "## Quantization error per role", "",
-        *_role_table(manifest["tensors"]), "",
-        "Relative MSE and SQNR of each quantized weight against its source (quant_manifest.json lists every "
-        "tensor with source and output sha256).", "",
-        "## Serve", "",
-        "Run from this directory (the export is `.`).", "",
-        *serve,
-        "Set the tensor-parallel degree for your machine; "
-        + ("the MTP flags enable speculative decoding with the checkpoint's MTP layer, three draft tokens as "
-           "`quant eval` measures it." if mtp else "this model has no MTP layer.") + f" {checked_words} Check it "
-        "against an engine release with `quant verify-manifest . --engine vllm==0.32`.", "",
-        "## Accuracy", "", ACCURACY_START,
-        "Not evaluated yet. `quant eval --candidate . --baseline <FP8 baseline> --card .` (from this directory) "
-        "fills this section.", ACCURACY_END, "",
-        "## Reproduce", "", "From this directory" + ("" if hub else f", with SOURCE the path of the local checkpoint "
-                                                   f"`{base}` (its shards' sha256 are in quant_manifest.json)") + ":",
-        "", "```bash",
-        f"quant quantize {hub_id if hub else 'SOURCE'} ../{base.split('/')[-1]}-{short}-again --scheme {scheme}"
-        f"{recipe_arg}{scale_arg}{_method_args(settings)}", "```", "",
-    ]
-    return "\n".join(lines)
+    lines.append("Set the tensor-parallel degree for your machine; "
+                 + ("the MTP flags enable speculative decoding with the checkpoint's MTP layer, three draft tokens "
+                    "as `quant eval` measures it." if mtp else "this model has no MTP layer.")
+                 + f" {checked_words} Check it against an engine release with `quant verify-manifest . --engine "
+                 "vllm==0.32`.")
+    return lines
+
+
+def _accuracy_placeholder() -> list[str]:
+    return ["## Accuracy", "", ACCURACY_START,
+            "Not evaluated yet. `quant eval --candidate . --baseline <FP8 baseline> --card .` (from this directory) "
+            "fills this section.", ACCURACY_END]
+
+
+def _reproduce_section(manifest: dict, source: _Source, short: str) -> list[str]:
+    """The command that writes the same export again, from the hub id or a local SOURCE."""
+    settings, recipe = manifest["settings"], manifest["recipe"]
+    recipe_arg = (f" --recipe {manifest['recipe_file']}" if manifest.get("recipe_file")
+                  else "" if recipe["name"] == "experts-only" else f" --recipe {recipe['name']}")
+    scale_arg = "" if settings.get("scale_mode", "even") == "even" else f" --scale-mode {settings['scale_mode']}"
+    where = "" if source.hub else (f", with SOURCE the path of the local checkpoint `{source.base}` (its shards' "
+                                   f"sha256 are in quant_manifest.json)")
+    return ["## Reproduce", "", f"From this directory{where}:", "", "```bash",
+            f"quant quantize {source.hub_id if source.hub else 'SOURCE'} ../{source.base.split('/')[-1]}-{short}-again "
+            f"--scheme {settings['scheme']}{recipe_arg}{scale_arg}{_method_args(settings)}", "```"]
 
 
 def _recovery(rec: dict | None) -> str:
