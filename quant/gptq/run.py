@@ -181,69 +181,110 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path, devices: str
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     model = meta_model(src_path, ckpt, dtype)  # before any work: a family GPTQ cannot run is one line
     store.mkdir(exist_ok=True)
-    cal = settings.calibration
-    shared = f", solved on {len(devices)} workers ({','.join(devices)})" if len(devices) > 1 else ""
-    log(f"gptq: calibration: {cal.samples} windows x {cal.seq_len} tokens ({cal.samples * cal.seq_len:,} tokens) "
-        f"of {cal.data}, on {device}{shared}; tokenizing, then running them to the first decoder layer")
+    log(_calibration_line(settings.calibration, devices))
     started = time.perf_counter()
-    tokens = calibration_tokens(cal, src_path)
+    tokens = calibration_tokens(settings.calibration, src_path)
     stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype, model)
     workers = Workers(devices)
-    mtp = mtp_layers(ckpt)
-    by_layer = quantized_jobs_by_layer(plan)
-    mtp_jobs = {ref.k: [j for jobs in by_layer.values() for j in jobs if ref.owns(j.source.name)] for ref in mtp}
-    mtp_names = {j.output for jobs in mtp_jobs.values() for j in jobs}
-    by_layer = {i: [j for j in jobs if j.output not in mtp_names] for i, jobs in by_layer.items()}
-    mtp = [ref for ref in mtp if any(mtp_jobs[r.k] for r in mtp[ref.k:])]  # up to the last one quantized
+    by_layer, mtp, mtp_jobs = _split_mtp_jobs(quantized_jobs_by_layer(plan), mtp_layers(ckpt))
     work = {i: _work(ckpt, by_layer.get(i, [])) for i in range(len(stack))}
     work.update({len(stack) + ref.k: _work(ckpt, mtp_jobs[ref.k]) for ref in mtp})
     progress = Progress(log, work, len(stack))
     timing: Counter = Counter()
+    layers = _DecoderLayers(stack, ckpt, plan, settings, store, digest, write, progress, workers, timing, log,
+                            started)
     with torch.no_grad(), workers:
         hidden = stack.capture(tokens, settings.batch)
         carry: list[dict] = [{} for _ in hidden]
         timing["gptq_calibration_s"] += time.perf_counter() - started
-        first = True
         for index in range(len(stack)):
-            t0 = time.perf_counter()
-            layer = stack.load_layer(index)
-            timing["gptq_load_s"] += time.perf_counter() - t0
-            jobs = by_layer.get(index, [])
-            record_path = _layer_file(store, index, ".json")
-            previous = json.loads(record_path.read_text()) if record_path.is_file() else None
-            if previous and previous.get("digest") == _layer_digest(digest, index):
-                solved = _load_layer_solution(store, index, previous)
-                resumed = True
-            else:
-                if first:
-                    log(f"gptq: layer {index + 1}/{len(stack)}: starting ({len(jobs)} weights; calibration "
-                        f"inputs ready after {time.perf_counter() - started:.1f} s)")
-                    first = False
-                progress.begin_layer(index, jobs, {j.output: _job_work(ckpt, j) for j in jobs})
-                solved = _solve_layer(stack, index, layer, jobs, hidden, carry, plan, settings, progress.solved,
-                                      workers, timing=timing)
-                t1 = time.perf_counter()
-                _save_layer_solution(store, index, solved, _layer_digest(digest, index), write)
-                timing["gptq_save_s"] += time.perf_counter() - t1
-                resumed = False
-            t1 = time.perf_counter()
-            _apply_quantized(stack, index, layer, jobs, solved, plan.scale_mode)
-            hidden, carry = stack.forward(index, layer, hidden, carry)
-            timing["gptq_forward_s"] += time.perf_counter() - t1
-            stack.release_layer(index)
-            del layer
-            elapsed = time.perf_counter() - t0
-            eta = "" if resumed else progress.end_layer(index, elapsed)
-            n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
-            passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
-            log(f"gptq: layer {index + 1}/{len(stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, "
-                f"{len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
+            hidden, carry = layers.run(index, by_layer.get(index, []), hidden, carry)
         if mtp:
             _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, write, progress, workers,
                        log, timing)
     log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
         + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
     return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
+
+
+def _calibration_line(cal: CalibrationSettings, devices: list[str]) -> str:
+    shared = f", solved on {len(devices)} workers ({','.join(devices)})" if len(devices) > 1 else ""
+    return (f"gptq: calibration: {cal.samples} windows x {cal.seq_len} tokens ({cal.samples * cal.seq_len:,} tokens) "
+            f"of {cal.data}, on {devices[0]}{shared}; tokenizing, then running them to the first decoder layer")
+
+
+def _split_mtp_jobs(by_layer: dict[int, list[TensorJob]], mtp: list) -> tuple[dict, list, dict]:
+    """The quantized jobs of the main layers apart from those of the MTP layers `mtp` (`MtpLayerRef`s): (main
+    layers' jobs by index, the MTP layers up to the last one with a quantized weight, their jobs by k)."""
+    mtp_jobs = {ref.k: [j for jobs in by_layer.values() for j in jobs if ref.owns(j.source.name)] for ref in mtp}
+    mtp_names = {j.output for jobs in mtp_jobs.values() for j in jobs}
+    by_layer = {i: [j for j in jobs if j.output not in mtp_names] for i, jobs in by_layer.items()}
+    mtp = [ref for ref in mtp if any(mtp_jobs[r.k] for r in mtp[ref.k:])]  # up to the last one quantized
+    return by_layer, mtp, mtp_jobs
+
+
+@dataclass
+class _DecoderLayers:
+    """The main decoder layers, one at a time: each loaded, solved (or its earlier solution resumed from the
+    store), replaced by its quantized weights and run forward to give the next layer its inputs."""
+
+    stack: object
+    ckpt: object
+    plan: Plan
+    settings: GptqSettings
+    store: Path
+    digest: str
+    write: object
+    progress: "Progress"
+    workers: "Workers"
+    timing: Counter
+    log: object
+    started: float             # when calibration began (perf_counter)
+    first: bool = True         # no layer solved yet (the first one solved says when it starts)
+
+    def run(self, index: int, jobs: list[TensorJob], hidden: list, carry: list[dict]) -> tuple[list, list[dict]]:
+        stack, timing = self.stack, self.timing
+        t0 = time.perf_counter()
+        layer = stack.load_layer(index)
+        timing["gptq_load_s"] += time.perf_counter() - t0
+        solved, resumed = self._solution(index, layer, jobs, hidden, carry)
+        t1 = time.perf_counter()
+        _apply_quantized(stack, index, layer, jobs, solved, self.plan.scale_mode)
+        hidden, carry = stack.forward(index, layer, hidden, carry)
+        timing["gptq_forward_s"] += time.perf_counter() - t1
+        stack.release_layer(index)
+        del layer
+        elapsed = time.perf_counter() - t0
+        eta = "" if resumed else self.progress.end_layer(index, elapsed)
+        self.log(self._done_line(index, jobs, solved, resumed, elapsed, eta))
+        return hidden, carry
+
+    def _solution(self, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict]
+                  ) -> tuple[dict, bool]:
+        """(the layer's solution, resumed): an earlier run's for the same plan from the store, else solved now
+        and saved there."""
+        record_path = _layer_file(self.store, index, ".json")
+        previous = json.loads(record_path.read_text()) if record_path.is_file() else None
+        if previous and previous.get("digest") == _layer_digest(self.digest, index):
+            return _load_layer_solution(self.store, index, previous), True
+        if self.first:
+            self.log(f"gptq: layer {index + 1}/{len(self.stack)}: starting ({len(jobs)} weights; calibration "
+                     f"inputs ready after {time.perf_counter() - self.started:.1f} s)")
+            self.first = False
+        self.progress.begin_layer(index, jobs, {j.output: _job_work(self.ckpt, j) for j in jobs})
+        solved = _solve_layer(self.stack, index, layer, jobs, hidden, carry, self.plan, self.settings,
+                              self.progress.solved, self.workers, timing=self.timing)
+        t1 = time.perf_counter()
+        _save_layer_solution(self.store, index, solved, _layer_digest(self.digest, index), self.write)
+        self.timing["gptq_save_s"] += time.perf_counter() - t1
+        return solved, False
+
+    def _done_line(self, index: int, jobs: list[TensorJob], solved: dict, resumed: bool, elapsed: float,
+                   eta: str) -> str:
+        n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
+        passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
+        return (f"gptq: layer {index + 1}/{len(self.stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights "
+                f"solved, {len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
 
 
 def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Plan, settings: GptqSettings,
