@@ -22,6 +22,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (the benchmarks and golden scripts the tests drive)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_vectors(name: str):
     """The reference vector module tests/data/<name>.py (data only; copied from shared/reference)."""
     import importlib.util

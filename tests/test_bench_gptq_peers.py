@@ -3,7 +3,6 @@ phase seconds (no benchmark is run; nothing here checks a measured time)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +11,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gptq_peers.
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_gptq_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("bench_gptq_peers")
 
 
 def test_help_names_the_parts():

@@ -4,20 +4,15 @@ findings on the broken-export set, byte for byte what tests/data/golden_exports.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "golden_exports.py"
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("golden_exports", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from conftest import load_script
+
+    return load_script("golden_exports")
 
 
 golden_exports = _script()
