@@ -51,15 +51,15 @@ def command(
     from quant.gptq.dry_run import parse_size
 
     budget = parse_size(hessian_budget, "--hessian-budget")
+    # GPTQ's settings, once: the dry run sizes them, the run solves with them (round to nearest has none).
+    gptq = _gptq_settings(calib_data, calib_samples, calib_seq_len, calib_seed, damp, budget) \
+        if dry_run or method == "gptq" else None
     if dry_run:
-        from quant.gptq import CalibrationSettings, GptqSettings
         from quant.gptq.dry_run import predict
 
-        settings = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp,
-                                hessian_bytes=budget)
         memory = parse_size(device_memory, "--device-memory") if device_memory else None
         typer.echo(predict(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
-                           settings=settings, device_memory=memory).text())
+                           settings=gptq, device_memory=memory).text())
         return
     from quant.pipeline import quantize_checkpoint
     from quant.process import reuse_freed_memory
@@ -67,21 +67,26 @@ def command(
     reuse_freed_memory()
 
     engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
-    gptq = None
-    if method == "gptq":
-        from quant.gptq import CalibrationSettings, GptqSettings
-
-        gptq = GptqSettings(CalibrationSettings(calib_data, calib_samples, calib_seq_len, calib_seed), damp=damp,
-                            hessian_bytes=budget)
     manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
                                    workers=workers, check_engines=engines, progress=progress, method=method,
                                    gptq=gptq, overwrite=overwrite, log=lambda m: typer.echo(m, err=True))
-    s = manifest["summary"]
-    treat = ", ".join(f"{k}: {v}" for k, v in sorted(s["modules_by_treatment"].items()))
-    worst = s["worst_rel_mse"]
-    t = manifest["timing"]
-    typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in t.items()), err=True)
-    typer.echo(f"wrote {out} ({s['output_bytes'] / 1e6:.1f} MB; {treat}; "
-               f"{len(manifest['exclude'] or [])} exclude entries"
-               + (f"; worst relative MSE {worst['rel_mse']:.3%} in {worst['module']}" if worst else "") + ")")
+    typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in manifest["timing"].items()), err=True)
+    typer.echo(_wrote_line(out, manifest))
 
+
+def _gptq_settings(data: str, samples: int, seq_len: int, seed: int, damp: float, hessian_bytes: int):
+    from quant.gptq import CalibrationSettings, GptqSettings
+
+    return GptqSettings(CalibrationSettings(data, samples, seq_len, seed), damp=damp, hessian_bytes=hessian_bytes)
+
+
+def _wrote_line(out: Path, manifest: dict) -> str:
+    """The export in one line: its size, modules per treatment, exclude entries and the worst error."""
+    from quant.pipeline.run import ExportSummary
+
+    summary = ExportSummary.of_manifest(manifest)
+    treat = ", ".join(f"{k}: {v}" for k, v in sorted(summary.modules_by_treatment.items()))
+    worst = summary.worst
+    return (f"wrote {out} ({summary.output_bytes / 1e6:.1f} MB; {treat}; "
+            f"{len(manifest['exclude'] or [])} exclude entries"
+            + (f"; worst relative MSE {worst.rel_mse:.3%} in {worst.module}" if worst else "") + ")")

@@ -18,6 +18,7 @@ import shutil
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 from quant import __version__
@@ -133,7 +134,7 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
         "kept_bf16": plan.kept_modules,
         "exclude": config["quantization_config"].get("exclude",
                                                      config["quantization_config"].get("modules_to_not_convert")),
-        "summary": summarize(results),
+        "summary": summarize(results).to_json(),  # written with the manifest, below
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
     if recipe_file is not None:  # a user's recipe, saved beside the card whose reproduce line names it
@@ -161,17 +162,48 @@ def kept_card_parts(out: Path) -> str | None:
     return accuracy_of(card_path.read_text(errors="replace"))
 
 
-def summarize(results: list[ShardResult]) -> dict:
+@dataclass(frozen=True)
+class WorstError:
+    """The quantized module with the largest relative MSE against its source."""
+
+    module: str
+    rel_mse: float
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What an export holds, in brief: modules per treatment (scheme, or action when kept), the worst quantization
+    error and the shards' bytes. The manifest's "summary" is its JSON form (`to_json`, where the manifest is
+    written); `of_manifest` reads it back from a manifest (quantize_checkpoint's result, quant_manifest.json)."""
+
+    modules_by_treatment: dict[str, int]
+    worst: WorstError | None
+    output_bytes: int
+
+    def to_json(self) -> dict:
+        worst = {"module": self.worst.module, "rel_mse": self.worst.rel_mse} if self.worst else None
+        return {"modules_by_treatment": dict(self.modules_by_treatment), "worst_rel_mse": worst,
+                "output_bytes": self.output_bytes}
+
+    @classmethod
+    def of_manifest(cls, manifest: dict) -> "ExportSummary":
+        data = manifest["summary"]
+        worst = data["worst_rel_mse"]
+        return cls(modules_by_treatment=dict(data["modules_by_treatment"]),
+                   worst=WorstError(worst["module"], worst["rel_mse"]) if worst else None,
+                   output_bytes=data["output_bytes"])
+
+
+def summarize(results: list[ShardResult]) -> ExportSummary:
     counts: dict[str, int] = {}
     worst = None
     for r in results:
         for name, rec in r.records.items():
             key = rec.get("scheme") or rec["action"]
             counts[key] = counts.get(key, 0) + 1
-            if "rel_mse" in rec and (worst is None or rec["rel_mse"] > worst[1]):
-                worst = (name, rec["rel_mse"])
-    return {"modules_by_treatment": counts, "worst_rel_mse": {"module": worst[0], "rel_mse": worst[1]} if worst
-            else None, "output_bytes": sum(r.bytes for r in results)}
+            if "rel_mse" in rec and (worst is None or rec["rel_mse"] > worst.rel_mse):
+                worst = WorstError(name, rec["rel_mse"])
+    return ExportSummary(modules_by_treatment=counts, worst=worst, output_bytes=sum(r.bytes for r in results))
 
 
 def scale_check(out: Path, metadata_dir: Path | None = None) -> None:
