@@ -90,5 +90,5 @@ def command(
     if card is not None:
         from evals.report.card import add_accuracy
 
-        typer.echo(f"updated {add_accuracy(card, report, out)}")
-    raise typer.Exit(EXIT_CODES[report["verdict"]])
+        typer.echo(f"updated {add_accuracy(card, report.to_json(), out)}")
+    raise typer.Exit(EXIT_CODES[report.verdict])

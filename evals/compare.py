@@ -19,11 +19,13 @@ from evals.statistics.pairing import generation_counts, pair_acceptance, pair_sc
 from evals.statistics.recovery import recovery
 from evals.gate import apply_gate, check_run, gate_from_baseline, read_gate, write_gate
 from evals.report.render import METHODS, REPORT_JSON, write_report
+from evals.statistics.results import ComparisonRow, EvalReport
+from evals.statistics.verdict import Verdict
 from evals.arms.lm_eval_run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
 from evals.arms.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
 from quant.errors import QuantError, machine_failure, naming
 
-EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3, evidence.INVALID: 4}
+EXIT_CODES = {Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.INCONCLUSIVE: 3, Verdict.INVALID: 4}
 # What an eval leaves in OUT: the per-question samples of each arm, and the report (report.json last).
 RUNS_DIR = "runs"
 OWN_FILES = (REPORT_JSON, "report.md", "report.png")
@@ -239,7 +241,8 @@ def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict
     return earlier["baseline"], records
 
 
-def compare_records(baseline: list[dict], candidate: list[dict], specs, request: EvalRequest) -> list[dict]:
+def compare_records(baseline: list[dict], candidate: list[dict], specs, request: EvalRequest
+                    ) -> list[ComparisonRow]:
     """One report row per task and lm-eval filter."""
     rows = []
     for spec in specs:
@@ -249,16 +252,13 @@ def compare_records(baseline: list[dict], candidate: list[dict], specs, request:
                                        samples_per_question=len(paired.seeds))
             primary = filter_name == spec.primary_filter
             acceptance = pair_acceptance(baseline, candidate, spec.name, filter_name) if primary else None
-            rows.append({
-                "task": spec.name, "label": spec.label, "filter": filter_name,
-                "primary": primary, "seeds": paired.seeds,
-                "comparison": comparison.to_json(),
-                "recovery": recovery(paired.baseline, paired.candidate).to_dict(),
-                "acceptance": compare_acceptance(*acceptance, margin=request.mtp_margin / 100.0)
-                if acceptance else None,
-                "baseline_generations": generation_counts(baseline, spec.name, filter_name).to_json(),
-                "candidate_generations": generation_counts(candidate, spec.name, filter_name).to_json(),
-            })
+            rows.append(ComparisonRow(
+                task=spec.name, label=spec.label, filter=filter_name, primary=primary, seeds=paired.seeds,
+                comparison=comparison, recovery=recovery(paired.baseline, paired.candidate),
+                acceptance=compare_acceptance(*acceptance, margin=request.mtp_margin / 100.0) if acceptance else None,
+                baseline_generations=generation_counts(baseline, spec.name, filter_name),
+                candidate_generations=generation_counts(candidate, spec.name, filter_name),
+            ))
     return rows
 
 
@@ -341,8 +341,9 @@ def _measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict
             "depth": depth, "layers": len(backend.draft.layers)}
 
 
-def evaluate(request: EvalRequest, log=print) -> dict:
-    """Run the comparison and write the report; returns the report dict (report["verdict"])."""
+def evaluate(request: EvalRequest, log=print) -> EvalReport:
+    """Run the comparison and write the report; returns the report (`report.verdict`; `report.to_json()` is what
+    report.json holds)."""
     _check(request)
     specs = parse_tasks(request.tasks)
     settings = _settings(request, specs)
@@ -395,15 +396,15 @@ def _check_gate_target(request: EvalRequest) -> None:
         raise QuantError(f"--write-gate {target}: exists; choose a new path or pass --overwrite to replace it")
 
 
-def _apply_gate(report: dict, gate) -> None:
+def _apply_gate(report: EvalReport, gate) -> None:
     """The gate's checks go into the report; a miss makes the verdict a fail (an invalid run stays invalid: it is
     no evidence either way)."""
-    report["gate"] = apply_gate(gate, report)
-    if not report["gate"]["passed"] and report["verdict"] != evidence.INVALID:
-        report["verdict"], report["exit_code"] = "fail", EXIT_CODES["fail"]
+    report.gate = apply_gate(gate, report)
+    if not report.gate["passed"] and report.verdict != Verdict.INVALID:
+        report.verdict, report.exit_code = Verdict.FAIL, EXIT_CODES[Verdict.FAIL]
 
 
-def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, gate=None) -> dict:
+def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, gate=None) -> EvalReport:
     out, scratch = held.root, held.root / SCRATCH_DIR
     scratch.mkdir()
     datasets_cache = scratch / "hf_datasets_cache"
@@ -435,21 +436,27 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, g
     os.replace(scratch / RUNS_DIR, out / RUNS_DIR)  # no runs/ stands there: refused or removed on entry
     held.add([RUNS_DIR])  # both arms' samples, in place (and ours) before they are paired
 
-    rows = compare_records(baseline, candidate, specs, request)
-    problems = evidence.floor_problems(rows, {s.name: s.floor for s in specs})
-    verdict = evidence.INVALID if problems else \
-        accuracy.combine_verdicts([r["comparison"]["verdict"] for r in rows if r["primary"]]
-                               + [r["acceptance"]["verdict"] for r in rows if r.get("acceptance")])
-    report = {"verdict": verdict, "exit_code": EXIT_CODES[verdict], "margin_points": request.margin,
-              "mtp_margin_points": request.mtp_margin, "problems": problems,
-              "next_steps": evidence.next_steps(rows, request.limit, {s.name: s.size for s in specs})
-              if verdict == "inconclusive" else [],
-              "baseline": baseline_arm, "candidate": candidate_arm, "settings": settings, "rows": rows,
-              "methods": METHODS}
+    report = _report(request, specs, settings, baseline_arm, candidate_arm,
+                     compare_records(baseline, candidate, specs, request))
     if gate is not None:
         _apply_gate(report, gate)
     write_report(report, out, record=held.add)
     return report
+
+
+def _report(request: EvalRequest, specs, settings: dict, baseline_arm: dict, candidate_arm: dict,
+            rows: list[ComparisonRow]) -> EvalReport:
+    """The verdict over the rows (invalid when an arm is at its floor; else every primary comparison's and every
+    acceptance comparison's, combined), and what would decide it when inconclusive."""
+    problems = evidence.floor_problems(rows, {s.name: s.floor for s in specs})
+    verdict = Verdict.INVALID if problems else \
+        accuracy.combine_verdicts([r.comparison.verdict for r in rows if r.primary]
+                                  + [r.acceptance.verdict for r in rows if r.acceptance])
+    return EvalReport(verdict=verdict, exit_code=EXIT_CODES[verdict], margin_points=request.margin,
+                      mtp_margin_points=request.mtp_margin, problems=problems,
+                      next_steps=evidence.next_steps(rows, request.limit, {s.name: s.size for s in specs})
+                      if verdict == Verdict.INCONCLUSIVE else [],
+                      baseline=baseline_arm, candidate=candidate_arm, settings=settings, rows=rows, methods=METHODS)
 
 
 def _eval_data(request: EvalRequest, specs, dest: Path) -> tuple[Path | None, Path | None]:

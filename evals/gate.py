@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from evals.statistics.results import EvalReport
 from quant.errors import QuantError
 
 DEFAULT_TOLERANCE = 0.08  # vLLM's test_gsm8k_correctness.py
@@ -92,17 +93,16 @@ def check_run(gate: Gate, path: Path, tasks: list, limit: int | None, mtp: bool)
         raise QuantError(f"--gate {path}: min_acceptance_length needs the MTP measurement (drop --no-mtp)")
 
 
-def apply_gate(gate: Gate, report: dict) -> dict:
+def apply_gate(gate: Gate, report: EvalReport) -> dict:
     """The gate's checks on the candidate arm of `report`: each with what was measured and what it needed."""
-    row = next(r for r in report["rows"] if r["task"] == gate.task and r["primary"])
-    accuracy = row["comparison"]["candidate_accuracy"]
+    row = report.primary_row(gate.task)
+    accuracy = row.comparison.candidate_accuracy
     needed = gate.accuracy_threshold - gate.tolerance
     checks = [{"check": "accuracy", "measured": accuracy, "required": needed,
                "passed": accuracy >= needed - 1e-12,
                "rule": f"accuracy >= accuracy_threshold {gate.accuracy_threshold:g} - tolerance {gate.tolerance:g}"}]
     if gate.min_acceptance_length is not None:
-        acceptance = row.get("acceptance") or {}
-        length = acceptance.get("candidate_length")
+        length = row.acceptance.candidate_length if row.acceptance else None
         measured = length is not None and math.isfinite(length)
         checks.append({"check": "acceptance length", "measured": length if measured else None,
                        "required": gate.min_acceptance_length,
@@ -113,19 +113,19 @@ def apply_gate(gate: Gate, report: dict) -> dict:
             "passed": all(c["passed"] for c in checks)}
 
 
-def gate_from_baseline(report: dict, spec, margin_points: float, mtp_margin_points: float,
+def gate_from_baseline(report: EvalReport, spec, margin_points: float, mtp_margin_points: float,
                        model_name: str | None) -> dict:
     """A gate file's contents from this run's baseline arm: its accuracy as the threshold with the run's margin as
     the tolerance, and (where it has a draft) its acceptance length less the MTP margin as the minimum."""
     task = spec.name
-    row = next((r for r in report["rows"] if r["task"] == task and r["primary"]), None)
+    row = report.primary_row(task)
     if row is None:
         raise QuantError(f"--write-gate: this run has no {task} result to set a gate from")
-    gate = {"model_name": model_name or report["candidate"].get("name") or "MODEL",
-            "accuracy_threshold": round(row["comparison"]["baseline_accuracy"], 4),
-            "tolerance": round(margin_points / 100, 4), "num_questions": row["comparison"]["n_questions"],
+    gate = {"model_name": model_name or report.candidate.get("name") or "MODEL",
+            "accuracy_threshold": round(row.comparison.baseline_accuracy, 4),
+            "tolerance": round(margin_points / 100, 4), "num_questions": row.comparison.n_questions,
             "num_fewshot": spec.fewshot}
-    length = (row.get("acceptance") or {}).get("baseline_length")
+    length = row.acceptance.baseline_length if row.acceptance else None
     if length is not None and math.isfinite(length):
         gate["min_acceptance_length"] = round(length * (1 - mtp_margin_points / 100), 3)
     if task != "gsm8k":

@@ -118,7 +118,7 @@ def accuracy(work: Path, args) -> None:
         request = EvalRequest(candidate=str(candidate), baseline=None if base_run else str(exports["FP8"]),
                               baseline_run=base_run, tasks="toy_arith", limit=args.limit, max_gen_toks=24,
                               batch_size=40, out=out, mtp=False, baseline_name="FP8", candidate_name=name)
-        report = evaluate(request, log=lambda m: None)
+        report = evaluate(request, log=lambda m: None).to_json()
         base_run = base_run or out
         row = next(r for r in report["rows"] if r["primary"])["comparison"]
         print(f"quant eval {name} vs FP8 (toy_arith, {row['n_questions']} questions): FP8 "

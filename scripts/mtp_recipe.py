@@ -29,7 +29,7 @@ def compare_mtp(paths: dict, args, baseline: str, candidate: str, **kw) -> dict:
     request = EvalRequest(candidate=str(paths[candidate]), baseline=str(paths[baseline]), tasks="toy_arith",
                           limit=args.limit, out=args.out / f"{candidate}-vs-{baseline}", dtype=args.dtype,
                           max_gen_toks=24, mtp_depth=args.depth, **kw)
-    report = evaluate(request, log=lambda m: None)
+    report = evaluate(request, log=lambda m: None).to_json()
     row = next(r for r in report["rows"] if r["primary"])
     c, a = row["comparison"], row["acceptance"]
     print(f"{candidate} vs {baseline} (n={c['n_questions']}): accuracy {100 * c['baseline_accuracy']:.1f} -> "

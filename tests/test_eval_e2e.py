@@ -99,7 +99,7 @@ def quantize_exports(root: Path) -> dict[str, Path]:
 def run(baseline, candidate, out, **kw):
     settings = {"tasks": "toy_arith", "limit": LIMIT, "max_gen_toks": 24, "batch_size": 40, "margin": MARGIN, **kw}
     request = EvalRequest(candidate=str(candidate), baseline=baseline and str(baseline), out=out, **settings)
-    return evaluate(request, log=lambda m: None)
+    return evaluate(request, log=lambda m: None).to_json()
 
 
 def primary(report):
@@ -121,7 +121,8 @@ def test_correct_mxfp4_export_passes_and_swapped_nibbles_fail(tmp_path):
     for name in (REPORT_JSON, REPORT_MD, REPORT_PNG):
         assert (first / name).stat().st_size > 0
     md = (first / REPORT_MD).read_text()
-    assert "| Eval | n | FP8 baseline | MXFP4 | Δ (pt) | 95% CI (pt) | McNemar p | n to pass |" in md
+    assert ("| Eval | n | FP8 baseline | MXFP4 | Δ (pt) | 95% CI (pt) | recovery [95% CI] | McNemar p | n to pass |"
+            in md)
     assert "activations are not quantized" in md
     assert json.loads((first / REPORT_JSON).read_text())["verdict"] == "pass"
     samples = (first / "runs" / "candidate" / "toy_arith" / "samples.jsonl").read_text().splitlines()

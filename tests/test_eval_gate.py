@@ -4,11 +4,13 @@ from a baseline run."""
 
 from __future__ import annotations
 
+import eval_rows
 import pytest
 import yaml
 
 from evals.arms.tasks import TASKS
 from evals.gate import apply_gate, check_run, gate_from_baseline, read_gate, write_gate
+from evals.statistics.results import EvalReport
 from quant.errors import QuantError
 
 # The fields of vLLM's tests/evals/gsm8k/configs/DeepSeek-V4.1-Flash-NVFP4-DSpark-TP4.yaml, as it has them.
@@ -26,15 +28,14 @@ server_args: >-
 
 
 def report(candidate_accuracy: float, candidate_length: float | None = 3.1, baseline_accuracy: float = 0.9,
-           n: int = 1319, task: str = "gsm8k") -> dict:
-    acceptance = None if candidate_length is None else {"candidate_length": candidate_length,
-                                                        "baseline_length": 3.2}
-    return {"rows": [{"task": task, "primary": True, "acceptance": acceptance,
-                      "comparison": {"candidate_accuracy": candidate_accuracy, "baseline_accuracy": baseline_accuracy,
-                                     "n_questions": n}},
-                     {"task": task, "primary": False, "acceptance": None,
-                      "comparison": {"candidate_accuracy": 0.0, "baseline_accuracy": 0.0, "n_questions": n}}],
-            "candidate": {"name": "cand"}}
+           n: int = 1319, task: str = "gsm8k") -> EvalReport:
+    acceptance = None if candidate_length is None else \
+        eval_rows.acceptance(candidate_length=candidate_length, baseline_length=3.2)
+    return eval_rows.report([
+        eval_rows.row(task, acceptance=acceptance, candidate_accuracy=candidate_accuracy,
+                      baseline_accuracy=baseline_accuracy, n_questions=n),
+        eval_rows.row(task, primary=False, candidate_accuracy=0.0, baseline_accuracy=0.0, n_questions=n),
+    ], candidate={"name": "cand"})
 
 
 def gate_file(tmp_path, text: str = VLLM_CONFIG):
@@ -116,7 +117,7 @@ def test_gate_and_recovery_end_to_end_on_the_trained_toy(tmp_path):
     quantize_checkpoint(toy, candidate, check_engines=None, log=lambda m: None)
     common = dict(candidate=str(candidate), tasks="toy_arith", limit=20, max_gen_toks=24, dtype="float32", mtp=False)
     first = evaluate(EvalRequest(baseline=str(baseline), out=tmp_path / "e1", write_gate=tmp_path / "gate.yaml",
-                                 **common), log=lambda m: None)
+                                 **common), log=lambda m: None).to_json()
     written = yaml.safe_load((tmp_path / "gate.yaml").read_text())
     assert written["task"] == "toy_arith" and written["num_questions"] == 20 and written["num_fewshot"] == 5
     assert written["accuracy_threshold"] == round(first["rows"][0]["comparison"]["baseline_accuracy"], 4)
@@ -132,11 +133,11 @@ def test_gate_and_recovery_end_to_end_on_the_trained_toy(tmp_path):
     high = tmp_path / "high.yaml"
     high.write_text("task: toy_arith\naccuracy_threshold: 0.0\nmin_acceptance_length: 50\nnum_questions: 20\n")
     missed = evaluate(EvalRequest(baseline_run=tmp_path / "e1", out=tmp_path / "e2", gate=high,
-                                  **{**common, "mtp": True}), log=lambda m: None)
+                                  **{**common, "mtp": True}), log=lambda m: None).to_json()
     assert missed["verdict"] == "fail" and missed["exit_code"] == 1 and not missed["gate"]["passed"]
     assert "## CI gate" in (tmp_path / "e2" / "report.md").read_text()
     low = tmp_path / "low.yaml"
     low.write_text(f"task: toy_arith\naccuracy_threshold: {max(0.0, measured - 0.01):.4f}\ntolerance: 0.0\n")
     passed = evaluate(EvalRequest(baseline_run=tmp_path / "e1", out=tmp_path / "e3", gate=low, **common),
-                      log=lambda m: None)
+                      log=lambda m: None).to_json()
     assert passed["gate"]["passed"] and passed["verdict"] == first["verdict"]

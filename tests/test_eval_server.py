@@ -62,7 +62,7 @@ def server_url(tmp_path_factory):
 def run(baseline, candidate, out, **kw):
     settings = {"tasks": "toy_arith", "limit": LIMIT, "max_gen_toks": 24, "batch_size": 16, "concurrency": 4, **kw}
     return evaluate(EvalRequest(candidate=str(candidate), baseline=str(baseline), out=out, **settings),
-                    log=lambda m: None)
+                    log=lambda m: None).to_json()
 
 
 def responses(out: Path, arm: str) -> list[str]:

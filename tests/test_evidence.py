@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import eval_rows
 import pytest
 
 from evals.statistics import evidence
@@ -18,15 +19,13 @@ FIXTURE = Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model
 
 
 def _row(task="gsm8k", base=0.8, cand=0.8, verdict="pass", acceptance=None, n_to_pass=None, n=200):
-    return {"task": task, "label": task, "primary": True, "seeds": [0],
-            "comparison": {"baseline_accuracy": base, "candidate_accuracy": cand, "verdict": verdict,
-                           "n_questions": n, "n_to_pass": n_to_pass},
-            "acceptance": acceptance}
+    return eval_rows.row(task, acceptance=acceptance, baseline_accuracy=base, candidate_accuracy=cand,
+                         verdict=verdict, n_questions=n, n_to_pass=n_to_pass)
 
 
 def _acc(base=0.8, cand=0.8, verdict="pass"):
-    return {"baseline_rate": base, "candidate_rate": cand, "verdict": verdict,
-            "verdict_on": "depth-1 acceptance (points)"}
+    return eval_rows.acceptance(baseline_rate=base, candidate_rate=cand, verdict=verdict,
+                                verdict_on="depth-1 acceptance (points)")
 
 
 def test_arms_at_their_floor_are_invalid_and_healthy_arms_are_not():
@@ -79,7 +78,7 @@ def test_two_untrained_toys_are_invalid_never_pass(tmp_path):
     a = build_toy("glm5", tmp_path / "a", seed=0)
     b = build_toy("glm5", tmp_path / "b", seed=1)
     report = evaluate(EvalRequest(candidate=str(a), baseline=str(b), out=tmp_path / "out", tasks="toy_arith",
-                                  limit=30, max_gen_toks=8, dtype="float32", margin=5.0), log=lambda m: None)
+                                  limit=30, max_gen_toks=8, dtype="float32", margin=5.0), log=lambda m: None).to_json()
     assert report["verdict"] == "invalid" and report["exit_code"] == EXIT_CODES["invalid"] == 4
     assert any("floor" in p for p in report["problems"])
     saved = json.loads((tmp_path / "out" / "report.json").read_text())

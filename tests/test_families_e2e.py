@@ -52,7 +52,7 @@ def test_family_chain_toy_quantize_verify_eval_gptq(toy, toy_factory, tmp_path, 
     def run_eval(candidate: Path, out: Path, mtp: bool):
         return evaluate(EvalRequest(candidate=str(candidate), baseline=str(src), tasks="toy_arith", out=out, limit=2,
                                     max_gen_toks=8, batch_size=2, device="cpu", dtype="float32", mtp=mtp),
-                        log=_quiet)
+                        log=_quiet).to_json()
 
     if toy in MTP_UNPUBLISHED:  # the config declares MTP modules the release never published
         with pytest.raises(QuantError, match="publishes no MTP weights") as e:

@@ -36,11 +36,11 @@ def test_simulate_counts_rounds_like_greedy_verification():
 def test_paired_acceptance_verdicts():
     good = [{"positions": 20, "accepted_depth1": 19, "rounds": 6, "tokens": 20, "depth": 3}] * 50
     same = compare_acceptance(good, good, margin=0.05)
-    assert same["verdict"] == "pass" and same["rate_difference"] == 0
+    assert same.verdict == "pass" and same.rate_difference == 0
     bad = [{"positions": 20, "accepted_depth1": 2, "rounds": 18, "tokens": 20, "depth": 3}] * 50
     worse = compare_acceptance(good, bad, margin=0.05)
-    assert worse["verdict"] == "fail" and worse["rate_ci_high"] < -0.05
-    assert worse["candidate_length"] == pytest.approx(20 / 18)
+    assert worse.verdict == "fail" and worse.rate_ci_high < -0.05
+    assert worse.candidate_length == pytest.approx(20 / 18)
 
 
 def _brute_force_chains(draft, ids, hidden, start, depth):
@@ -99,7 +99,7 @@ def test_every_mtp_family_gets_paired_acceptance_in_process(toy_factory, tmp_pat
     quantize_checkpoint(toy, export, check_engines=None, log=lambda m: None)
     report = evaluate(EvalRequest(candidate=str(export), baseline=str(toy), tasks="toy_arith", limit=4,
                                   max_gen_toks=8, margin=50.0, out=tmp_path / "eval", dtype="float32"),
-                      log=lambda m: None)
+                      log=lambda m: None).to_json()
     for arm in ("baseline", "candidate"):
         assert report[arm]["mtp"]["measured"], report[arm]["mtp"]
     acceptance = next(r for r in report["rows"] if r["primary"])["acceptance"]
@@ -114,7 +114,8 @@ def test_a_family_without_mtp_says_so(toy_factory, tmp_path):
     twin = tmp_path / "twin"  # the same weights elsewhere: a model compared with itself is refused
     shutil.copytree(toy, twin)
     report = evaluate(EvalRequest(candidate=str(toy), baseline=str(twin), tasks="toy_arith", limit=2, max_gen_toks=4,
-                                  margin=50.0, out=tmp_path / "eval", dtype="float32"), log=lambda m: None)
+                                  margin=50.0, out=tmp_path / "eval", dtype="float32"),
+                      log=lambda m: None).to_json()
     assert report["candidate"]["mtp"] == {"measured": False, "why": "the checkpoint has no MTP layers"}
     assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None
     assert "not measured (the checkpoint has no MTP layers)" in (tmp_path / "eval" / "report.md").read_text()
@@ -128,6 +129,7 @@ def test_mtp_off_runs_without_the_draft(tmp_path):
     twin = tmp_path / "twin"
     shutil.copytree(FIXTURE, twin)
     report = evaluate(EvalRequest(candidate=str(FIXTURE), baseline=str(twin), tasks="toy_arith", limit=2,
-                                  max_gen_toks=4, margin=50.0, out=tmp_path / "eval", mtp=False), log=lambda m: None)
+                                  max_gen_toks=4, margin=50.0, out=tmp_path / "eval", mtp=False),
+                      log=lambda m: None).to_json()
     assert report["candidate"]["mtp"]["measured"] is False and "--mtp off" in report["candidate"]["mtp"]["why"]
     assert next(r for r in report["rows"] if r["primary"])["acceptance"] is None

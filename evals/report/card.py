@@ -36,7 +36,8 @@ def check_card_target(export: Path) -> None:
 
 def add_accuracy(export: Path, report: dict, report_dir: Path) -> Path:
     """Replace (or add) the accuracy section of export/README.md; copy report.png beside it; record both in the
-    export's owner record. Returns the card."""
+    export's owner record. Returns the card. `report`: the report as report.json holds it (`EvalReport.to_json()`),
+    the form quant's model card reads."""
     from quant.ownership import update_record
 
     check_card_target(export)

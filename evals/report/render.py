@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+from evals.statistics.recovery import Recovery
+from evals.statistics.results import ComparisonRow, EvalReport
+
 REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "report.png"
 VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta"}
 
@@ -54,16 +57,16 @@ def _p(p: float) -> str:
     return f"{p:.3g}" if p >= 0.001 else f"{p:.1e}"
 
 
-def recovery_cell(rec: dict | None) -> str:
+def recovery_cell(rec: Recovery | None) -> str:
     """Candidate ÷ baseline accuracy in percent with its interval (evals/statistics/recovery.py)."""
-    if not rec or rec.get("ratio") is None:
+    if not rec or rec.ratio is None:
         return "-"
-    return f"{100 * rec['ratio']:.1f}% [{100 * rec['ci_low']:.1f}, {100 * rec['ci_high']:.1f}]"
+    return f"{100 * rec.ratio:.1f}% [{100 * rec.ci_low:.1f}, {100 * rec.ci_high:.1f}]"
 
 
-def gate_lines(report: dict) -> list[str]:
+def gate_lines(report: EvalReport) -> list[str]:
     """The CI gate's checks (quant eval --gate), one line each."""
-    gate = report.get("gate")
+    gate = report.gate
     if not gate:
         return []
     lines = [f"CI gate on {gate['task']}" + (f" ({gate['model_name']})" if gate.get("model_name") else "")
@@ -75,92 +78,93 @@ def gate_lines(report: dict) -> list[str]:
     return lines
 
 
-def table_rows(report: dict) -> list[list[str]]:
+def table_rows(report: EvalReport) -> list[list[str]]:
     rows = []
-    for r in report["rows"]:
-        c = r["comparison"]
-        label = f"{r['label']} ({r['filter']})" + ("" if r["primary"] else " [secondary]")
-        if c["samples_per_question"] > 1:
-            label += f", {c['samples_per_question']} seeds"
+    for r in report.rows:
+        c = r.comparison
+        label = f"{r.label} ({r.filter})" + ("" if r.primary else " [secondary]")
+        if c.samples_per_question > 1:
+            label += f", {c.samples_per_question} seeds"
         rows.append([
             label,
-            str(c["n_questions"]),
-            f"{_pt(c['baseline_accuracy'])} ± {_pt(c['baseline_stderr'])}",
-            f"{_pt(c['candidate_accuracy'])} ± {_pt(c['candidate_stderr'])}",
-            _pt(c["difference"], signed=True),
-            f"[{_pt(c['ci_low'], True)}, {_pt(c['ci_high'], True)}]",
-            recovery_cell(r.get("recovery")),
-            f"{_p(c['mcnemar_p'])} (b={c['baseline_only_correct']}, c={c['candidate_only_correct']})",
-            "-" if c.get("n_to_pass") is None else str(c["n_to_pass"]),
-            c["verdict"],
+            str(c.n_questions),
+            f"{_pt(c.baseline_accuracy)} ± {_pt(c.baseline_stderr)}",
+            f"{_pt(c.candidate_accuracy)} ± {_pt(c.candidate_stderr)}",
+            _pt(c.difference, signed=True),
+            f"[{_pt(c.ci_low, True)}, {_pt(c.ci_high, True)}]",
+            recovery_cell(r.recovery),
+            f"{_p(c.mcnemar_p)} (b={c.baseline_only_correct}, c={c.candidate_only_correct})",
+            "-" if c.n_to_pass is None else str(c.n_to_pass),
+            c.verdict.value,
         ])
     return rows
 
 
-def table_header(report: dict) -> list[str]:
-    return ["Eval", "n", f"{report['baseline']['name']} baseline", report["candidate"]["name"], "Δ (pt)",
-            "95% CI (pt)", "recovery [95% CI]", "McNemar p", "n to pass", f"verdict (margin {report['margin_points']:g} pt)"]
+def table_header(report: EvalReport) -> list[str]:
+    return ["Eval", "n", f"{report.baseline['name']} baseline", report.candidate["name"], "Δ (pt)",
+            "95% CI (pt)", "recovery [95% CI]", "McNemar p", "n to pass",
+            f"verdict (margin {report.margin_points:g} pt)"]
 
 
-def acceptance_rows(report: dict) -> list[list[str]]:
+def acceptance_rows(report: EvalReport) -> list[list[str]]:
     rows = []
-    for r in report["rows"]:
-        a = r.get("acceptance")
+    for r in report.rows:
+        a = r.acceptance
         if not a:
             continue
         ci = lambda pair, signed=False: f"[{_pt(pair[0], signed)}, {_pt(pair[1], signed)}]"  # noqa: E731
         rows.append([
-            r["label"], str(a["n_questions"]),
-            f"{_pt(a['baseline_rate'])} {ci(a['baseline_rate_ci'])}",
-            f"{_pt(a['candidate_rate'])} {ci(a['candidate_rate_ci'])}",
-            f"{_pt(a['rate_difference'], True)} {ci((a['rate_ci_low'], a['rate_ci_high']), True)}",
-            f"{a['baseline_length']:.2f} → {a['candidate_length']:.2f} "
-            f"(Δ {a['length_difference']:+.2f} [{a['length_ci'][0]:+.2f}, {a['length_ci'][1]:+.2f}])",
-            a["verdict"],
+            r.label, str(a.n_questions),
+            f"{_pt(a.baseline_rate)} {ci(a.baseline_rate_ci)}",
+            f"{_pt(a.candidate_rate)} {ci(a.candidate_rate_ci)}",
+            f"{_pt(a.rate_difference, True)} {ci((a.rate_ci_low, a.rate_ci_high), True)}",
+            f"{a.baseline_length:.2f} → {a.candidate_length:.2f} "
+            f"(Δ {a.length_difference:+.2f} [{a.length_ci[0]:+.2f}, {a.length_ci[1]:+.2f}])",
+            a.verdict.value,
         ])
     return rows
 
 
-def acceptance_header(report: dict) -> list[str]:
-    depth = report["settings"].get("mtp_depth")
-    return ["Eval", "n", f"{report['baseline']['name']} depth-1 acc. (%)", f"{report['candidate']['name']} (%)",
+def acceptance_header(report: EvalReport) -> list[str]:
+    depth = report.settings.get("mtp_depth")
+    return ["Eval", "n", f"{report.baseline['name']} depth-1 acc. (%)", f"{report.candidate['name']} (%)",
             "Δ (pt), 95% CI", f"mean accepted length at depth {depth}",
-            f"verdict (margin {report.get('mtp_margin_points', 5.0):g} pt)"]
+            f"verdict (margin {report.mtp_margin_points:g} pt)"]
 
 
-def mtp_status(report: dict) -> list[str]:
+def mtp_status(report: EvalReport) -> list[str]:
     """One line per arm saying what was measured, or why not."""
     lines = []
-    for arm in ("baseline", "candidate"):
-        m = report[arm].get("mtp") or {"measured": False, "why": "not measured"}
+    for arm, record in (("baseline", report.baseline), ("candidate", report.candidate)):
+        m = record.get("mtp") or {"measured": False, "why": "not measured"}
         lines.append(f"- {arm}: " + (m.get("source", "measured") + (f", depth {m['depth']}" if m.get("depth") else "")
                                      if m.get("measured") else f"not measured ({m.get('why')})"))
     return lines
 
 
-def verdict_notes(report: dict) -> list[str]:
+def verdict_notes(report: EvalReport) -> list[str]:
     """Why a verdict is invalid, and what would decide an inconclusive one (evals/statistics/evidence.py)."""
     lines = []
-    if report.get("problems"):
-        lines += ["Why no verdict on accuracy can be given:", ""] + [f"- {p}" for p in report["problems"]] + [""]
-    if report.get("next_steps"):
-        lines += ["Next steps to decide:", ""] + [f"- {p}" for p in report["next_steps"]] + [""]
+    if report.problems:
+        lines += ["Why no verdict on accuracy can be given:", ""] + [f"- {p}" for p in report.problems] + [""]
+    if report.next_steps:
+        lines += ["Next steps to decide:", ""] + [f"- {p}" for p in report.next_steps] + [""]
     return lines
 
 
-def markdown(report: dict) -> str:
+def markdown(report: EvalReport) -> str:
     header = table_header(report)
+    baseline, candidate = report.baseline, report.candidate
     lines = [
-        f"# Accuracy: {report['candidate']['name']} vs {report['baseline']['name']}",
+        f"# Accuracy: {candidate['name']} vs {baseline['name']}",
         "",
-        f"**Verdict: {report['verdict'].upper()}** (non-inferiority margin {report['margin_points']:g} points; "
-        f"exit code {report['exit_code']})",
+        f"**Verdict: {report.verdict.value.upper()}** (non-inferiority margin {report.margin_points:g} points; "
+        f"exit code {report.exit_code})",
         "",
         *verdict_notes(report),
-        f"- baseline: `{report['baseline']['source']}` — {report['baseline']['description']}"
-        + (f" (answers reused from `{report['baseline']['reused_from']}`)" if "reused_from" in report["baseline"]
-           else ""),
-        f"- candidate: `{report['candidate']['source']}` — {report['candidate']['description']}",
+        f"- baseline: `{baseline['source']}` — {baseline['description']}"
+        + (f" (answers reused from `{baseline['reused_from']}`)" if "reused_from" in baseline else ""),
+        f"- candidate: `{candidate['source']}` — {candidate['description']}",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
@@ -168,7 +172,7 @@ def markdown(report: dict) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += ["", "Accuracies in percent ± 1 standard error; Δ = candidate − baseline in points; recovery = "
               "candidate ÷ baseline accuracy.", ""]
-    if report.get("gate"):
+    if report.gate:
         lines += ["## CI gate", ""] + gate_lines(report) + [""]
     lines += ["## MTP draft acceptance (speculative decoding)", ""] + mtp_status(report) + [""]
     acc = acceptance_rows(report)
@@ -181,12 +185,11 @@ def markdown(report: dict) -> str:
     lines.append("")
     lines.append("| Eval | arm | generations | failed | empty |")
     lines.append("|---|---|---|---|---|")
-    for r in report["rows"]:
-        if r["primary"]:
-            for arm in ("baseline", "candidate"):
-                g = r[f"{arm}_generations"]
-                lines.append(f"| {r['label']} | {arm} | {g['generations']} | {g['failed']} | {g['empty']} |")
-    emulated = any(report[arm]["notes"] for arm in ("baseline", "candidate"))
+    for r in report.rows:
+        if r.primary:
+            for arm, g in (("baseline", r.baseline_generations), ("candidate", r.candidate_generations)):
+                lines.append(f"| {r.label} | {arm} | {g.generations} | {g.failed} | {g.empty} |")
+    emulated = any(arm["notes"] for arm in (baseline, candidate))
     lines += ["", "## Method", ""]
     lines += [f"- {key.replace('_', ' ')}: {text}" for key, text in METHODS.items()]
     if emulated:
@@ -195,7 +198,7 @@ def markdown(report: dict) -> str:
                   "into BF16, so every quantized weight holds its MXFP4/FP8 value (MXFP4 exactly; FP8 times its "
                   "scale rounded to BF16), but activations are not quantized. A server running the real kernels "
                   "(SGLang/vLLM) also quantizes activations for W4A4 schemes such as w_mxfp4_a_mxfp4."]
-    s = report["settings"]
+    s = report.settings
     lines += ["", "## Settings", "",
               f"- tasks: {', '.join(s['tasks'])}; limit {s['limit']}; seeds for sampled tasks {s['seeds']}; "
               f"max_gen_toks {s['max_gen_toks'] or 'task default'}",
@@ -205,7 +208,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: EvalReport, path: Path) -> None:
     """Paired difference and CI per row, with the -margin line."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
@@ -213,9 +216,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["rows"]
-    labels = [f"{r['label']}\n{r['filter']}" for r in rows]
-    accepted = [r for r in rows if r.get("acceptance")]
+    rows = report.rows
+    labels = [f"{r.label}\n{r.filter}" for r in rows]
+    accepted = [r for r in rows if r.acceptance]
     height = 1.0 + 0.7 * len(rows)
     if accepted:
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7.5, height + 1.2 + 0.7 * len(accepted)),
@@ -224,23 +227,23 @@ def plot(report: dict, path: Path) -> None:
     else:
         fig, ax = plt.subplots(figsize=(7.5, height))
     for i, r in enumerate(rows):
-        c = r["comparison"]
-        color = VERDICT_STYLE.get(c["verdict"], "gray")
+        c = r.comparison
+        color = VERDICT_STYLE.get(c.verdict.value, "gray")
         color = {"green": "tab:green", "red": "tab:red", "yellow": "tab:orange"}.get(color, color)
-        d, lo, hi = (100 * c[k] for k in ("difference", "ci_low", "ci_high"))
+        d, lo, hi = (100 * x for x in (c.difference, c.ci_low, c.ci_high))
         ax.errorbar(d, i, xerr=[[d - lo], [hi - d]], fmt="o", color=color, capsize=4,
-                    alpha=1.0 if r["primary"] else 0.5)
-        ax.annotate(f"{_pt(c['baseline_accuracy'])} → {_pt(c['candidate_accuracy'])}  ({c['verdict']})",
+                    alpha=1.0 if r.primary else 0.5)
+        ax.annotate(f"{_pt(c.baseline_accuracy)} → {_pt(c.candidate_accuracy)}  ({c.verdict.value})",
                     (hi, i), textcoords="offset points", xytext=(6, -3), fontsize=8)
-    margin = report["margin_points"]
+    margin = report.margin_points
     ax.axvline(0, color="black", linewidth=0.8)
     ax.axvline(-margin, color="tab:red", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel(f"{report['candidate']['name']} − {report['baseline']['name']} accuracy (points), 95% paired CI")
-    ax.set_title(f"Verdict: {report['verdict']}  (dashed: −margin, {margin:g} pt)", fontsize=10)
-    lows = [100 * r["comparison"]["ci_low"] for r in rows] + [-margin]
-    highs = [100 * r["comparison"]["ci_high"] for r in rows] + [0.0]
+    ax.set_xlabel(f"{report.candidate['name']} − {report.baseline['name']} accuracy (points), 95% paired CI")
+    ax.set_title(f"Verdict: {report.verdict.value}  (dashed: −margin, {margin:g} pt)", fontsize=10)
+    lows = [100 * r.comparison.ci_low for r in rows] + [-margin]
+    highs = [100 * r.comparison.ci_high for r in rows] + [0.0]
     span = max(highs) - min(lows) or 1.0
     ax.set_xlim(min(lows) - 0.15 * span, max(highs) + 0.6 * span)
     fig.tight_layout()
@@ -248,34 +251,34 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _plot_acceptance(ax, report: dict, rows: list[dict]) -> None:
-    margin = report.get("mtp_margin_points", 5.0)
+def _plot_acceptance(ax, report: EvalReport, rows: list[ComparisonRow]) -> None:
+    margin = report.mtp_margin_points
     for i, r in enumerate(rows):
-        a = r["acceptance"]
-        color = {"pass": "tab:green", "fail": "tab:red"}.get(a["verdict"], "tab:orange")
-        d, lo, hi = (100 * a[k] for k in ("rate_difference", "rate_ci_low", "rate_ci_high"))
+        a = r.acceptance
+        color = {"pass": "tab:green", "fail": "tab:red"}.get(a.verdict.value, "tab:orange")
+        d, lo, hi = (100 * x for x in (a.rate_difference, a.rate_ci_low, a.rate_ci_high))
         ax.errorbar(d, i, xerr=[[d - lo], [hi - d]], fmt="s", color=color, capsize=4)
-        ax.annotate(f"{_pt(a['baseline_rate'])} → {_pt(a['candidate_rate'])}; length {a['baseline_length']:.2f} → "
-                    f"{a['candidate_length']:.2f}  ({a['verdict']})", (hi, i), textcoords="offset points",
+        ax.annotate(f"{_pt(a.baseline_rate)} → {_pt(a.candidate_rate)}; length {a.baseline_length:.2f} → "
+                    f"{a.candidate_length:.2f}  ({a.verdict.value})", (hi, i), textcoords="offset points",
                     xytext=(6, -3), fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.axvline(-margin, color="tab:red", linestyle="--", linewidth=1)
-    ax.set_yticks(range(len(rows)), [f"{r['label']}\nMTP acceptance" for r in rows], fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{r.label}\nMTP acceptance" for r in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("candidate − baseline depth-1 draft acceptance (points), 95% paired bootstrap CI")
-    lows = [100 * r["acceptance"]["rate_ci_low"] for r in rows] + [-margin]
-    highs = [100 * r["acceptance"]["rate_ci_high"] for r in rows] + [0.0]
+    lows = [100 * r.acceptance.rate_ci_low for r in rows] + [-margin]
+    highs = [100 * r.acceptance.rate_ci_high for r in rows] + [0.0]
     span = max(highs) - min(lows) or 1.0
     ax.set_xlim(min(lows) - 0.15 * span, max(highs) + 0.9 * span)
 
 
-def print_table(report: dict) -> None:
+def print_table(report: EvalReport) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{report['candidate']['name']} vs {report['baseline']['name']} — verdict: "
-                        f"{report['verdict']}")
+    table = Table(title=f"{report.candidate['name']} vs {report.baseline['name']} — verdict: "
+                        f"{report.verdict.value}")
     for name in table_header(report):
         table.add_column(escape(name))
     for row in table_rows(report):
@@ -299,9 +302,9 @@ def print_table(report: dict) -> None:
         console.print(escape(line))
 
 
-def write_report(report: dict, out_dir: Path, record=None) -> dict[str, Path]:
-    """Write the PNG and markdown, then report.json last (atomically): its presence means the run finished.
-    `record(names)`: the owner record's, told of each file as soon as it is written."""
+def write_report(report: EvalReport, out_dir: Path, record=None) -> dict[str, Path]:
+    """Write the PNG and markdown, then report.json last (atomically, the report's JSON form): its presence means
+    the run finished. `record(names)`: the owner record's, told of each file as soon as it is written."""
     from quant.pipeline.files import write_atomic
 
     paths = {"png": out_dir / REPORT_PNG, "md": out_dir / REPORT_MD, "json": out_dir / REPORT_JSON}
@@ -309,7 +312,7 @@ def write_report(report: dict, out_dir: Path, record=None) -> dict[str, Path]:
     write_atomic(paths["md"], markdown(report))
     if record is not None:
         record([REPORT_PNG, REPORT_MD])
-    write_atomic(paths["json"], json.dumps(report, indent=2) + "\n")
+    write_atomic(paths["json"], json.dumps(report.to_json(), indent=2) + "\n")
     if record is not None:
         record([REPORT_JSON])
     return paths

@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+from evals.statistics.verdict import Verdict
+
+PASS, FAIL, INCONCLUSIVE = Verdict.PASS, Verdict.FAIL, Verdict.INCONCLUSIVE
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,46 @@ def _pooled(a: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return sums[:, 1] / sums[:, 0], sums[:, 3] / sums[:, 2]
 
 
+@dataclass
+class AcceptanceComparison:
+    """The paired comparison of two arms' MTP draft acceptance (`compare_acceptance`): each arm's depth-1 rate and
+    mean accepted length with their intervals, the paired differences and the non-inferiority verdict. `validity`:
+    why the comparison is no evidence (evals/statistics/evidence.py), set only then."""
+
+    n_questions: int
+    depth: int | None
+    baseline_rate: float
+    baseline_rate_ci: tuple[float, float]
+    candidate_rate: float
+    candidate_rate_ci: tuple[float, float]
+    baseline_length: float
+    baseline_length_ci: tuple[float, float]
+    candidate_length: float
+    candidate_length_ci: tuple[float, float]
+    rate_difference: float
+    rate_ci_low: float      # of the verdict's measure
+    rate_ci_high: float
+    length_difference: float
+    length_ci: tuple[float, float]
+    questions_worse: int
+    questions_better: int
+    ci_level: float
+    resamples: int
+    margin: float
+    verdict_on: str
+    verdict: Verdict
+    validity: str | None = None
+
+    def to_json(self) -> dict:
+        """The report's form: the fields in order, the verdict as its value, `validity` only where set."""
+        data = {**asdict(self), "verdict": self.verdict.value}
+        if data["validity"] is None:
+            del data["validity"]
+        return data
+
+
 def compare_acceptance(baseline, candidate, *, margin: float, resamples: int = 10_000, level: float = 0.95,
-                       seed: int = 0) -> dict:
+                       seed: int = 0) -> AcceptanceComparison:
     """Paired comparison of two arms' per-question acceptance (aligned lists of QuestionAcceptance dicts).
 
     The interval of candidate - baseline depth-1 acceptance (and of the mean accepted length) is a paired
@@ -112,14 +152,14 @@ def compare_acceptance(baseline, candidate, *, margin: float, resamples: int = 1
             low, high = interval(c_len / b_len - 1)
     verdict = PASS if low > -margin else FAIL if high < -margin else INCONCLUSIVE
     per_question = (c[:, 1] / np.maximum(c[:, 0], 1)) - (b[:, 1] / np.maximum(b[:, 0], 1))
-    return {
-        "n_questions": n, "depth": int(baseline[0]["depth"]) if n else None,
-        "baseline_rate": br, "baseline_rate_ci": interval(b_rate),
-        "candidate_rate": cr, "candidate_rate_ci": interval(c_rate),
-        "baseline_length": bl, "baseline_length_ci": interval(b_len),
-        "candidate_length": cl, "candidate_length_ci": interval(c_len),
-        "rate_difference": cr - br, "rate_ci_low": low, "rate_ci_high": high,  # of the verdict's measure
-        "length_difference": cl - bl, "length_ci": interval(d_len),
-        "questions_worse": int((per_question < 0).sum()), "questions_better": int((per_question > 0).sum()),
-        "ci_level": level, "resamples": resamples, "margin": margin, "verdict_on": measure, "verdict": verdict,
-    }
+    return AcceptanceComparison(
+        n_questions=n, depth=int(baseline[0]["depth"]) if n else None,
+        baseline_rate=br, baseline_rate_ci=interval(b_rate),
+        candidate_rate=cr, candidate_rate_ci=interval(c_rate),
+        baseline_length=bl, baseline_length_ci=interval(b_len),
+        candidate_length=cl, candidate_length_ci=interval(c_len),
+        rate_difference=cr - br, rate_ci_low=low, rate_ci_high=high,
+        length_difference=cl - bl, length_ci=interval(d_len),
+        questions_worse=int((per_question < 0).sum()), questions_better=int((per_question > 0).sum()),
+        ci_level=level, resamples=resamples, margin=margin, verdict_on=measure, verdict=verdict,
+    )

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from evals.statistics.paired_interval import noninferiority_p, smallest_passing_n, tango_interval
+from evals.statistics.verdict import Verdict
 
-PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+PASS, FAIL, INCONCLUSIVE = Verdict.PASS, Verdict.FAIL, Verdict.INCONCLUSIVE
 
 
 def accuracy_stderr(scores) -> float:
@@ -58,7 +59,7 @@ def mcnemar_exact(b: int, c: int) -> float:
     return float(binomtest(min(b, c), b + c, 0.5).pvalue)
 
 
-def verdict(ci: tuple[float, float], margin: float) -> str:
+def verdict(ci: tuple[float, float], margin: float) -> Verdict:
     """Non-inferiority against `margin` (a fraction, 0.02 = 2 points) on the interval of candidate - baseline.
 
     pass: the whole interval lies above -margin; fail: the whole interval lies below -margin;
@@ -72,7 +73,7 @@ def verdict(ci: tuple[float, float], margin: float) -> str:
     return INCONCLUSIVE
 
 
-def combine_verdicts(verdicts) -> str:
+def combine_verdicts(verdicts) -> Verdict:
     """The verdict of several comparisons: fail if any fails, else inconclusive if any is, else pass."""
     verdicts = list(verdicts)
     if FAIL in verdicts:
@@ -101,12 +102,12 @@ class Comparison:
     candidate_only_correct: int
     mcnemar_p: float
     margin: float
-    verdict: str
+    verdict: Verdict
     noninferiority_p: float  # one-sided score test of delta <= -margin
     n_to_pass: int | None  # fewest questions that could pass at this margin with the observed discordance
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "verdict": self.verdict.value}
 
 
 def discordance(baseline, candidate) -> tuple[float, float]:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 
+from evals.statistics.results import ComparisonRow
+from evals.statistics.verdict import Verdict
 from quant.errors import EvidenceMissing
 
 FAILED_TOLERANCE = 0.01   # failed requests an arm may have, as a share of its generations (1 in 100)
 ACCEPTANCE_FLOOR = 0.05   # depth-1 draft acceptance at or below this: the draft is not working in that arm
-INVALID = "invalid"
+INVALID = Verdict.INVALID
 
 
 def check_failures(label: str, arm: dict, generations: int) -> None:
@@ -36,60 +38,60 @@ def check_failures(label: str, arm: dict, generations: int) -> None:
                               f"run again")
 
 
-def floor_problems(rows: list[dict], floors: dict[str, float]) -> list[str]:
+def floor_problems(rows: list[ComparisonRow], floors: dict[str, float]) -> list[str]:
     """One line per primary row (or its acceptance) where an arm is at or below its floor; marks those rows."""
     problems = []
     for row in rows:
-        if not row.get("primary"):
+        if not row.primary:
             continue
-        c = row["comparison"]
-        floor = floors.get(row["task"], 0.0)
-        low = [arm for arm in ("baseline", "candidate") if c[f"{arm}_accuracy"] <= floor]
+        c = row.comparison
+        floor = floors.get(row.task, 0.0)
+        low = [arm for arm in ("baseline", "candidate") if getattr(c, f"{arm}_accuracy") <= floor]
         if low:
-            row["validity"] = f"{' and '.join(low)} at or below the floor ({floor:.0%})"
-            scores = " and ".join(f"{arm} {c[arm + '_accuracy']:.1%}" for arm in low)
-            problems.append(f"{row['label']}: {scores} is at "
+            row.validity = f"{' and '.join(low)} at or below the floor ({floor:.0%})"
+            scores = " and ".join(f"{arm} {getattr(c, arm + '_accuracy'):.1%}" for arm in low)
+            problems.append(f"{row.label}: {scores} is at "
                             f"or below the task's floor of {floor:.0%}: the setup is broken (prompt format, chat "
                             f"template, tokenizer or server), not evidence about the weights")
-        a = row.get("acceptance")
-        if a and a.get("verdict_on", "").startswith("depth-1"):
+        a = row.acceptance
+        if a and a.verdict_on.startswith("depth-1"):
             # A dead candidate draft beside a working baseline draft is the failure the check exists for (fail);
             # a dead baseline draft leaves nothing to compare with.
-            dead = [arm for arm in ("baseline", "candidate") if a[f"{arm}_rate"] <= ACCEPTANCE_FLOOR]
+            dead = [arm for arm in ("baseline", "candidate") if getattr(a, f"{arm}_rate") <= ACCEPTANCE_FLOOR]
             if "baseline" in dead:
-                a["validity"] = f"{' and '.join(dead)} at or below {ACCEPTANCE_FLOOR:.0%} depth-1 acceptance"
-                problems.append(f"{row['label']} MTP: depth-1 acceptance of {' and '.join(dead)} is at or below "
+                a.validity = f"{' and '.join(dead)} at or below {ACCEPTANCE_FLOOR:.0%} depth-1 acceptance"
+                problems.append(f"{row.label} MTP: depth-1 acceptance of {' and '.join(dead)} is at or below "
                                 f"{ACCEPTANCE_FLOOR:.0%}: the draft does not work in that arm, so acceptance "
                                 f"cannot be compared")
-            if "candidate" in low and a["verdict"] == "pass":
-                problems.append(f"{row['label']}: inconsistent: the candidate's accuracy collapsed while its draft "
-                                f"acceptance ({a['candidate_rate']:.1%}) stayed non-inferior; the draft agrees with "
+            if "candidate" in low and a.verdict == Verdict.PASS:
+                problems.append(f"{row.label}: inconsistent: the candidate's accuracy collapsed while its draft "
+                                f"acceptance ({a.candidate_rate:.1%}) stayed non-inferior; the draft agrees with "
                                 f"a target that no longer answers (ROCm/ATOM#646), look at the candidate's answers")
     return problems
 
 
-def next_steps(rows: list[dict], limit: int | None, questions: dict[str, int]) -> list[str]:
+def next_steps(rows: list[ComparisonRow], limit: int | None, questions: dict[str, int]) -> list[str]:
     """What would decide each inconclusive comparison."""
     steps = []
     for row in rows:
-        if not row.get("primary"):
+        if not row.primary:
             continue
-        c = row["comparison"]
-        if c["verdict"] == "inconclusive":
-            n, have = c.get("n_to_pass"), c["n_questions"]
-            available = questions.get(row["task"])
+        c = row.comparison
+        if c.verdict == Verdict.INCONCLUSIVE:
+            n, have = c.n_to_pass, c.n_questions
+            available = questions.get(row.task)
             if n and (available is None or n <= available):
-                steps.append(f"{row['label']}: run at least {n} questions (--limit {n}; this run had {have}) to "
+                steps.append(f"{row.label}: run at least {n} questions (--limit {n}; this run had {have}) to "
                              f"pass at this discordance, or it may fail with more evidence")
-            elif row.get("seeds") and len(row["seeds"]) > 1 or row["task"] == "gpqa_diamond":
-                steps.append(f"{row['label']}: the whole set ({have} questions) cannot decide at this margin; add "
+            elif row.seeds and len(row.seeds) > 1 or row.task == "gpqa_diamond":
+                steps.append(f"{row.label}: the whole set ({have} questions) cannot decide at this margin; add "
                              f"generation seeds (--seeds) to average out sampling, or accept a wider --margin "
                              f"deliberately")
             else:
-                steps.append(f"{row['label']}: {have} questions cannot decide at this margin with the observed "
+                steps.append(f"{row.label}: {have} questions cannot decide at this margin with the observed "
                              f"discordance; evaluate more questions (--limit 0 for all) or a larger task")
-        a = row.get("acceptance")
-        if a and a["verdict"] == "inconclusive":
-            steps.append(f"{row['label']} MTP: the acceptance interval contains -margin; more generations (a larger "
+        a = row.acceptance
+        if a and a.verdict == Verdict.INCONCLUSIVE:
+            steps.append(f"{row.label} MTP: the acceptance interval contains -margin; more generations (a larger "
                          f"--limit) narrow it")
     return steps

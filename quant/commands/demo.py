@@ -74,5 +74,6 @@ def _demo(out: Path, limit: int, overwrite: bool) -> None:
                                   overwrite=overwrite),
                       log=lambda m: typer.echo(f"   {m}"))
     print_table(report)
-    typer.echo(f"   model card: {add_accuracy(out / 'arith-mxfp4', report, out / 'report')}")
-    typer.echo(f"\nreport: {out / 'report' / 'report.md'} (+ report.json, report.png); verdict: {report['verdict']}")
+    typer.echo(f"   model card: {add_accuracy(out / 'arith-mxfp4', report.to_json(), out / 'report')}")
+    typer.echo(f"\nreport: {out / 'report' / 'report.md'} (+ report.json, report.png); verdict: "
+               f"{report.verdict.value}")
