@@ -262,7 +262,23 @@ def broken_findings(root: Path) -> dict[str, dict]:
 
 # -- record / check -----------------------------------------------------------------------------------------
 
+# The intra-op threads the goldens were recorded with: GPTQ's calibration statistics in the manifest (not the
+# weights) round differently with the thread count, and pytest's xdist workers run on one thread (conftest.py).
+THREADS = 2
+
+
 def compute(cases: list[dict], work: Path, broken: bool = True, log=print) -> dict:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return _compute(cases, work, broken, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute(cases: list[dict], work: Path, broken: bool, log) -> dict:
     sources = build_sources(cases, work / "sources")
     exports = {}
     for case in cases:
