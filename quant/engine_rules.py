@@ -162,7 +162,9 @@ class EngineRules:
     packed_modules_mapping: dict[str, list[str]] = rule({}, "fused module -> the checkpoint shards it is built from")
     unexpanded_fused: dict[str, list[str]] = rule(
         {}, "architecture -> fused modules matched by the fused name only (not expanded into shards)")
-    name_mappers: dict[str, dict[str, str]] = rule({}, "architecture -> checkpoint -> runtime name prefixes")
+    name_mappers: dict[str, dict[str, str]] = rule(
+        {}, "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
+            "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
     maps_exclude: bool = rule(False, "exclude is rewritten with the name mapper before matching")
     build_prefixes: dict[str, list[BuildPrefix]] = rule(
         {}, "architecture -> modules built under a quant-config prefix other than their checkpoint path")

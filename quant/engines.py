@@ -200,13 +200,18 @@ def name_mapper(rules: EngineRules, config: dict) -> dict[str, str]:
 
 
 def runtime_name(module: str, mapper: dict[str, str]) -> str:
-    """WeightsMapper.orig_to_new_prefix applied to a module name the way the engine maps tensor names
-    ("<module>." is mapped, so "lm_head" follows the "lm_head." rule)."""
+    """The engine's WeightsMapper applied to a module name the way it maps tensor names ("<module>." is mapped, so
+    "lm_head" follows the "lm_head." rule): a key starting with "." is an orig_to_new_substr entry (the longest
+    one found anywhere in the name, replaced once), applied first; any other key is an orig_to_new_prefix entry."""
     dotted = module + "."
+    for old in sorted((k for k in mapper if k.startswith(".")), key=len, reverse=True):
+        if old in dotted:
+            dotted = dotted.replace(old, mapper[old], 1)
+            break
     for old, new in mapper.items():
-        if dotted.startswith(old):
+        if not old.startswith(".") and dotted.startswith(old):
             return (new + dotted[len(old):])[:-1]
-    return module
+    return dotted[:-1]
 
 
 def build_prefixes(rules: EngineRules, config: dict) -> tuple[tuple[str, str], ...]:
@@ -245,13 +250,16 @@ def wrapper_aliases(module: str, config: dict) -> list[str]:
 
 @lru_cache(maxsize=None)
 def _renamers(arch: str) -> tuple:
-    """The distinct (name mapper, build prefixes) pairs of every engine release for one architecture."""
+    """The distinct (name mapper, build prefixes) pairs of every engine release for one architecture. Substring
+    entries (keys starting with ".") give no alias: the one release profiled with one (SGLang 0.5.23, MiniMax-M3)
+    rewrites `exclude` with that mapper itself (maps_exclude), so the checkpoint name already matches there."""
     config = {"architectures": [arch]}
     pairs = []
     for engine in engine_data()["engines"]:
         for release in releases(engine):
             rules = profile(engine, release).rules
-            pair = (tuple(name_mapper(rules, config).items()), build_prefixes(rules, config))
+            mapper = {k: v for k, v in name_mapper(rules, config).items() if not k.startswith(".")}
+            pair = (tuple(mapper.items()), build_prefixes(rules, config))
             if (pair[0] or pair[1]) and pair not in pairs:
                 pairs.append(pair)
     return tuple(pairs)
