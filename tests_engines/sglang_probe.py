@@ -15,8 +15,10 @@ Prints one JSON line: {"release": "0.5.23", "models": {"main": R, "draft": R}} w
   class       the model class SGLang chose (e.g. DeepseekV3ForCausalLMNextN for the draft)
   unwritten   parameters with a checkpoint source that still hold the sentinel after loading
   mismatched  parameters whose bytes differ from the checkpoint's (name, source tensors, share of elements)
-  decoded     MXFP4 parameters decoded independently (ml_dtypes float4_e2m1fn x float8_e8m0fnu) from what SGLang
-              holds and compared with quant.dequant's BF16 reading of the export (--reference): name -> max |diff|
+  decoded     quantized parameters decoded independently (ml_dtypes: MXFP4 float4_e2m1fn x float8_e8m0fnu, FP8
+              float8_e4m3fn x its per-tensor / per-channel / 128x128-block scale) from what SGLang holds and
+              compared with quant.dequant's BF16 reading of the export (--reference): name -> {"format": "mxfp4" |
+              "fp8" | "fp8-block", "diff": max |diff|} or {"format", "error"} (could not be decoded: a failure)
   checked / unmapped   parameters compared / parameters with no checkpoint source (module defaults: k_scale, ...)
 
 What SGLang holds is read after its weight loaders ran (`model.load_weights`, which for DeepSeek/GLM includes
@@ -136,7 +138,11 @@ def init_distributed(server_args, release):
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
          "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
-         "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
+         "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"],
+         "index_qkv_proj": ["index_q_proj", "index_k_proj"]}  # MiniMax-M3 (minimax_m3_vl.py packed_modules_mapping)
+# Per-expert checkpoint leaves of a FusedMoE's w13 (gate, up) and w2 (down): Qwen/DeepSeek/GLM/Kimi name them
+# gate_proj / up_proj / down_proj, MiniMax-M2/M3 w1 / w3 / w2 (FusedMoE.make_expert_params_mapping in their models).
+EXPERT_LEAVES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 class Checkpoint:
@@ -191,17 +197,18 @@ def expert_sources(ckpt, module_names, leaf):
         return None, False
     which, suffix = m.groups()
     for module in module_names:
-        rows = []
-        for e in range(4096):
-            if which == "w13":
-                parts = [f"{module}.{e}.{p}_proj.{suffix}" for p in ("gate", "up")]
-            else:
-                parts = [f"{module}.{e}.down_proj.{suffix}"]
-            if not all(p in ckpt for p in parts):
-                break
-            rows.append(parts)
-        if rows:
-            return rows, True
+        for gate, up, down in EXPERT_LEAVES:
+            rows = []
+            for e in range(4096):
+                if which == "w13":
+                    parts = [f"{module}.{e}.{p}.{suffix}" for p in (gate, up)]
+                else:
+                    parts = [f"{module}.{e}.{down}.{suffix}"]
+                if not all(p in ckpt for p in parts):
+                    break
+                rows.append(parts)
+            if rows:
+                return rows, True
         fused = f"{module}.{'gate_up_proj' if which == 'w13' else 'down_proj'}"
         if suffix == "weight" and fused in ckpt:
             return [[fused]], False
@@ -233,9 +240,14 @@ def candidate_modules(module, draft, mtp_index):
             out.append("mtp." + module[len("model."):])
         out.append("mtp." + module)
     for prefix, ck in (("language_model.model.", "model.language_model."), ("language_model.", ""),
-                       ("model.", "model.language_model."), ("visual.", "model.visual.")):
+                       ("model.", "model.language_model."), ("visual.", "model.visual."),
+                       # Kimi-K2.5 / MiniMax-M3: the text model held as model.*, built as language_model.model.*
+                       ("model.", "language_model.model."), ("lm_head", "language_model.lm_head")):
         if module.startswith(prefix):
             out.append(ck + module[len(prefix):])
+    # MiniMax-M3 (SGLang 0.5.23) builds its MoE as layers.N.mlp: the checkpoint's layers.N.block_sparse_moe
+    out += [m.replace(".mlp.", ".block_sparse_moe.", 1) for m in list(out) if ".mlp." in m]
+    out += [m[: -len(".mlp")] + ".block_sparse_moe" for m in list(out) if m.endswith(".mlp")]
     m = re.match(r"(.*\.layers\.\d+)\.(qkv_proj|o_proj|q_norm|k_norm|q_proj|k_proj|v_proj)$", module)
     if m:
         out += [f"{c}" for c in candidate_modules(f"{m.group(1)}.self_attn.{m.group(2)}", draft, mtp_index)]
@@ -476,35 +488,96 @@ def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
     return result
 
 
+def decode_fp8(weight, scale, block=None, shard_rows=None):
+    """Independent FP8 decode (ml_dtypes float8_e4m3fn -> float32, times the float32 scale, rounded to BF16 as
+    quant.dequant rounds): per tensor (scale of one element), per channel (one scale per row: [out], [out, 1]; an
+    expert stack [E, out] / [E, out, 1]) or, with `block`, per block x block tile of weight_scale_inv, each fused
+    shard (`shard_rows`: its rows, in order) starting its own tile rows as SGLang's merged loaders place them."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    w = weight.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    s = scale.detach().to(torch.float32).contiguous().numpy()
+    if block is None:
+        if s.size == 1:
+            out = w * s.reshape(())
+        else:
+            s = s.reshape(*w.shape[:-1], 1)
+            out = w * s
+    else:
+        rows = shard_rows or [w.shape[-2]]
+        parts, tile = [], 0
+        for r, start in zip(rows, np.cumsum([0] + rows[:-1])):
+            n = -(-r // block)
+            grid = s[..., tile:tile + n, :]
+            full = np.repeat(np.repeat(grid, block, axis=-2), block, axis=-1)[..., :r, :w.shape[-1]]
+            parts.append(w[..., start:start + r, :] * full)
+            tile += n
+        if tile != s.shape[-2]:
+            raise ValueError(f"weight_scale_inv has {s.shape[-2]} tile rows, the shards {rows} need {tile}")
+        out = np.concatenate(parts, axis=-2)
+    return torch.from_numpy(np.ascontiguousarray(out)).to(torch.bfloat16)
+
+
+def _quantized_format(name, param, params):
+    """("mxfp4" | "fp8" | "fp8-block", scale parameter name) for a quantized weight SGLang holds, else None."""
+    import torch
+
+    if param.dtype == torch.uint8 and params.get(name + "_scale") is not None \
+            and params[name + "_scale"].dtype == torch.uint8:
+        return "mxfp4", name + "_scale"
+    if param.dtype == torch.float8_e4m3fn:
+        if name + "_scale_inv" in params:
+            return "fp8-block", name + "_scale_inv"
+        if name + "_scale" in params:
+            return "fp8", name + "_scale"
+    return None
+
+
 def decode_against_reference(params, sources, reference_path, draft, mtp_index):
-    """For each MXFP4 weight SGLang holds (uint8 packed + uint8 weight_scale beside it), decode it independently and
-    compare with the BF16 the export means (quant.dequant's output, same names as the source tensors)."""
+    """For each quantized weight SGLang holds (MXFP4: uint8 packed + uint8 weight_scale; FP8: float8_e4m3fn +
+    weight_scale (per tensor / channel) or weight_scale_inv (128x128 blocks)), decode it independently (ml_dtypes)
+    and compare with the BF16 the export means (quant.dequant's output, same names as the source tensors):
+    name -> {"format", "diff": max |decoded - reference|} or {"format", "error"} when it cannot be decoded or
+    compared (a test failure, never skipped). Quantized parameters with no checkpoint source are not listed
+    ("unmapped" counts them)."""
     import torch
 
     ref = Checkpoint(reference_path)
     out = {}
     for name, param in params.items():
-        scale_name = name + "_scale"
-        if param.dtype != torch.uint8 or scale_name not in params or name not in sources:
+        if name not in sources or name.endswith(("_scale", "_scale_inv")):
             continue
+        kind = _quantized_format(name, param, params)
+        if kind is None:
+            continue
+        fmt, scale_name = kind
         scale = params[scale_name]
-        if scale.dtype != torch.uint8 or scale.shape[-1] * 16 != param.shape[-1]:
-            continue
         srcs = sources[name][1]
         try:
             module, _, leaf = name.rpartition(".")
             if re.match(r"w(13|2)_", leaf):
                 rows, stacked = expert_sources(ref, candidate_modules(module, draft, mtp_index), leaf)
+                if not rows:
+                    raise KeyError(f"no reference tensors for {name}")
                 value = expert_value(ref, rows, stacked)
+                shard_rows = [ref.get(p).shape[0] for p in rows[0]]
             else:
-                value = torch.cat([ref.get(s) for s in srcs], 0)
-        except Exception:
-            continue
-        decoded = decode_mxfp4(param.data, scale.data)
-        if decoded.shape != value.shape:
-            out[name] = float("inf")
-            continue
-        out[name] = float((decoded - value.float()).abs().max())
+                tensors = [ref.get(s) for s in srcs]
+                value = torch.cat(tensors, 0)
+                shard_rows = [t.shape[0] for t in tensors]
+            if fmt == "mxfp4":
+                if scale.shape[-1] * 16 != param.shape[-1]:
+                    raise ValueError(f"packed {tuple(param.shape)} and scale {tuple(scale.shape)} disagree")
+                decoded = decode_mxfp4(param.data, scale.data)
+            else:
+                decoded = decode_fp8(param.data, scale.data, 128 if fmt == "fp8-block" else None, shard_rows)
+            if decoded.shape != value.shape:
+                raise ValueError(f"decoded {tuple(decoded.shape)}, reference {tuple(value.shape)}")
+            out[name] = {"format": fmt, "diff": float((decoded.float() - value.float()).abs().max())}
+        except Exception as e:  # reported: the tier fails on it
+            out[name] = {"format": fmt, "error": _first_line(e)}
     return out
 
 

@@ -4,10 +4,13 @@ module construction and weight loaders (tests_engines/sglang_probe.py; what its 
 the outcome must be what `quant verify-manifest --engine sglang==<release>` predicts:
 
 - predicted to load: both models load, no parameter with a checkpoint source is left unwritten, every parameter
-  equals the checkpoint's bytes (fused modules concatenated as SGLang fuses them), and every MXFP4 weight decoded
-  independently (ml_dtypes) from what SGLang holds equals quant.dequant's BF16 reading of the export;
+  equals the checkpoint's bytes (fused modules concatenated as SGLang fuses them), and every quantized weight
+  (MXFP4, FP8 per channel, block FP8) decoded independently (ml_dtypes) from what SGLang holds equals
+  quant.dequant's BF16 reading of the export; at least one weight of every quantized (format, MoE | linear) kind
+  the export holds for that model was decoded and compared, and a weight that cannot be decoded is a failure;
 - predicted to fail: SGLang raises or loads wrong values ("loads-wrong": silently wrong loads are failures too),
-  and the module SGLang names is one the preflight names;
+  and the module SGLang names is one the preflight names; a deliberately broken export (cases.SGLANG_BROKEN) must
+  fail exactly as recorded per model: outcome, exception type and message, module;
 - BF16 toys: predicted to load (the preflight checks quantized exports only), values compared as above;
 - a checkpoint SGLang cannot build here (cases.SGLANG_CANNOT_BUILD, with the reason read from its error): the
   recorded outcome, asserted, so a release that starts building it fails the expectation instead of passing silently.
@@ -22,8 +25,10 @@ import json
 
 import pytest
 
-from tests_engines.cases import (SGLANG_RELEASES, materialize_sglang, run_sglang, sglang_cannot_build, sglang_cases,
-                                 sglang_expectation_miss, sglang_named_modules, sglang_outcome, sglang_prediction)
+from tests_engines.cases import (SGLANG_BROKEN, SGLANG_RELEASES, decoded_kinds, expectation_miss,
+                                 materialize_sglang, quantized_kinds, run_sglang, sglang_cannot_build, sglang_cases,
+                                 sglang_expectation_miss, sglang_named_modules, sglang_outcome, sglang_preflight_miss,
+                                 sglang_prediction)
 
 CASES = sglang_cases()
 
@@ -70,7 +75,7 @@ def describe(result: dict) -> str:
 
 
 @pytest.mark.parametrize("case,release", _params())
-def test_sglang_agrees_with_preflight(case, release, work):
+def test_sglang_agrees_with_preflight(case, release, work, record_property):
     path, reference = materialize_sglang(case, work)
     expected = sglang_cannot_build(case, release)
     result = run_sglang(release, path, reference, setup_error_ok=bool(expected and "setup" in expected))
@@ -80,6 +85,17 @@ def test_sglang_agrees_with_preflight(case, release, work):
                               "it now, remove the SGLANG_CANNOT_BUILD entry and compare with the preflight")
         return
     errors = sglang_prediction(path, release) if case.scheme else []  # BF16 toys: nothing to predict, must load
+    recorded = sglang_preflight_miss(case, release)
+    if recorded is not None:  # a real failure the preflight does not model yet: asserted as recorded
+        assert not errors, (f"the preflight now predicts {case.name} on {release} ({errors[0].message[:200]}): "
+                            "remove its SGLANG_PREFLIGHT_MISSES entry")
+        mtp_index = _mtp_index(path)
+        for which, want in recorded.items():
+            model = result["models"][which]
+            miss = expectation_miss(model["outcome"], model.get("error", ""),
+                                    sorted(sglang_named_modules(model, mtp_index)), want)
+            assert miss is None, f"SGLang {release} {which}: {miss}"
+        return
     predicted = "error" if errors else "pass"
     actual = sglang_outcome(result)
     assert actual == predicted, (f"SGLang {release}: {describe(result)}; preflight predicted {predicted}"
@@ -88,12 +104,31 @@ def test_sglang_agrees_with_preflight(case, release, work):
         for which, model in result["models"].items():
             if model["outcome"] == "absent":
                 continue
-            bad = {k: v for k, v in model.get("decoded", {}).items() if v != 0.0}
-            assert not bad, f"{which}: SGLang's MXFP4 weights decode differently from quant.dequant: {bad}"
             assert model["checked"] > 0, f"{which}: no parameter compared"
+            if reference is None:  # a BF16 toy: nothing quantized to decode
+                continue
+            decoded = model.get("decoded", {})
+            bad = {k: v for k, v in decoded.items() if "error" in v or v["diff"] != 0.0}
+            assert not bad, f"{which}: SGLang's quantized weights decode differently from quant.dequant: {bad}"
+            counts = decoded_kinds(model)
+            missing = quantized_kinds(path, which) - set(counts)
+            assert not missing, (f"{which}: no weight of kind {sorted(missing)} decoded and compared (decoded: "
+                                 f"{counts})")
+            record_property(f"decoded-{which}", {f"{f}/{k}": n for (f, k), n in sorted(counts.items())})
         return
-    # Failures: the module SGLang names must be one the preflight names.
     mtp_index = _mtp_index(path)
+    broken = SGLANG_BROKEN.get((case.damage, release)) if case.damage else None
+    if case.damage and not case.damage.startswith("spelling-"):
+        assert broken is not None, f"no SGLANG_BROKEN entry for {case.damage} on {release}: record what SGLang raises"
+    if broken is not None:  # a broken export: each model fails (or loads) exactly as recorded
+        for which, want in broken.items():
+            model = result["models"][which]
+            named = sorted(sglang_named_modules(model, mtp_index)) if model["outcome"] != "loaded" else []
+            miss = expectation_miss(model["outcome"], model.get("error", ""), named, want)
+            assert miss is None, f"SGLang {release} {which}: {miss}"
+        assert set(result["models"]) <= set(broken) | {m for m, v in result["models"].items()
+                                                       if v["outcome"] == "absent"}, result["models"].keys()
+    # Failures: the module SGLang names must be one the preflight names.
     named = set()
     for model in result["models"].values():
         if model["outcome"] not in ("loaded", "absent"):

@@ -14,7 +14,7 @@ from pathlib import Path
 from quant.pipeline import quantize_checkpoint
 from quant.toy import build_toy
 from quant.verify import verify_checkpoint
-from tests_engines.cases import TIER_OVERRIDES, activation_quantized_linears, mean_abs_diff, same_place
+from tests_engines.cases import TIER_OVERRIDES, activation_quantized_linears, mean_abs_diff, one_spelling, same_place
 
 ROOT = Path(__file__).resolve().parent.parent
 QUARK_VENV = Path(os.environ.get("QUARK_VENV", ROOT / ".venv-quark"))
@@ -40,14 +40,24 @@ class Case:
     toy: str
     scheme: str
     recipe: str
+    spelling: str = ""  # an export rewritten by tests_engines/cases.py one_spelling (exclude / layer_quant_config)
 
     @property
     def name(self) -> str:
-        return f"{self.toy}-{self.scheme}-{self.recipe}"
+        return f"{self.toy}-{self.scheme}-{self.recipe}" + (f"-spelling-{self.spelling}" if self.spelling else "")
+
+
+# Exports as other tools write them (issue #30): exclude in one spelling, from a base whose routed experts are BF16
+# (the only Quark exports transformers loads; tests_engines/recipes/spelling-linear.yaml). Qwen3.5 is where the
+# spellings differ for transformers (AutoModelForCausalLM builds model.*, the checkpoint says model.language_model.*).
+SPELLING_RECIPE = "spelling-linear"
+SPELLINGS = {"qwen3.5": ("checkpoint", "text-only", "vllm", "re")}
 
 
 def cases() -> list[Case]:
-    return [Case(toy, scheme, recipe) for toy in TOYS for scheme, recipe in EXPORTS]
+    return ([Case(toy, scheme, recipe) for toy in TOYS for scheme, recipe in EXPORTS]
+            + [Case(toy, "w_mxfp4_a_mxfp4", SPELLING_RECIPE, s) for toy, spellings in SPELLINGS.items()
+               for s in spellings])
 
 
 def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
@@ -57,6 +67,12 @@ def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
     toy = root / f"toy-{case.toy}"
     if not toy.exists():
         build_toy(case.toy, toy, overrides=TIER_OVERRIDES.get(case.toy, {}))
+    if case.spelling:
+        intact, _, reference = materialize(Case(case.toy, case.scheme, case.recipe), root)
+        out = root / case.name
+        if not out.exists():
+            one_spelling(intact, out, case.toy, case.spelling)
+        return out, toy, reference
     out = root / case.name
     if not out.exists():
         recipe = RECIPES / f"{case.recipe}.yaml"

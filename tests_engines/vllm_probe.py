@@ -4,8 +4,10 @@ construction and weight loaders, then score fixed prompts teacher-forced.
     python tests_engines/vllm_probe.py CHECKPOINT '[[1, 2, 3], ...]'
 
 Prints one JSON line: {"outcome": "loaded", "logprobs": [[...], ...]} (the log-probability vLLM gives each
-prompt token after the first) or {"outcome": "load-error", "error": "<exception type>: <first line>"} when
-building the model or loading its weights raises.
+prompt token after the first), {"outcome": "load-error", "error": "<exception type>: <first line>", "where": ...}
+when building the model or loading its weights raises, {"outcome": "run-error", ...} when the loaded model's forward
+raises, or {"outcome": "setup-error", ...} when vLLM or the shim cannot be imported or installed (the tier raises on
+that: an environment failure is never an outcome under test).
 
 vLLM itself is not patched; vllm_emulation.py is the one test-only shim (what it replaces is in its docstring),
 and the outcome line lists the layer kinds it routed to emulation ("emulated"). QUANT_VLLM_EMULATION=force routes
@@ -58,28 +60,56 @@ def _failing_name(tb) -> str | None:
     return built if built and "layers." in built else None
 
 
+def _error(e: BaseException) -> str:
+    message = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {message}"[:400]
+
+
+def _raised_at(tb) -> str:
+    """"<path from the package root>:<line>" of the innermost frame (vllm/.../cpu_router.py:239)."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    path = tb.tb_frame.f_code.co_filename
+    for root in ("/site-packages/", "/tests_engines/"):
+        if root in path:
+            path = path.split(root, 1)[1]
+    return f"{path}:{tb.tb_lineno}"
+
+
 def main() -> int:
     checkpoint, prompts = sys.argv[1], json.loads(sys.argv[2])
-    from vllm import LLM, SamplingParams
+    try:  # the engine and the shim: a failure here is the tier's environment, never an outcome under test
+        from vllm import LLM, SamplingParams
 
-    import vllm_emulation  # beside this script
+        import vllm_emulation  # beside this script
 
-    vllm_emulation.install()
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    index_topk = config.get("index_topk", config.get("text_config", {}).get("index_topk"))
-    if index_topk is not None:
-        vllm_emulation.install_dense_dsa(index_topk, max(len(ids) for ids in prompts))
+        vllm_emulation.install()
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        index_topk = config.get("index_topk", config.get("text_config", {}).get("index_topk"))
+        if index_topk is not None:
+            vllm_emulation.install_dense_dsa(index_topk, max(len(ids) for ids in prompts))
+    except BaseException as e:  # noqa: BLE001 - reported, and the tier raises on it
+        traceback.print_exc()
+        print(json.dumps({"outcome": "setup-error", "error": _error(e)}))
+        return 0
     try:
         llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=256, enforce_eager=True, max_num_seqs=4,
                   gpu_memory_utilization=0.1, seed=0, **_text_only(checkpoint))
     except Exception as e:  # the outcome under test: vLLM refused the checkpoint
         traceback.print_exc()  # on stderr, for the one reading a failing tier; the outcome line is on stdout
-        message = (str(e).strip().splitlines() or [""])[0]
-        print(json.dumps({"outcome": "load-error", "error": f"{type(e).__name__}: {message}"[:400],
-                          "where": _failing_name(e.__traceback__)}))
+        print(json.dumps({"outcome": "load-error", "error": _error(e), "where": _failing_name(e.__traceback__),
+                          "at": _raised_at(e.__traceback__)}))
         return 0
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    except Exception as e:  # built and loaded, but its forward raised (e.g. a router vLLM-CPU cannot run)
+        traceback.print_exc()
+        print(json.dumps({"outcome": "run-error", "error": _error(e), "where": _failing_name(e.__traceback__),
+                          "at": _raised_at(e.__traceback__)}))
+        return 0
     logprobs = []
     for ids, out in zip(prompts, outputs):
         row = []
