@@ -134,7 +134,7 @@ def gate_from_baseline(report: EvalReport, spec, margin_points: float, mtp_margi
 
 
 def write_gate(path: Path, gate: dict) -> None:
-    from quant.pipeline.files import write_atomic
+    from quant.files import write_atomic
 
     header = ("# A CI gate in vLLM's GSM8K eval config format (tests/evals/gsm8k/configs), written by\n"
               "# `quant eval --write-gate` from a baseline run; `quant eval --gate` applies it.\n")

@@ -29,11 +29,11 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quant.errors import QuantError
+from quant.files import sha256_file, write_atomic
 
 OWNER_FILE = ".quant-owner.json"
 LOCK_FILE = ".quant-lock"
@@ -197,16 +197,6 @@ def same_job(previous: Record | None, identity: dict | None) -> bool:
     return all(before.get(k) is None or before.get(k) == v for k, v in (identity or {}).items())
 
 
-def sha256_of(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _real_dirs_to(root: Path, name: str) -> bool:
     """Every directory between `root` and `root/name` is a real directory (no symlink on the way)."""
     parent = root
@@ -220,15 +210,21 @@ def _real_dirs_to(root: Path, name: str) -> bool:
     return True
 
 
-def unchanged(root: Path, name: str, entry: tuple[int, str]) -> bool:
-    """`root/name` is still the regular file we recorded: no symlink on the way, the same size and sha256."""
+def regular_file(root: Path, name: str) -> os.stat_result | None:
+    """The stat of `root/name` when it is a regular file reached through real directories only, else None."""
     if not _real_dirs_to(root, name):
-        return False
+        return None
     try:
         st = os.lstat(root / name)
     except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == entry[0] and sha256_of(root / name) == entry[1]
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def unchanged(root: Path, name: str, entry: tuple[int, str]) -> bool:
+    """`root/name` is still the regular file we recorded: no symlink on the way, the same size and sha256."""
+    st = regular_file(root, name)
+    return st is not None and st.st_size == entry[0] and sha256_file(root / name) == entry[1]
 
 
 def remove_path(path: Path) -> None:
@@ -255,6 +251,9 @@ class Claim:
     record: Record | None = None
     _lock = None
     _before: set = field(default_factory=set)
+    # sha256 of files read while the claim is held, by name, with the stat they were read at: a resumed run asks
+    # for a finished shard's hash three times (its progress record, the ownership check, the resume check).
+    _digests: dict = field(default_factory=dict)
 
     @property
     def trusted(self) -> bool:
@@ -287,12 +286,25 @@ class Claim:
             self._lock = None
 
     def save(self) -> None:
-        write_new(self.root / OWNER_FILE, self.record.to_json(), tmp_dir=self.root)
+        write_atomic(self.root / OWNER_FILE, self.record.to_json(), tmp_dir=self.root)
+
+    def digest(self, name: str) -> tuple[int, str] | None:
+        """(size, sha256) of `root/name` when it is a regular file reached through real directories, else None;
+        each file is read once while the claim is held (unless it changes)."""
+        st = regular_file(self.root, name)
+        if st is None:
+            return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._digests.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, sha256_file(self.root / name))
+            self._digests[name] = cached
+        return st.st_size, cached[1]
 
     def ours(self, name: str) -> bool:
         """`name` (relative to the directory) is a file we wrote and it still holds what we wrote."""
         entry = self.record.files.get(name)
-        return entry is not None and unchanged(self.root, name, entry)
+        return entry is not None and self.digest(name) == tuple(entry)
 
     def is_scratch(self, name: str) -> bool:
         path = self.root / name
@@ -356,7 +368,7 @@ class Claim:
         assert valid_name(name), name
         for i in range(1, name.count("/") + 1):
             self._add_dir("/".join(name.split("/")[:i]))
-        self.record.files[name] = known or (os.lstat(self.root / name).st_size, sha256_of(self.root / name))
+        self.record.files[name] = known or self.digest(name)
 
     def remove_ours(self, name: str) -> list[str]:
         """Delete what we wrote at `name` (a file, or a directory's files of ours and then its directories of ours
@@ -488,25 +500,6 @@ def update_record(root: Path, names: list[str], *, kind: str) -> None:
     finally:
         c._release()
 
-
-def write_new(path: Path, data: bytes | str, tmp_dir: Path | None = None) -> None:
-    """Write `path` through a temporary of a fresh name (created exclusively, so no file of anyone's is ever
-    written through) renamed into place, with the mode every other file gets (0666 minus the umask)."""
-    directory = Path(tmp_dir or Path(path).parent)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".quant-write-", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _differs(previous: Record, identity: dict | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quant.errors import QuantError
-from quant.pipeline.files import write_atomic
+from quant.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_section, replace_accuracy
 
 CARD_IMAGE = "eval_report.png"

@@ -305,7 +305,7 @@ def print_table(report: EvalReport) -> None:
 def write_report(report: EvalReport, out_dir: Path, record=None) -> dict[str, Path]:
     """Write the PNG and markdown, then report.json last (atomically, the report's JSON form): its presence means
     the run finished. `record(names)`: the owner record's, told of each file as soon as it is written."""
-    from quant.pipeline.files import write_atomic
+    from quant.files import write_atomic
 
     paths = {"png": out_dir / REPORT_PNG, "md": out_dir / REPORT_MD, "json": out_dir / REPORT_JSON}
     plot(report, paths["png"])

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from quant.checkpoint import Checkpoint, SourceReader, safetensors_dtype
 from quant.errors import QuantError
-from quant.pipeline.files import share_like_other_files, sha256_file, write_atomic
+from quant.files import share_like_other_files, sha256_file, write_atomic
 from quant.pipeline.output import TMP_DIR
 from quant.pipeline.progress import ShardResult, progress_path
 from quant.planning.plan import Plan, ShardJob, TensorJob

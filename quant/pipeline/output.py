@@ -23,7 +23,7 @@ from pathlib import Path
 from quant.checkpoint import INDEX_FILE
 from quant.errors import EngineFailure
 from quant.ownership import Claim, claim, real_path, remove_path, same_job
-from quant.pipeline.files import write_atomic
+from quant.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE
 from quant.pipeline.progress import PROGRESS_DIR
 
@@ -58,8 +58,6 @@ def side_files(src: Path) -> list[str]:
 def verified_shards(hold: Claim) -> dict[str, tuple[int, str]]:
     """Shards a killed run of ours finished: named by a progress record in our own `.quant-progress/` (trusted
     only in a directory whose owner record is valid) and still holding the bytes that record hashed."""
-    from quant.ownership import unchanged
-
     progress = hold.root / PROGRESS_DIR
     if hold.previous is None or not hold.is_scratch(PROGRESS_DIR):
         return {}
@@ -71,7 +69,7 @@ def verified_shards(hold: Claim) -> dict[str, tuple[int, str]]:
             continue
         name, size, digest = result.get("file"), result.get("bytes"), result.get("sha256")
         if name == record.name[: -len(".json")] and "/" not in str(name) and isinstance(size, int) \
-                and isinstance(digest, str) and unchanged(hold.root, name, (size, digest)):
+                and isinstance(digest, str) and hold.digest(name) == (size, digest):
             found[name] = (size, digest)
     return found
 
@@ -122,6 +120,11 @@ class Output:
                 if path.is_dir() and not path.is_symlink() and not any(p for p in path.rglob("*") if p.is_file()):
                     shutil.rmtree(path)
         self.claim.__exit__(*exc)
+
+    def sha256(self, path: Path) -> str | None:
+        """sha256 of a file of OUT (a regular file, no symlink on the way), read once while the run holds OUT."""
+        found = self.hold.digest(Path(path).name)
+        return found[1] if found else None
 
     def own(self, names, hashes: dict[str, tuple[int, str]] | None = None) -> None:
         """Record files this run wrote, with their size and sha256 (from `hashes` where already known)."""

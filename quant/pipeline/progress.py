@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from quant.pipeline.files import sha256_file
+from quant.files import sha256_file
 from quant.planning.plan import ShardJob
 
 PROGRESS_DIR = ".quant-progress"
@@ -32,8 +32,9 @@ def progress_path(out: Path, shard: ShardJob) -> Path:
     return out / PROGRESS_DIR / (shard.file + ".json")
 
 
-def completed(out: Path, shard: ShardJob, digest: str) -> ShardResult | None:
-    """The recorded result of a shard finished by an earlier run of the same plan, if its bytes still match."""
+def completed(out: Path, shard: ShardJob, digest: str, hash_file=sha256_file) -> ShardResult | None:
+    """The recorded result of a shard finished by an earlier run of the same plan, if its bytes still match
+    (`hash_file(path)`: the shard's sha256; the output's claim passes its own, which reads each file once)."""
     rec_path, shard_path = progress_path(out, shard), out / shard.file
     if not (rec_path.is_file() and shard_path.is_file()):
         return None
@@ -43,6 +44,6 @@ def completed(out: Path, shard: ShardJob, digest: str) -> ShardResult | None:
         return None
     if rec.get("plan_digest") != digest or shard_path.stat().st_size != rec["result"]["bytes"]:
         return None
-    if sha256_file(shard_path) != rec["result"]["sha256"]:
+    if hash_file(shard_path) != rec["result"]["sha256"]:
         return None
     return ShardResult(**rec["result"])

@@ -25,7 +25,7 @@ from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.validate import require_valid
 from quant.errors import EngineFailure, QuantError
-from quant.pipeline.files import sha256_bytes, sha256_file, write_atomic
+from quant.files import sha256_bytes, sha256_file, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
 from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record,
                                    side_files)
@@ -297,7 +297,7 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     results: dict[str, ShardResult] = {}
     todo = []
     for shard in plan.shards:
-        done = completed(out, shard, digest)
+        done = completed(out, shard, digest, hash_file=output.sha256)
         if done:
             results[shard.file] = done
         else:

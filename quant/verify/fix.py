@@ -17,7 +17,7 @@ from pathlib import Path
 from quant import engines
 from quant.checkpoint import Checkpoint, open_checkpoint
 from quant.errors import QuantError
-from quant.ownership import write_new
+from quant.files import write_atomic
 from quant.verify.contract import stored_family
 from quant.verify.hygiene import glob_to_regex
 from quant.verify.matching import is_glob
@@ -100,5 +100,5 @@ def fix_config(path: str | Path, out_config: str | Path) -> Path:
         ckpt = open_checkpoint(root)
     config = fixed_config(ckpt.config, inventory(ckpt))
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_new(out, json.dumps(config, indent=2) + "\n")
+    write_atomic(out, json.dumps(config, indent=2) + "\n")
     return out

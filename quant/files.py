@@ -1,15 +1,13 @@
-"""File primitives of the pipeline: content hashes and atomic writes. Torch-free, so the quantize command can
-start hashing the source while torch is still loading."""
+"""File primitives: content hashes and atomic writes. Torch-free, so the quantize command can start hashing the
+source while torch is still loading; below every layer that writes (quant.ownership, the pipeline, the eval)."""
 
 from __future__ import annotations
 
 import hashlib
 import mmap
 import os
+import tempfile
 from pathlib import Path
-
-from quant.ownership import write_new
-
 
 def sha256_file(path: Path, window: int = 1 << 26) -> str:
     """sha256 of a file, read through memory maps of 64 MB windows: hashing straight from the page cache
@@ -30,8 +28,21 @@ def sha256_bytes(data: bytes) -> str:
 
 def write_atomic(path: Path, data: bytes | str, tmp_dir: Path | None = None) -> None:
     """Write `path` through a temporary of a fresh, exclusively created name (in `tmp_dir`, by default beside it)
-    renamed into place: no file of anyone else's is written through (quant.ownership.write_new)."""
-    write_new(path, data, tmp_dir)
+    renamed into place: no file of anyone else's is ever written through, and the file gets the mode every other
+    file gets (0666 minus the umask)."""
+    directory = Path(tmp_dir or Path(path).parent)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".quant-write-", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        share_like_other_files(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def _umask() -> int:
