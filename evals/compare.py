@@ -381,19 +381,12 @@ def _read_gate(request: EvalRequest, specs):
 
 
 def _check_gate_target(request: EvalRequest) -> None:
-    import os
+    from quant.ownership import check_new_file
 
-    from quant.ownership import is_within, real_path, require_usable_name
-
-    target = Path(request.write_gate)
-    require_usable_name(target, "--write-gate")
-    for label, source in (("candidate", request.candidate), ("baseline", request.baseline)):
-        if source and not is_url(source) and is_within(real_path(target.parent) / target.name, source):
-            raise QuantError(f"--write-gate {target}: inside the {label} checkpoint; write elsewhere")
-    if target.is_symlink() or target.is_dir():
-        raise QuantError(f"--write-gate {target}: a directory or a symbolic link; give the path of a new file")
-    if os.path.lexists(target) and not request.overwrite:
-        raise QuantError(f"--write-gate {target}: exists; choose a new path or pass --overwrite to replace it")
+    inputs = {label: Path(source) for label, source in (("candidate checkpoint", request.candidate),
+                                                         ("baseline checkpoint", request.baseline))
+              if source and not is_url(source)}
+    check_new_file(Path(request.write_gate), "--write-gate", inputs, request.overwrite)
 
 
 def _apply_gate(report: EvalReport, gate) -> None:

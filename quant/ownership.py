@@ -86,6 +86,27 @@ def require_usable_name(path: Path | str, what: str) -> None:
             raise QuantError(f"{text}: the {what} is {why}; give a directory or a new path") from None
 
 
+def check_new_file(path: Path, flag: str, inputs: dict[str, Path | None], overwrite: bool) -> None:
+    """A single file a command writes on request (`verify-manifest --fix`, `eval --write-gate`): a usable name,
+    never inside one of the command's inputs (judged on resolved paths, so a symlink or `..` does not get around
+    it), never a directory or a symlink (a link is never written through or replaced), and never over an existing
+    file without --overwrite."""
+    path = Path(path)
+    require_usable_name(path, flag)
+    require_usable_name(path.parent, f"{flag} directory")
+    for label, source in inputs.items():
+        if source is not None and (is_within(real_path(path.parent) / path.name, source) or is_within(path, source)):
+            raise QuantError(f"{flag} {path}: inside the {label} {source}; this command never writes into what it "
+                             f"reads: write elsewhere")
+    if path.is_symlink():
+        raise QuantError(f"{flag} {path}: is a symbolic link; give the plain path of the file to write (a link is "
+                         f"never written through or replaced)")
+    if path.is_dir():
+        raise QuantError(f"{flag} {path}: is a directory; give the path of the file to write")
+    if os.path.lexists(path) and not overwrite:
+        raise QuantError(f"{flag} {path}: exists; choose a new path or pass --overwrite to replace it")
+
+
 def refuse_protected(out: Path, inputs: dict[str, Path | None] | None = None, *, what: str = "output") -> None:
     """Refuse, whatever the flags, an output that is (once resolved) the root, the home directory, the working
     directory (or above it), an input of the command, inside an input, or a directory holding an input."""

@@ -141,3 +141,22 @@ def test_gate_and_recovery_end_to_end_on_the_trained_toy(tmp_path):
     passed = evaluate(EvalRequest(baseline_run=tmp_path / "e1", out=tmp_path / "e3", gate=low, **common),
                       log=lambda m: None).to_json()
     assert passed["gate"]["passed"] and passed["verdict"] == first["verdict"]
+
+
+def test_write_gate_never_writes_into_a_checkpoint_or_over_a_file(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from evals.compare import EvalRequest, evaluate
+
+    toy = Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model"
+    cand = shutil.copytree(toy, tmp_path / "cand")
+    (tmp_path / "mine.yaml").write_text("mine")
+    for target, phrase in ((cand / "gate.yaml", "inside the candidate checkpoint"),
+                           (tmp_path / "mine.yaml", "exists; choose a new path or pass --overwrite")):
+        with pytest.raises(QuantError, match=phrase) as e:
+            evaluate(EvalRequest(candidate=str(cand), baseline=str(toy), tasks="toy_arith", limit=2,
+                                 out=tmp_path / "out", write_gate=target), log=lambda m: None)
+        assert e.value.exit_code == 2
+    assert not (tmp_path / "out").exists() and (tmp_path / "mine.yaml").read_text() == "mine"
+    assert sorted(p.name for p in cand.iterdir()) == sorted(p.name for p in toy.iterdir())

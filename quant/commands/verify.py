@@ -78,23 +78,7 @@ def command(
 
 
 def check_fix_target(ckpt: Path, fix: Path, overwrite: bool) -> None:
-    """`--fix PATH` writes one new file: never inside the checkpoint it verifies (judged on resolved paths, so a
-    symlink or `..` does not get around it), never a directory, never over an existing file without
-    --overwrite (a symlink there is replaced itself, never written through)."""
-    import os
+    """`--fix PATH` writes one new file, never inside the checkpoint it verifies (quant.ownership.check_new_file)."""
+    from quant.ownership import check_new_file
 
-    from quant.errors import QuantError
-    from quant.ownership import is_within, real_path, require_usable_name
-
-    require_usable_name(fix, "--fix")
-    require_usable_name(fix.parent, "--fix directory")
-    if is_within(real_path(fix.parent) / fix.name, ckpt) or is_within(fix, ckpt):
-        raise QuantError(f"--fix {fix}: inside the checkpoint {ckpt}; verify-manifest never writes into the "
-                         f"checkpoint it reads: write elsewhere")
-    if fix.is_symlink():
-        raise QuantError(f"--fix {fix}: is a symbolic link; give the plain path of the file to write (a link is "
-                         f"never written through or replaced)")
-    if fix.is_dir():
-        raise QuantError(f"--fix {fix}: is a directory; give the path of the corrected config.json to write")
-    if os.path.lexists(fix) and not overwrite:
-        raise QuantError(f"--fix {fix}: exists; choose a new path or pass --overwrite to replace it")
+    check_new_file(fix, "--fix", {"checkpoint": ckpt}, overwrite)
