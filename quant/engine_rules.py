@@ -75,9 +75,18 @@ class DequantGrid:
 @dataclass(frozen=True, kw_only=True)
 class MtpNamespace:
     prefix: str = required("the namespace MTP heads are stored under (e.g. 'mtp.')")
-    architectures: list[str] = rule([], "config.json architectures[0] values that store their MTP head there")
     any_exclude_unquantizes: bool = rule(False, "any exclude entry under the prefix builds the whole draft unquantized")
     never_quantized: list[str] = rule([], "regexes of draft modules the engine never quantizes")
+    layer_prefix: str | None = rule(
+        None, "the checkpoint prefix the draft loads MTP layer {k} from, k = 0 .. num_nextn_predict_layers - 1 "
+              "(DeepSeek-V4: 'mtp.{k}.'); none: the layers are not checked one by one")
+    draft_names: list[BuildPrefix] = rule(
+        [], "regex renames, applied in order, of a checkpoint module under the prefix to the name the draft builds "
+            "it under and looks it up by in the quant config ('{N}' in a replacement: num_hidden_layers; '{N+k}': "
+            "that plus the match's group k); none: the checkpoint's names")
+    maps_exclude: bool = rule(
+        True, "the draft's quant config rewrites exclude and layer_quant_config keys with the same renames, so "
+              "entries written with checkpoint names match; false: they must name the draft's modules")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,7 +187,8 @@ class EngineRules:
                                               "split into whole blocks per TP rank (none: not checked)")
     block_fp8_dequant_grid: DequantGrid | None = rule(
         None, "block FP8 dequantized with a block derived from the scale grid (none: not affected)")
-    mtp_namespace: MtpNamespace | None = rule(None, "MTP heads stored under their own namespace (Qwen3.5 mtp.*)")
+    mtp_namespace: dict[str, MtpNamespace] = rule(
+        {}, "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
     never_quantized: list[str] = rule([], "regexes of modules the engine builds without asking the quant config")
     loader_dequantizes: dict[str, list[str]] = rule(
         {}, "regex of an unquantized module -> stored formats the loader dequantizes into it")

@@ -229,12 +229,48 @@ def module_runtime_name(module: str, mapper: dict[str, str], prefixes: tuple[tup
 
 
 def mtp_namespace(rules: EngineRules, config: dict) -> MtpNamespace | None:
-    """The engine's rule for an MTP head stored under its own namespace (Qwen3.5 `mtp.*`), if this
-    architecture has one."""
-    rule = rules.mtp_namespace
-    if rule is not None and architecture(config) in rule.architectures:
-        return rule
-    return None
+    """The engine's rule for an MTP head stored under its own namespace (Qwen3.5 `mtp.*`, DeepSeek-V4 `mtp.{k}.*`),
+    if this architecture has one."""
+    return rules.mtp_namespace.get(architecture(config))
+
+
+def namespace_draft_name(rule: MtpNamespace, module: str, config: dict) -> str:
+    """The name the engine's draft builds namespaced MTP module `module` under (engines.yaml mtp_namespace
+    draft_names, applied in order; '{N}' is num_hidden_layers, '{N+k}' that plus the match's group k)."""
+    n = int(text_config(config).get("num_hidden_layers") or 0)
+    name = module
+    for r in rule.draft_names:
+        m = re.search(r.match, name)
+        if m is None:
+            continue
+        k = int(m.groupdict().get("k") or 0)
+        replacement = r.replace.replace("{N+k}", str(n + k)).replace("{N}", str(n))
+        name = name[:m.start()] + m.expand(replacement) + name[m.end():]
+    return name
+
+
+def namespace_layers(rule: MtpNamespace, config: dict) -> list[tuple[int, str]]:
+    """(the engine's layer index N+k, the checkpoint prefix it loads) of each declared MTP layer of a namespaced
+    head whose engine loads it layer by layer (engines.yaml mtp_namespace layer_prefix); [] otherwise."""
+    if not rule.layer_prefix:
+        return []
+    return [(idx, rule.layer_prefix.replace("{k}", str(k))) for k, idx in enumerate(mtp_layers(config))]
+
+
+def namespace_aliases(module: str, config: dict) -> list[str]:
+    """The draft's names of namespaced MTP module `module` in every engine release whose quant config matches
+    exclude against them unmapped (mtp_namespace maps_exclude: false): entries the draft needs besides the
+    checkpoint's (vLLM's DeepSeek-V4 draft: mtp.0.attn.wq_a is built as model.layers.{N}.attn.wq_a)."""
+    out: list[str] = []
+    for engine in engine_names():
+        for release in releases(engine):
+            rule = mtp_namespace(profile(engine, release).rules, config)
+            if rule is None or rule.maps_exclude or not module.startswith(rule.prefix):
+                continue
+            alias = namespace_draft_name(rule, module, config)
+            if alias != module and alias not in out:
+                out.append(alias)
+    return out
 
 
 def wrapper_aliases(module: str, config: dict) -> list[str]:
@@ -316,7 +352,7 @@ def _exclude_names(module: str, config: dict) -> list[str]:
     vLLM before the per-expert MoE fix asserts when an exclude entry matches a FusedMoE prefix."""
     # Wrapped models: the engine's runtime spelling too, so the entry matches whether or not an engine release
     # rewrites `exclude` with its mapper (vllm#54547: none of 1,550 checkpoint-form entries matched).
-    names = [module] + wrapper_aliases(module, config)
+    names = [module] + wrapper_aliases(module, config) + namespace_aliases(module, config)
     mtp = split_mtp(module, config)
     if mtp is None:
         return names

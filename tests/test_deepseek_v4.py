@@ -124,16 +124,68 @@ def test_the_toy_is_its_family_and_roles_cover_the_release_names(v4):
 
 def test_verify_manifest_on_the_passthrough_export(v4):
     """The preflight reads the export like any Quark MXFP4 checkpoint: no shape or scale finding on the carried-over
-    experts. What it does report is the MTP layout: its rules expect model.layers.{N+k}, DeepSeek-V4 stores
-    mtp.{k}.* (issue #31's engine tiers, still open); this test pins that so the fix shows up here."""
+    experts, and none on the MTP layer, which both engines' drafts read from mtp.{k}.* (engines.yaml mtp_namespace
+    DeepseekV4ForCausalLM), not model.layers.{N+k}.* (before: a false vLLM "MTP ... weights missing" error and an
+    SGLang warning on model.layers.2.*)."""
     from quant.verify import verify_checkpoint
     from quant.verify.scales import scan_scales
 
     _, out, _ = v4
     assert scan_scales(out) == []
     report = verify_checkpoint(out, engines=["sglang", "vllm"])
-    assert not [f for f in report.findings if ".experts." in f.tensor]
-    assert {f.tensor for f in report.findings} == {"model.layers.2.*"}
+    assert report.findings == []
+
+
+def test_a_v4_export_without_its_mtp_layer_is_flagged_at_mtp_0(v4, tmp_path):
+    """The same export with its mtp.0.* tensors dropped: vLLM's DeepSeekV4MTP raises (layer N+0 = 2 missing), SGLang
+    builds its draft with nothing to load; both name the tensors the loaders read, mtp.0.*."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from quant.verify import verify_checkpoint
+
+    _, out, _ = v4
+    ckpt = tmp_path / "no-mtp"
+    shutil.copytree(out, ckpt)
+    tensors = {k: v for k, v in _tensors(ckpt).items() if not k.startswith("mtp.")}
+    for f in ckpt.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: "model.safetensors" for k in tensors}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    mtp = [f for f in verify_checkpoint(ckpt, engines=["sglang", "vllm"]).findings if f.rule == "#13/#14 MTP missing"]
+    assert {(f.engine, f.severity, f.tensor) for f in mtp} == {("vllm", "error", "mtp.0.*"),
+                                                              ("sglang", "warning", "mtp.0.*")}
+    assert "MTP speculative decoding layer 2 weights missing" in [f for f in mtp if f.engine == "vllm"][0].message
+
+
+def test_exclude_names_the_mtp_layer_as_each_draft_builds_it(v4):
+    """The MTP layer's BF16 modules are listed in exclude under the checkpoint's name (SGLang 0.5.23 maps it) and
+    under the names the drafts that match exclude unmapped build them: vLLM's model.layers.{N+k}.* and SGLang
+    0.5.12's model.decoder.* / model.e_proj."""
+    _, out, _ = v4
+    exclude = json.loads((out / "config.json").read_text())["quantization_config"]["exclude"]
+    for name in ("mtp.0.attn.wq_a", "model.layers.2.attn.wq_a", "model.decoder.self_attn.wq_a",
+                 "mtp.0.e_proj", "model.layers.2.e_proj", "model.e_proj"):
+        assert name in exclude, name
+    assert not [e for e in exclude if e.startswith("model.layers.") and not e.startswith("model.layers.2.")]
+
+
+def test_draft_names_of_the_v4_mtp_layer():
+    from quant import engines
+
+    config = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 61, "num_nextn_predict_layers": 2}
+    vllm = engines.mtp_namespace(engines.profile("vllm", "0.32").rules, config)
+    assert engines.namespace_draft_name(vllm, "mtp.1.ffn.shared_experts.w2", config) == \
+        "model.layers.62.ffn.shared_experts.down_proj"
+    assert engines.namespace_layers(vllm, config) == [(61, "mtp.0."), (62, "mtp.1.")]
+    old, new = (engines.mtp_namespace(engines.profile("sglang", r).rules, config) for r in ("0.5.12", "0.5.23"))
+    assert engines.namespace_draft_name(old, "mtp.0.ffn.experts.3.w1", config) == "model.decoder.mlp.experts.3.gate_proj"
+    assert (old.maps_exclude, new.maps_exclude) == (False, True)
+    assert engines.mtp_namespace(engines.profile("vllm", "0.32").rules, {"architectures": ["DeepseekV3ForCausalLM"]}) \
+        is None
 
 
 def test_ue8m0_fp8_attention_passes_through_into_block_fp8(v4, tmp_path):

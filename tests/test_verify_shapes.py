@@ -283,8 +283,9 @@ def test_correct_exports_pass(toy_factory, tmp_path, name):
         report = verify_checkpoint(out, engines=["all"], tp=2 if scheme != "fp8-block" else None)
         shape_errors = [f for f in report.errors if f.rule.startswith(SHAPE_RULES)]
         assert not shape_errors, (scheme, recipe, [(f.tensor, f.message) for f in shape_errors])
-        if scheme != "w_mxfp4" and name != "deepseek-v4":  # weight-only MXFP4: SGLang does not build it (not a
-            # shape question); DeepSeek-V4: the MTP rules expect model.layers.{N+k} but the release stores
-            # mtp.{k}.* (issue #31's engine tiers, still open)
+        if scheme != "w_mxfp4":  # weight-only MXFP4: SGLang does not build it (not a shape question)
             report = verify_checkpoint(out, engines=["sglang", "vllm==0.32"])
-            assert not report.errors, (scheme, recipe, [(f.engine, f.tensor, f.message) for f in report.errors])
+            # DeepSeek-V4: its recipes still quantize modules SGLang never quantizes (indexer.weights_proj under
+            # all-linear: a family question, not this test's); its MTP layer (mtp.{k}.*) must raise nothing
+            errors = [f for f in report.errors if name != "deepseek-v4" or f.rule.startswith("#13/#14")]
+            assert not errors, (scheme, recipe, [(f.engine, f.tensor, f.message) for f in errors])

@@ -74,6 +74,7 @@ def lookup_names(modules, config: dict) -> set[str]:
         if mod.layer is not None and mod.layer in mtp:
             names.update(engines.exclude_aliases(name, config))
         names.update(engines.wrapper_aliases(name, config))
+        names.update(engines.namespace_aliases(name, config))
     for name in list(names):
         parent, _, leaf = name.rpartition(".")
         for fused in fused_of.get(leaf, ()):
@@ -191,6 +192,18 @@ def fused_regex_findings(exclude: list[str], profile: Profile, fused_units) -> l
     return out
 
 
+def _missing_mtp_layers(ckpt: Checkpoint, p: Profile, present: set) -> list[tuple[int, str]]:
+    """(the engine's index, the checkpoint tensors it looks for) of each declared MTP layer the draft of profile `p`
+    finds nothing of: model.layers.{N+k}.*, or the namespace its loader reads (engines.yaml mtp_namespace
+    layer_prefix: DeepSeek-V4's mtp.{k}.*)."""
+    rule = engines.mtp_namespace(p.rules, ckpt.config)
+    layers = engines.namespace_layers(rule, ckpt.config) if rule is not None else []
+    if layers:
+        return [(idx, prefix + "*") for idx, prefix in layers
+                if not any(t.startswith(prefix) for t in ckpt.tensors)]
+    return [(idx, f"model.layers.{idx}.*") for idx in engines.mtp_layers(ckpt.config) if idx not in present]
+
+
 def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     config = ckpt.config
     out: list[Finding] = []
@@ -201,17 +214,15 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
         rule = p.rules.mtp
         if not rule.builds_mtp:
             continue
-        for idx in mtp:
-            if idx in present:
-                continue
+        for idx, tensors in _missing_mtp_layers(ckpt, p, present):
             if rule.missing_layer_error:
                 msg = f"{p.title} raises {rule.missing_layer_error.format(index=idx)}"
                 severity = "error"
             else:
-                msg = (f"num_nextn_predict_layers declares MTP layer {idx} but no model.layers.{idx}.* tensor "
+                msg = (f"num_nextn_predict_layers declares MTP layer {idx} but no {tensors} tensor "
                        f"exists: {p.title} builds the draft with nothing to load (inferred)")
                 severity = "warning"
-            out.append(Finding(severity, p.engine, (p.release,), f"model.layers.{idx}.*", msg,
+            out.append(Finding(severity, p.engine, (p.release,), tensors, msg,
                                "export the MTP layer (it stays BF16), or set num_nextn_predict_layers to 0",
                                "#13/#14 MTP missing"))
         if rule.max_layers and len(mtp) > rule.max_layers:
