@@ -108,6 +108,10 @@ class Checkpoint:
     def shard_path(self, file: str) -> Path:
         return self.root / file
 
+    def file_size(self, file: str) -> int:
+        """The size of shard `file` in bytes (the plan records it; a Hub checkpoint knows it without the file)."""
+        return (self.root / file).stat().st_size
+
     def total_bytes(self) -> int:
         return sum((self.root / f).stat().st_size for f in self.files if (self.root / f).is_file())
 

@@ -358,11 +358,15 @@ class HubCheckpoint(Checkpoint):
     endpoint: str = ""
     commit: str = ""
     sizes: dict = field(default_factory=dict)  # every file of the repository -> its size
+    lfs_sha256: dict = field(default_factory=dict)  # every LFS file of the repository -> the Hub's sha256 of it
     traffic: Traffic = field(default_factory=Traffic)
     repo: _Repo | None = field(default=None, repr=False)
 
     def shard_path(self, file: str) -> PurePosixPath:
         return self.root / file
+
+    def file_size(self, file: str) -> int:
+        return self.sizes.get(file) or 0
 
     def total_bytes(self) -> int:
         return sum(self.sizes.get(f) or 0 for f in self.files)
@@ -448,6 +452,7 @@ def _open(api, ref: HubRef, endpoint: str, traffic: Traffic) -> HubCheckpoint:
     except Exception as e:
         raise explain(e, ref, endpoint) from None
     sizes = {s.rfilename: s.size for s in info.siblings or []}
+    lfs = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if getattr(s, "lfs", None) is not None}
     repo = _Repo(ref, endpoint, info.sha or ref.revision or "main", sizes)
     root = PurePosixPath(ref.label)
     try:
@@ -484,7 +489,8 @@ def _open(api, ref: HubRef, endpoint: str, traffic: Traffic) -> HubCheckpoint:
 
     base = build_checkpoint(root, root, config, index, files, read_header)
     return HubCheckpoint(**{f.name: getattr(base, f.name) for f in fields(Checkpoint)}, ref=ref,
-                         endpoint=endpoint, commit=repo.commit, sizes=sizes, traffic=traffic, repo=repo)
+                         endpoint=endpoint, commit=repo.commit, sizes=sizes, lfs_sha256=lfs, traffic=traffic,
+                         repo=repo)
 
 
 def _json(api, repo: _Repo, file: str, root: PurePosixPath) -> dict:

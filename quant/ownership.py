@@ -40,7 +40,7 @@ LOCK_FILE = ".quant-lock"
 TOOL = "moe-quant"
 RECORD_VERSION = 2
 # Tool-owned scratch directories: names no user would pick, removed whole (never followed through a symlink).
-SCRATCH = re.compile(r"^\.quant-(tmp|staging|progress|gptq|eval|toy-[0-9a-f]{8})$")
+SCRATCH = re.compile(r"^\.quant-(tmp|staging|progress|gptq|source|eval|toy-[0-9a-f]{8})$")
 BOOKKEEPING = (OWNER_FILE, LOCK_FILE)
 
 

@@ -15,6 +15,7 @@ file_download.get_hf_file_metadata / hf_hub_download, utils/_http.hf_raise_for_s
                                                         an LFS file (*.safetensors): 302 to the storage origin's
                                                         /cdn/{sha256}?expires=G with X-Linked-Size,
                                                         X-Linked-Etag, X-Repo-Commit
+  GET /api/models/{repo}/tree/{rev}[/{path}]           the file list (snapshot_download), one page
   GET /api/agent-harnesses                              huggingface_hub's telemetry registry (empty)
   HEAD|GET /cdn/{sha256}?expires=G                      the LFS blob, on a second port (another origin, as the
                                                         Hub's storage is): `Range: bytes=a-b` answered 206 with
@@ -34,6 +35,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -53,6 +55,8 @@ class Repo:
     gated: bool = False
     private: bool = False
     tokens: set[str] = field(default_factory=set)  # tokens with access (gated or private)
+    content_sha: bool = False  # LFS oids are the files' real sha256 (what a streamed download is checked against)
+    shas: dict = field(default_factory=dict)
 
     def is_lfs(self, name: str) -> bool:
         return name.endswith(LFS_SUFFIXES)
@@ -61,6 +65,10 @@ class Repo:
         """A stable content id: the sha256 of an LFS file (of its name and size for sparse test files, which the
         client never checks on range reads), the git blob id of a regular file."""
         path = self.files[name]
+        if self.is_lfs(name) and self.content_sha:
+            if name not in self.shas:
+                self.shas[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+            return self.shas[name]
         if self.is_lfs(name):
             return hashlib.sha256(f"{self.repo_id}/{name}:{path.stat().st_size}".encode()).hexdigest()
         data = path.read_bytes()
@@ -84,18 +92,22 @@ class HubServer:
         self._fail_after: int | None = None
         self._expire_after: int | None = None
         self.generation = 0  # storage URLs carry it; older ones have expired
+        self.rate: float | None = None  # bytes per second of each blob body (a slow link), None: as fast as it goes
+        self.faults: list[tuple] = []  # one-shot faults for the next blob GETs: ("drop", after_bytes) or
+        #                                ("status", code, retry_after)
+        self.corrupt: set[str] = set()  # oids whose bytes are served with one byte changed (the sha256 stays)
         self.httpd: ThreadingHTTPServer | None = None
         self.storage: ThreadingHTTPServer | None = None
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def add_repo(self, repo_id: str, folder: Path, revisions=("main",), gated=False, private=False,
-                 tokens=()) -> Repo:
+                 tokens=(), content_sha=False) -> Repo:
         folder = Path(folder)
         files = {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*"))
                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
         sha = hashlib.sha1(repo_id.encode() + b"".join(f"{n}:{p.stat().st_size}".encode()
                                                           for n, p in files.items())).hexdigest()
-        repo = Repo(repo_id, folder, files, sha, set(revisions) | {sha}, gated, private, set(tokens))
+        repo = Repo(repo_id, folder, files, sha, set(revisions) | {sha}, gated, private, set(tokens), content_sha)
         self.repos[repo_id] = repo
         for name in files:
             if repo.is_lfs(name):
@@ -133,6 +145,7 @@ class HubServer:
         with self.lock:
             self.stats = Stats()
             self._fail_after = self._expire_after = None
+            self.faults, self.corrupt, self.rate = [], set(), None
 
     def expire_after(self, n: int) -> None:
         """Serve `n` more blob requests, then expire every storage URL handed out so far."""
@@ -143,6 +156,29 @@ class HubServer:
         """Serve `n` more blob (LFS) requests, then drop every connection without an answer."""
         with self.lock:
             self._fail_after = n
+
+    def limit_rate(self, bytes_per_s: float | None) -> None:
+        """Serve every blob body at `bytes_per_s` (a bandwidth cap), or unthrottled (None)."""
+        self.rate = bytes_per_s
+
+    def drop_mid_blob(self, after_bytes: int, times: int = 1) -> None:
+        """The next `times` blob GETs send `after_bytes` bytes of their body, then drop the connection."""
+        with self.lock:
+            self.faults += [("drop", after_bytes)] * times
+
+    def answer_status(self, status: int, retry_after: int | None = None, times: int = 1) -> None:
+        """The next `times` blob GETs are answered `status` (429, 503...) with `Retry-After` when given."""
+        with self.lock:
+            self.faults += [("status", status, retry_after)] * times
+
+    def corrupt_file(self, repo_id: str, name: str) -> None:
+        """Serve `name` of `repo_id` with one byte changed, under its real sha256 (a corrupted download)."""
+        repo = self.repos[repo_id]
+        self.corrupt.add(repo.oid(name))
+
+    def _next_fault(self) -> tuple | None:
+        with self.lock:
+            return self.faults.pop(0) if self.faults else None
 
     def _count(self, method, path, rng, status, nbytes) -> None:
         with self.lock:
@@ -166,6 +202,8 @@ class HubServer:
 class _Handler(BaseHTTPRequestHandler):
     hub: HubServer
     protocol_version = "HTTP/1.1"  # keep-alive, as the Hub's front ends
+    drop_after: int | None = None  # this response: drop the connection after so many body bytes
+    rate: float | None = None  # this response: body bytes per second
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -180,8 +218,30 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if not head:
-            self.wfile.write(body)
+            self._write_body(body)
         self.hub._count(self.command, self.path, self.headers.get("Range"), status, 0 if head else len(body))
+
+    def _write_body(self, body: bytes) -> None:
+        """The body, in 64 kB pieces at `rate` bytes per second, cut after `drop_after` bytes (the connection
+        then dropped) when this response carries a fault."""
+        if self.rate is None and self.drop_after is None:
+            self.wfile.write(body)
+            return
+        step, sent, t0 = 1 << 16, 0, time.perf_counter()
+        while sent < len(body):
+            piece = body[sent:sent + step]
+            if self.drop_after is not None and sent + len(piece) > self.drop_after:
+                self.wfile.write(piece[:max(0, self.drop_after - sent)])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                raise ConnectionResetError("fault: connection dropped mid-body")
+            self.wfile.write(piece)
+            sent += len(piece)
+            if self.rate:
+                ahead = sent / self.rate - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
 
     def _json(self, status: int, obj, headers: dict | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
@@ -243,6 +303,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path == "/api/agent-harnesses":  # huggingface_hub's user-agent telemetry: an empty registry
                 self._json(200, {"standardEnvVars": [], "harnesses": {}})
+            elif path.startswith("/api/models/") and "/tree/" in path:
+                self._tree(*path[len("/api/models/"):].split("/tree/", 1))
             elif path.startswith("/api/models/"):
                 self._model_info(path[len("/api/models/"):], "blobs=true" in url.query)
             elif path.startswith("/cdn/"):
@@ -277,6 +339,26 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"_id": repo.sha[:24], "id": repo_id, "modelId": repo_id, "sha": repo.sha,
                          "private": repo.private, "gated": "manual" if repo.gated else False, "disabled": False,
                          "tags": [], "siblings": siblings})
+
+    def _tree(self, repo_id: str, rest: str) -> None:
+        """The file list snapshot_download asks for (`list_repo_tree`, recursive; one page)."""
+        revision, _, folder = rest.partition("/")
+        repo = self._repo(repo_id, files=True)
+        if repo is None:
+            return
+        if revision not in repo.revisions:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return
+        entries = []
+        for name, p in repo.files.items():
+            if folder and not name.startswith(folder.rstrip("/") + "/"):
+                continue
+            size = p.stat().st_size
+            entry = {"type": "file", "path": name, "size": size, "oid": hashlib.sha1(name.encode()).hexdigest()}
+            if repo.is_lfs(name):
+                entry["lfs"] = {"oid": repo.oid(name), "size": size, "pointerSize": 134}
+            entries.append(entry)
+        self._json(200, entries)
 
     def _resolve(self, repo_id: str, revision: str, name: str) -> None:
         repo = self._repo(repo_id, files=True)
@@ -317,12 +399,24 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)  # no answer at all: the client sees the connection drop
             return
+        fault = self.hub._next_fault() if self.command == "GET" else None
+        if fault is not None and fault[0] == "status":
+            _, code, retry_after = fault
+            self._send(code, b"slow down", {"Retry-After": retry_after} if retry_after is not None else {})
+            return
+        self.drop_after = fault[1] if fault is not None else None
+        self.rate = self.hub.rate
         repo, name = self.hub.blobs[oid]
         path = repo.files[name]
+        corrupt = oid in self.hub.corrupt
 
         def read(begin: int, end: int) -> bytes:
             with open(path, "rb") as f:
                 f.seek(begin)
-                return f.read(end - begin)
+                data = f.read(end - begin)
+            last = path.stat().st_size - 1
+            if corrupt and begin <= last < end:  # the last byte of the tensor data changed
+                data = data[:last - begin] + bytes([data[last - begin] ^ 0xFF])
+            return data
 
         self._ranged(path.stat().st_size, read, {"ETag": f'"{oid}"', "Content-Type": "binary/octet-stream"})

@@ -43,6 +43,12 @@ def command(
                                  "weights and neither creates nor touches OUT"),
     device_memory: Optional[str] = typer.Option(None, help="--dry-run: the memory of each named accelerator "
                                                 "(e.g. 80GB) when it is not on this machine"),
+    max_disk: Optional[str] = typer.Option(None, help="A Hub source: the most disk its streamed shards may take at "
+                                           "once (e.g. 200GB, 1.5TiB); refused at start when the largest shards "
+                                           "one step holds and the look-ahead cannot fit. Default: no limit"),
+    look_ahead: int = typer.Option(1, help="A Hub source: shards fetched ahead of the one being quantized"),
+    stream: bool = typer.Option(True, help="A Hub source: fetch each shard when it is needed and delete it once "
+                                "its output is written (--no-stream: download the whole repository first)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier export of another source or "
                                    "other settings in OUT, or write into a directory this tool did not make; "
                                    "files this tool did not write are never deleted"),
@@ -69,9 +75,22 @@ def command(
     engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
     manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
                                    workers=workers, check_engines=engines, progress=progress, method=method,
-                                   gptq=gptq, overwrite=overwrite, log=lambda m: typer.echo(m, err=True))
+                                   gptq=gptq, overwrite=overwrite, log=lambda m: typer.echo(m, err=True),
+                                   max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
+                                   stream=None if stream else False, look_ahead=look_ahead)
     typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in manifest["timing"].items()), err=True)
+    if "stream" in manifest:
+        typer.echo(_stream_line(manifest["stream"]), err=True)
     typer.echo(_wrote_line(out, manifest))
+
+
+def _stream_line(stream: dict) -> str:
+    """What streaming from the Hub did: bytes fetched and their rate, shards kept from an earlier run, peak disk."""
+    rate = stream["fetched_bytes"] / stream["fetch_s"] / 1e6 if stream["fetch_s"] else 0.0
+    limit = f" (--max-disk {stream['budget_bytes'] / 1e9:.3g} GB)" if stream["budget_bytes"] else ""
+    return (f"hub: fetched {stream['fetched_files']} source file(s), {stream['fetched_bytes'] / 1e6:.1f} MB at "
+            f"{rate:.1f} MB/s, {stream['kept_files']} kept from an earlier run; peak source on disk "
+            f"{stream['peak_disk_bytes'] / 1e6:.1f} MB{limit}")
 
 
 def _gptq_settings(data: str, samples: int, seq_len: int, seed: int, damp: float, hessian_bytes: int):

@@ -31,13 +31,14 @@ COMPLETE_MARKER = ".quant-complete"
 STAGING_DIR = ".quant-staging"
 TMP_DIR = ".quant-tmp"
 GPTQ_DIR = ".quant-gptq"  # GPTQ's solved weights per decoder layer (quant.gptq.run), until the run is published
+SOURCE_DIR = ".quant-source"  # a Hub source streamed shard by shard (quant.pipeline.fetch), until the run is published
 MANIFEST_FILE = "quant_manifest.json"
 RECIPE_FILE = "quant_recipe.yaml"  # a user's recipe, copied beside the model card that names it
 # The final files, in publishing order: config.json last, so its presence means the rest is in place. A new
 # final file (written with `Output.stage`) goes here, before config.json.
 FINAL_FILES = (INDEX_FILE, MANIFEST_FILE, RECIPE_FILE, CARD_FILE, "config.json")
 OWN_FILES = set(FINAL_FILES) | {COMPLETE_MARKER}
-SCRATCH_DIRS = (PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR)
+SCRATCH_DIRS = (PROGRESS_DIR, STAGING_DIR, TMP_DIR, GPTQ_DIR, SOURCE_DIR)
 
 
 def read_record(path: Path):
@@ -182,3 +183,5 @@ class Output:
         self.own(["config.json"])
         self.staging_dir.rmdir()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        if self.hold.is_scratch(SOURCE_DIR):  # what is left of a streamed source: side files, download records
+            remove_path(self.root / SOURCE_DIR)

@@ -25,14 +25,16 @@ from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.validate import require_valid
 from quant.errors import EngineFailure, QuantError
-from quant.files import sha256_bytes, sha256_file, write_atomic
+from quant.files import sha256_bytes, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
 from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record,
                                    side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
+from quant.pipeline.source_files import (HubFiles, LocalFiles, check_disk, side_file_names, source_reference,
+                                         streamed_reference)
 from quant.pipeline.solver import SolveRequest, WeightSolver
-from quant.planning.plan import Plan, make_plan
+from quant.planning.plan import Plan, ShardJob, make_plan
 from quant.planning.recipes import family_for_config, load_recipe
 from quant.numerics import SCALE_MODES
 from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
@@ -232,7 +234,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
                         workers: int = 1, check_engines: list[str] | str | None = "auto",
                         progress: bool = False, method: str = "rtn", gptq: WeightSolver | None = None,
-                        overwrite: bool = False, log=print) -> dict:
+                        overwrite: bool = False, max_disk: int | None = None, stream: bool | None = None,
+                        look_ahead: int = 1, log=print) -> dict:
     """Quantize checkpoint `src` into directory `out` (new, empty, or an earlier run's output to resume or
     redo); returns the manifest, with `timing` added. Every input is checked (headers and config only) before
     OUT is created.
@@ -242,7 +245,55 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     shapes.
 
     `overwrite`: replace an earlier output of other settings, or write into a directory this tool did not make
-    (`quant.ownership`; files it did not write are never deleted)."""
+    (`quant.ownership`; files it did not write are never deleted).
+
+    A Hub id as `src` is streamed (`stream` None or True; rtn only): each source shard fetched into OUT's
+    `.quant-source/` when needed, `look_ahead` shards ahead, deleted once written, never more than `max_disk`
+    bytes of source on disk (`quant.pipeline.fetch`); the manifest then has `stream` added. `stream=False`
+    downloads the whole repository first (huggingface_hub's cache)."""
+    check_engines = _check_arguments(scheme, method, gptq, scale_mode, check_engines, workers)
+    hub = streamed_reference(src, stream)
+    if hub is not None and method == "gptq":
+        if max_disk is not None or stream:
+            raise QuantError(f"--method gptq calibrates every layer from the whole source: it cannot stream "
+                             f"{hub.label} within --max-disk (drop --max-disk to download it first)")
+        hub = None
+    if look_ahead < 0:
+        raise QuantError(f"--look-ahead {look_ahead}: must be 0 or more")
+    src_path, source_ref, ckpt = _open_source(src, hub)
+    out = Path(out)
+    Output(out, source=src_path, overwrite=overwrite).check()  # the root, the source, a foreign directory...
+    device_list = parse_devices(devices, workers)
+
+    require_valid(ckpt)
+    family = family_for_config(ckpt.config, (src_path or ckpt.root) / "config.json")
+    plan = make_plan(ckpt, family, load_recipe(recipe, family), get_scheme(scheme), scale_mode)
+    if recipe and Path(recipe).is_file():
+        plan.recipe_path = Path(recipe)
+    calibrated = None  # (the solver, what the family's decoder layer returns) when a solver computes the weights
+    if method == "gptq":
+        gptq.check(src_path, ckpt)  # e.g. a family GPTQ cannot build: refused before OUT is touched
+        plan.settings.update(gptq.to_dict())  # part of the plan's digest: other settings, other output
+        calibrated = (gptq, family.layer_returns)
+    if hub is not None:
+        check_disk(plan, ckpt, max_disk, len(device_list), look_ahead)
+
+    identity = {"source": source_ref, "scheme": scheme, "recipe": plan.recipe.get("name"), "scale_mode": scale_mode,
+                "method": method, "plan_digest": plan.digest()}
+    names = [s.file for s in plan.shards] + (side_files(src_path) if hub is None else side_file_names(ckpt))
+
+    def files(todo: list[ShardJob], output: Output):
+        if hub is None:
+            return LocalFiles(ckpt, src_path, todo, len(device_list))
+        return HubFiles(ckpt, output.root, todo, len(device_list), max_disk, look_ahead, log)
+
+    with Output(out, identity, src_path, overwrite, names) as output:
+        return _quantize_into(output, plan, files, source_ref, device_list, check_engines, progress, log,
+                              calibrated)
+
+
+def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engines, workers: int):
+    """Refuse a bad option before anything is read; returns the engine releases the self-check runs for."""
     from quant.engines import select_profiles
 
     scheme_obj = get_scheme(scheme)
@@ -261,32 +312,21 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         select_profiles(list(check_engines))  # an unknown engine release is refused before any work
     if workers < 1:
         raise QuantError(f"--workers {workers}: must be at least 1")
-    src_path, source_ref = resolve_source(src)
-    out = Path(out)
-    Output(out, source=src_path, overwrite=overwrite).check()  # the root, the source, a foreign directory...
-    device_list = parse_devices(devices, workers)
-
-    ckpt = open_checkpoint(src_path)
-    require_valid(ckpt)
-    family = family_for_config(ckpt.config, src_path / "config.json")
-    plan = make_plan(ckpt, family, load_recipe(recipe, family), scheme_obj, scale_mode)
-    if recipe and Path(recipe).is_file():
-        plan.recipe_path = Path(recipe)
-    calibrated = None  # (the solver, what the family's decoder layer returns) when a solver computes the weights
-    if method == "gptq":
-        gptq.check(src_path, ckpt)  # e.g. a family GPTQ cannot build: refused before OUT is touched
-        plan.settings.update(gptq.to_dict())  # part of the plan's digest: other settings, other output
-        calibrated = (gptq, family.layer_returns)
-
-    identity = {"source": source_ref, "scheme": scheme, "recipe": plan.recipe.get("name"), "scale_mode": scale_mode,
-                "method": method, "plan_digest": plan.digest()}
-    names = [s.file for s in plan.shards] + side_files(src_path)
-    with Output(out, identity, src_path, overwrite, names) as output:
-        return _quantize_into(output, plan, ckpt, src_path, source_ref, device_list, check_engines, progress, log,
-                              calibrated)
+    return check_engines
 
 
-def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref: str, device_list: list[str],
+def _open_source(src, hub):
+    """(the local source directory or None, the reference the manifest records, the checkpoint to plan from): a
+    streamed Hub source is read where it is (config, index and shard headers, quant.hub)."""
+    if hub is None:
+        src_path, source_ref = resolve_source(src)
+        return src_path, source_ref, open_checkpoint(src_path)
+    from quant.hub import open_hub_checkpoint
+
+    return None, source_reference(hub), open_hub_checkpoint(hub)
+
+
+def _quantize_into(output: Output, plan: Plan, open_files, source_ref: str, device_list: list[str],
                    check_engines, progress: bool, log, calibrated=None) -> dict:
     """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
     out, digest = output.root, plan.digest()
@@ -307,31 +347,13 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
 
     started = time.perf_counter()
     timing = Counter()
-    solved = None
-    if calibrated and todo:
-        solver, layer_returns = calibrated
-        request = SolveRequest(plan, ckpt, src_path, out / GPTQ_DIR, device_list, layer_returns, digest, log,
-                               write_atomic)
-        # The solver runs at one worker's thread count on the first device (GPTQ: calibration and Hessians there,
-        # the same bytes whatever the device list; each layer's solves shared among every device).
-        with _compute_runtime(device_list[:1]):
-            solved = solver.solve(request)
-        timing[f"{solver.method}_s"] = time.perf_counter() - started
-        timing.update(solved.timing)  # its phases (GPTQ: quant.gptq.run.PHASES)
-    # Source hashes run on threads of their own (one per worker, so hashing keeps up with several devices), in
-    # shard order, from before torch loads to beside the quantizing workers.
-    with ThreadPoolExecutor(max_workers=len(device_list)) as hasher:
-        hashes = {shard.file: hasher.submit(sha256_file, ckpt.shard_path(shard.source_file)) for shard in todo}
-        try:
-            _run_shards(plan, digest, todo, ckpt, out, device_list, hashes, timing, results, progress, solved)
-        finally:
-            for future in hashes.values():
-                future.cancel()  # after a failure, shards never started need no hash
-    elapsed = time.perf_counter() - started
-
-    ordered = [results[s.file] for s in plan.shards]
-    manifest = stage_outputs(output, plan, ckpt.config, src_path, ordered, source_ref, device_list, earlier_card,
-                             list(check_engines or []), plan.recipe_path)
+    with open_files(todo, output) as files:
+        solved = _solve(calibrated, todo, plan, files, out, device_list, log, digest, timing, started)
+        _run_shards(plan, digest, todo, files.ckpt, out, device_list, files, timing, results, progress, solved)
+        elapsed = time.perf_counter() - started
+        ordered = [results[s.file] for s in plan.shards]
+        manifest = stage_outputs(output, plan, files.ckpt.config, files.root, ordered, source_ref, device_list,
+                                 earlier_card, list(check_engines or []), plan.recipe_path)
     scale_check(out, output.staging_dir)
     if check_engines:
         self_check(out, list(check_engines), output.staging_dir)
@@ -341,7 +363,26 @@ def _quantize_into(output: Output, plan: Plan, ckpt, src_path: Path, source_ref:
     shutil.rmtree(out / GPTQ_DIR, ignore_errors=True)  # every shard holds its solved weights now
     manifest["timing"] = {"total_s": time.perf_counter() - started, "shards_s": elapsed,
                           **{k: round(v, 3) for k, v in timing.items()}}
+    if files.summary() is not None:
+        manifest["stream"] = {**files.summary(), "shards_s": round(elapsed, 3)}
     return manifest
+
+
+def _solve(calibrated, todo, plan: Plan, files, out: Path, device_list, log, digest: str, timing: Counter,
+           started: float):
+    """The solver's weights (GPTQ's), or None for round to nearest."""
+    if not (calibrated and todo):
+        return None
+    solver, layer_returns = calibrated
+    request = SolveRequest(plan, files.ckpt, files.root, out / GPTQ_DIR, device_list, layer_returns, digest, log,
+                           write_atomic)
+    # The solver runs at one worker's thread count on the first device (GPTQ: calibration and Hessians there,
+    # the same bytes whatever the device list; each layer's solves shared among every device).
+    with _compute_runtime(device_list[:1]):
+        solved = solver.solve(request)
+    timing[f"{solver.method}_s"] = time.perf_counter() - started
+    timing.update(solved.timing)  # its phases (GPTQ: quant.gptq.run.PHASES)
+    return solved
 
 
 def run_shard(*args, **kwargs):
@@ -374,7 +415,7 @@ def _compute_runtime(device_list: list[str]):
             torch.set_num_threads(before)
 
 
-def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], hashes: dict,
+def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_list: list[str], files,
                 timing: Counter, results: dict[str, ShardResult], progress: bool, solved=None) -> None:
     """Quantize the shards in `todo`, one in flight per worker, so a failure stops the run before later shards
     start. Finished results go into `results`.
@@ -383,12 +424,13 @@ def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_lis
     next one (a pool of writer threads measured slower on two cores: one more thread competing for them).
     Several workers write their own shards, so writing keeps pace with the devices."""
     write_here = len(device_list) == 1
-    with _progress(progress, plan, todo) as advance, _compute_runtime(device_list) as threads:
+    with _progress(progress, plan, todo, files.status) as advance, _compute_runtime(device_list) as threads:
         def work(i_shard):
             i, shard = i_shard
             set_threads(threads)  # OpenMP keeps a thread count per thread: the compiled kernels read this one
+            files.ready(shard)  # a streamed source: its files fetched and verified (quant.pipeline.fetch)
             return shard, run_shard(plan, digest, shard, ckpt, out, device_list[i % len(device_list)],
-                                    hashes[shard.file], timing, defer_write=write_here, solved=solved)
+                                    files.source_hash(shard), timing, defer_write=write_here, solved=solved)
 
         queue = iter(enumerate(todo))
         with ThreadPoolExecutor(max_workers=len(device_list)) as pool:
@@ -400,14 +442,16 @@ def _run_shards(plan: Plan, digest: str, todo: list, ckpt, out: Path, device_lis
                     running |= {pool.submit(work, item) for item in itertools.islice(queue, 1)}
                     result = done() if write_here else done
                     results[result.file] = result
+                    files.finished(shard)  # a streamed source: what no later shard reads is deleted
                     advance(shard.source_bytes)
 
 
 class _progress:
-    """A rich progress bar over source bytes (GB/s and ETA), or nothing."""
+    """A rich progress bar over source bytes (GB/s and ETA), or nothing; a streamed source adds its download
+    rate and the disk its files hold (`status`)."""
 
-    def __init__(self, enabled: bool, plan: Plan, todo):
-        self.enabled, self.plan, self.todo = enabled, plan, todo
+    def __init__(self, enabled: bool, plan: Plan, todo, status=None):
+        self.enabled, self.plan, self.todo, self.status = enabled, plan, todo, status
 
     def __enter__(self):
         if not self.enabled:
@@ -415,8 +459,11 @@ class _progress:
         from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
 
-        self.bar = Progress(TextColumn("[bold]quantize"), BarColumn(), TextColumn("{task.fields[shards]} shards"),
-                            TransferSpeedColumn(), TimeRemainingColumn())
+        columns = [TextColumn("[bold]quantize"), BarColumn(), TextColumn("{task.fields[shards]} shards"),
+                   TransferSpeedColumn(), TimeRemainingColumn()]
+        if self.status is not None:
+            columns.append(_StatusColumn(self.status))
+        self.bar = Progress(*columns)
         self.bar.__enter__()
         self.done = 0
         self.task = self.bar.add_task("quantize", total=sum(s.source_bytes for s in self.todo) or 1,
@@ -432,3 +479,15 @@ class _progress:
         if self.enabled:
             self.bar.__exit__(*exc)
         return False
+
+
+def _StatusColumn(status):
+    """A progress column showing `status()` (the fetcher's download rate and disk in use) at every refresh."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class StatusColumn(ProgressColumn):
+        def render(self, task):
+            return Text(status())
+
+    return StatusColumn()

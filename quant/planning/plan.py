@@ -230,7 +230,7 @@ def make_plan(ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, 
     shards = []
     for i, file in enumerate(ckpt.files):
         out = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        shards.append(ShardJob(out, file, (ckpt.root / file).stat().st_size, planner.shard_jobs(file)))
+        shards.append(ShardJob(out, file, ckpt.file_size(file), planner.shard_jobs(file)))
     settings = {"tool": "moe-quant", "version": __version__, "scheme": scheme.name, "scale_mode": scale_mode,
                 "family": family.name, "source_format": planner.format}
     return Plan(family=family.name, recipe=recipe.to_dict(), scheme=scheme, scale_mode=scale_mode,

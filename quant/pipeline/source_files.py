@@ -1,0 +1,145 @@
+"""Where a run's source shards come from while it quantizes: a local directory (hashed beside the quantizing), or
+a Hub repository streamed into OUT's own `.quant-source/` (fetched on demand, deleted once used).
+
+Both give the run the same four things: `ckpt` (the checkpoint its readers open: local paths), `root` (the
+directory the side files are copied from), `source_hash(shard)` (a Future of the source shard's sha256, for the
+manifest), and the hooks `ready(shard)` (before a worker reads it) and `finished(shard)` (once its output shard
+is written)."""
+
+from __future__ import annotations
+
+import fnmatch
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import fields
+from pathlib import Path
+
+from quant.checkpoint import Checkpoint
+from quant.errors import QuantError
+from quant.files import sha256_file
+from quant.hub import HubCheckpoint, HubRef, hub_reference
+from quant.pipeline.download import download
+from quant.pipeline.fetch import ShardFetcher
+from quant.pipeline.output import OWN_FILES, SOURCE_DIR
+from quant.planning.needs import required_disk
+from quant.planning.plan import Plan, ShardJob
+from quant.planning.source import HUB_PATTERNS
+
+
+class LocalFiles:
+    """A source directory on disk: each shard still to make has its source hashed on a thread of its own (one per
+    worker, so hashing keeps up with several devices), in shard order, from before torch loads."""
+
+    status = None
+
+    def __init__(self, ckpt: Checkpoint, root: Path, todo: list[ShardJob], workers: int):
+        self.ckpt, self.root, self.todo, self.workers = ckpt, root, todo, workers
+
+    def __enter__(self) -> "LocalFiles":
+        self.pool = ThreadPoolExecutor(max_workers=self.workers)
+        self.hashes = {s.file: self.pool.submit(sha256_file, self.ckpt.shard_path(s.source_file)) for s in self.todo}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for future in self.hashes.values():
+            future.cancel()  # after a failure, shards never started need no hash
+        self.pool.shutdown(wait=True)
+
+    def source_hash(self, shard: ShardJob) -> Future:
+        return self.hashes[shard.file]
+
+    def ready(self, shard: ShardJob) -> None:
+        pass
+
+    def finished(self, shard: ShardJob) -> None:
+        pass
+
+    def summary(self) -> dict | None:
+        return None
+
+
+class HubFiles:
+    """A Hub repository streamed into `out/.quant-source/` (quant.pipeline.fetch): the side files first, then
+    the source shards within `budget` bytes, `look_ahead` shards ahead of the workers."""
+
+    def __init__(self, source: HubCheckpoint, out: Path, todo: list[ShardJob], workers: int, budget: int | None,
+                 look_ahead: int, log=print):
+        self.source, self.todo, self.budget, self.log = source, todo, budget, log
+        self.root = out / SOURCE_DIR
+        self.span = workers + look_ahead
+        self.ckpt = local_view(source, self.root)
+        self.fetcher: ShardFetcher | None = None
+
+    def __enter__(self) -> "HubFiles":
+        self.root.mkdir(exist_ok=True)
+        names = side_file_names(self.source)
+        for name in names:
+            download(self.source, name, self.root)
+        side = sum(self.source.file_size(n) for n in names)
+        self.fetcher = ShardFetcher(self.source, self.root, self.todo, self.budget, self.span, base_bytes=side)
+        self.fetcher.__enter__()
+        if self.fetcher.kept:
+            self.log(f"resuming: {self.fetcher.kept} source shard(s) fetched and verified by the earlier run kept")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fetcher.__exit__(*exc)
+
+    def source_hash(self, shard: ShardJob) -> Future:
+        return self.fetcher.source_hash(shard)
+
+    def ready(self, shard: ShardJob) -> None:
+        self.fetcher.ready(shard)
+
+    def finished(self, shard: ShardJob) -> None:
+        self.fetcher.finished(shard)
+
+    def status(self) -> str:
+        return self.fetcher.status()
+
+    def summary(self) -> dict:
+        return self.fetcher.summary()
+
+
+def streamed_reference(src, stream: bool | None) -> HubRef | None:
+    """The Hub repository a run streams from: SRC names one (not a local path) and streaming is not turned off."""
+    if stream is False or Path(src).is_dir():
+        return None
+    return hub_reference(src)
+
+
+def source_reference(ref: HubRef) -> str:
+    """The source as the manifest and the model card record it (the same as a download-first run's)."""
+    return f"hf://{ref.repo_id}" + (f"@{ref.revision}" if ref.revision else "")
+
+
+def local_view(source: HubCheckpoint, root: Path) -> Checkpoint:
+    """The Hub checkpoint as its readers see it: the same tensors, its shards under `root`."""
+    base = {f.name: getattr(source, f.name) for f in fields(Checkpoint)}
+    return Checkpoint(**{**base, "root": root})
+
+
+def side_file_names(source: HubCheckpoint) -> list[str]:
+    """The repository's top-level files an export carries over (what a download-first run fetches and copies:
+    quant.planning.source.HUB_PATTERNS, less the weights and the export's own file names)."""
+    return sorted(f for f in source.sizes if "/" not in f and not f.startswith(".") and not f.endswith(".safetensors")
+                  and f not in OWN_FILES and any(fnmatch.fnmatchcase(f, p) for p in HUB_PATTERNS))
+
+
+def check_disk(plan: Plan, source: HubCheckpoint, budget: int | None, workers: int, look_ahead: int) -> int:
+    """Refuse a budget the run cannot keep to, before any work: the largest set of source files one step of the run
+    holds (the shards `workers` read at once and `look_ahead` more, with the files they share), plus the side
+    files. Returns that figure."""
+    sizes = {f: source.file_size(f) for f in source.sizes}
+    need, where = required_disk(plan.shards, sizes, workers + look_ahead)
+    need += sum(source.file_size(n) for n in side_file_names(source))
+    if budget is not None and need > budget:
+        shard = plan.shards[where]
+        raise QuantError(f"--max-disk {_gb(budget)}: too small to stream {source.ref.label}: the run needs "
+                         f"{_gb(need)} of source files on disk at once (from {shard.source_file}, {workers} "
+                         f"worker(s) and --look-ahead {look_ahead}, with the side files); give at least that, or "
+                         f"--look-ahead 0")
+    return need
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
