@@ -75,7 +75,7 @@ def quant(world, *args, reset=True, wait=True, **env):
     if reset:
         server.reset()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    base.update(HF_ENDPOINT=server.url, HF_HUB_OFFLINE="0", HF_HOME=str(world["home"]), **env)
+    base.update({"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(world["home"]), **env})
     cmd = [sys.executable, "-m", "quant.cli", "quantize", "org/toy", *map(str, args), "--no-progress",
            "--check-engines", ""]
     if not wait:
