@@ -288,3 +288,28 @@ def test_hub_gone_is_one_line(world, tmp_path):
     code, stdout, err = quant(world, tmp_path / "out", reset=False)
     line = one_line(code, stdout, err, 2)
     assert "network failure" in line or "org/toy" in line
+
+
+def test_needs_follow_scales_across_shards(world):
+    """The plan's view of the moved scales (quant/planning/needs.py): an output shard needs its own source shard
+    and the next one (its weights' scales), the next one stays until both are written, and the disk a step needs
+    counts both."""
+    from quant.checkpoint import open_checkpoint
+    from quant.planning.needs import SourceUse, required_disk
+    from quant.planning.plan import make_plan
+    from quant.planning.recipes import family_for_config, load_recipe
+    from quant.planning.schemes import get_scheme
+
+    ckpt = open_checkpoint(world["src"])
+    family = family_for_config(ckpt.config, None)
+    plan = make_plan(ckpt, family, load_recipe(None, family), get_scheme("w_mxfp4_a_mxfp4"), "even")
+    files, use = ckpt.files, SourceUse.of(plan.shards)
+    n = len(files)
+    two = [i for i, needs in enumerate(use.needs) if len(needs) == 2]
+    assert len(two) > n // 2
+    for i in two:
+        assert use.needs[i] == {files[i], files[(i + 1) % n]}
+    sizes = {f: ckpt.file_size(f) for f in files}
+    need, _ = required_disk(plan.shards, sizes, 1)
+    assert need >= max(sizes[files[i]] + sizes[files[(i + 1) % n]] for i in two)
+    assert required_disk(plan.shards, sizes, 2)[0] >= need
