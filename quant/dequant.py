@@ -3,7 +3,8 @@
 This is how the eval stage runs MXFP4 and FP8 checkpoints on a CPU (weights emulated exactly, activations in
 BF16), and how tests compare a quantized model's logits with the original. It reads the formats this tool
 writes and the common ones it reads: Quark MXFP4 (U8 weight + U8 weight_scale), Quark FP8 (F8_E4M3 weight +
-F32 weight_scale, per-tensor or per-channel) and official block FP8 (weight_scale_inv).
+F32 weight_scale, per-tensor or per-channel), Quark MXFP8 (F8_E4M3 weight + U8 weight_scale per 32 inputs) and
+official block FP8 (weight_scale_inv).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 
 from quant.checkpoint import INDEX_FILE, load_tensors, open_checkpoint
 from quant.errors import QuantError
-from quant.numerics import fp8, mxfp4
+from quant.numerics import fp8, mxfp4, mxfp8
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".output_scale")
 
@@ -34,6 +35,8 @@ def dequantize_module(weight: torch.Tensor, scales: dict[str, torch.Tensor], nam
         return weight.to(dtype)
     if weight.dtype == torch.uint8:
         return mxfp4.dequantize_mxfp4(weight, scale, dtype=dtype)
+    if weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.uint8:  # MXFP8: E8M0 bytes per 32 inputs
+        return mxfp8.dequantize_mxfp8(weight, scale, dtype=dtype)
     if weight.dtype == torch.float8_e4m3fn:
         return fp8.dequantize_fp8(weight, scale, dtype=dtype)
     raise QuantError(f"tensor {name}: cannot dequantize a {weight.dtype} weight with a weight_scale")

@@ -6,6 +6,8 @@ loader-contract.md §2), or the DeepSeek/GLM official block-FP8 form for `fp8-bl
 
 from __future__ import annotations
 
+from quant.planning.schemes import mxfp8_scale_mode
+
 QUARK_SCHEMA_VERSION = "0.13"  # the amd-quark release whose QConfig.to_dict() layout this mirrors
 
 _NULL_SPEC_FIELDS = {"group_size": None, "symmetric": None, "round_method": None, "scale_type": None,
@@ -18,6 +20,20 @@ def mxfp4_spec(is_dynamic: bool, scale_mode: str | None) -> dict:
             "symmetric": None, "round_method": "half_even", "scale_type": "float", "scale_format": "e8m0",
             "scale_calculation_mode": scale_mode, "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver",
             "is_scale_quant": False}
+
+
+def mxfp8_spec(is_dynamic: bool, scale_mode: str | None) -> dict:
+    """amd-quark 0.13's OCP_MXFP8E4M3Spec(ch_axis=-1, is_dynamic=...).to_quantization_spec().to_dict(), key for key
+    and in its order (quark/torch/quantization/config/config.py OCP_MXSpec.OCP_MX_SPEC_KWARGS and
+    OCP_MXFP8E4M3Spec, :1467-1506; QTensorConfig.to_dict): what its exporter writes into config.json
+    (quark/torch/export/api.py:326-336, quant_config.to_dict()). Quark 0.13 itself cannot export MXFP8 weights on
+    CPU (hw_emulation_interface.py:1514 real_quantize_fp8_e4m3: "Unsupported QuantSchema: per_group"), so the
+    tensors follow the engines' loaders: F8_E4M3 weight [out, in], U8 weight_scale [out, in/32]."""
+    return {"dtype": "fp8_e4m3", "is_dynamic": is_dynamic, "qscheme": "per_group", "ch_axis": -1, "group_size": 32,
+            "block_size": None, "symmetric": None, "round_method": "half_even", "scale_type": "float",
+            "zero_point_type": "int32", "scale_format": "e8m0", "scale_calculation_mode": scale_mode,
+            "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver", "is_scale_quant": False,
+            "enable_buffer_reuse": False, "max_input_numel": 4194304}
 
 
 def fp8_channel_spec(ch_axis: int, is_dynamic: bool) -> dict:
@@ -37,6 +53,9 @@ def layer_config(scheme: str, scale_mode: str) -> dict:
         weight, inputs = mxfp4_spec(False, _weight_scale_mode(scale_mode)), mxfp4_spec(True, "even")
     elif scheme == "w_mxfp4":
         weight, inputs = mxfp4_spec(False, _weight_scale_mode(scale_mode)), None
+    elif scheme == "w_mxfp8_a_mxfp8":
+        weight = mxfp8_spec(False, _weight_scale_mode(mxfp8_scale_mode(scale_mode)))
+        inputs = mxfp8_spec(True, "even")
     elif scheme == "fp8":
         weight, inputs = fp8_channel_spec(0, False), fp8_channel_spec(1, True)
     else:

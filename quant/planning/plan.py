@@ -17,7 +17,7 @@ from quant import __version__
 from quant.checkpoint import FLOAT_DTYPES, SCALE_INV, Checkpoint, Source
 from quant.families import Family, text_config
 from quant.errors import QuantError
-from quant.planning.recipes import BF16, FP8, SCHEME, Recipe
+from quant.planning.recipes import BF16, SCHEME, SECONDARY, Recipe
 from quant.planning.schemes import Scheme, secondary_scheme
 from quant.sources import native
 
@@ -112,8 +112,8 @@ class Planner:
             return role, None
         if treatment == SCHEME:
             return role, self.scheme
-        if treatment == FP8:
-            return role, secondary_scheme(self.scheme)
+        if treatment in SECONDARY:
+            return role, secondary_scheme(self.scheme, treatment)
         assert treatment == BF16
         return role, None
 

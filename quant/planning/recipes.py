@@ -18,11 +18,13 @@ from quant.families.schema import load_yaml
 from quant.paths import MANIFESTS_DIR
 
 __all__ = ["Recipe", "load_recipe", "builtin_recipes", "known_roles", "Family", "family_for_config", "load_family",
-           "KEEP", "BF16", "SCHEME", "FP8", "MTP_LAYER_CHOICES"]
+           "KEEP", "BF16", "SCHEME", "FP8", "MXFP8", "SECONDARY", "MTP_LAYER_CHOICES"]
 
 BF16 = "bf16"
 SCHEME = "scheme"  # the recipe's placeholder for the scheme chosen with --scheme
 FP8 = "fp8"
+MXFP8 = "mxfp8"  # MXFP8 W8A8 beside the --scheme (quant.planning.schemes.secondary_scheme)
+SECONDARY = (FP8, MXFP8)  # role values naming a fixed scheme other than --scheme
 MTP_LAYER_CHOICES = ("as-main", "bf16")
 RECIPES_FILE = MANIFESTS_DIR / "recipes.yaml"
 # The keys of a recipe: built-in ones may be per family, user files name a base recipe.
@@ -35,7 +37,7 @@ RECIPES_FILE_KEYS = ("default", "recipes")
 class Recipe:
     name: str
     description: str
-    roles: dict[str, str]  # role -> "scheme" | "fp8" | "bf16"
+    roles: dict[str, str]  # role -> "scheme" | "fp8" | "mxfp8" | "bf16"
     keep: list[re.Pattern] = field(default_factory=list)  # user-pinned BF16 modules
     mtp_layer: str = "as-main"  # "as-main": MTP layers quantized like the main layers; "bf16": kept whole in BF16
     per_family: str | None = None  # the roles are the family's release_recipes[per_family] (unresolved)
@@ -85,13 +87,13 @@ def _recipe_from(data: dict, name: str, where: str, allowed=BUILTIN_RECIPE_KEYS)
     data = check_keys(data, allowed, where, f"recipe {name!r}")
     roles = data.get("roles") or {}
     if not isinstance(roles, dict):
-        raise BadData(f"{where}: recipe {name!r}: roles must be a mapping of role -> scheme|fp8|bf16")
+        raise BadData(f"{where}: recipe {name!r}: roles must be a mapping of role -> scheme|fp8|mxfp8|bf16")
     valid_roles = known_roles()
     for role, value in roles.items():
         if role not in valid_roles:
             check_keys({role: None}, sorted(valid_roles), where, f"recipe {name!r} roles")
-        if value not in (SCHEME, FP8, BF16):
-            raise BadData(f"{where}: recipe {name!r} role {role!r} has {value!r}; use scheme, fp8 or bf16")
+        if value not in (SCHEME, *SECONDARY, BF16):
+            raise BadData(f"{where}: recipe {name!r} role {role!r} has {value!r}; use scheme, fp8, mxfp8 or bf16")
     keep_list = data.get("keep") or []
     if not isinstance(keep_list, list) or not all(isinstance(p, str) for p in keep_list):
         raise BadData(f"{where}: recipe {name!r}: keep must be a list of regexes")

@@ -55,6 +55,27 @@ def _mxfp4_error(w: torch.Tensor, t: dict[str, torch.Tensor]) -> tuple[float, fl
     return mxfp4.quantization_error(w, t["weight"], t["weight_scale"])
 
 
+def mxfp8_scale_mode(scale_mode: str) -> str:
+    """The MXFP8 shared-exponent rule for a --scale-mode: even, floor and rceil as they are; MXFP4's per-block search
+    has no MXFP8 counterpart here, so it falls back to even (Quark's default)."""
+    from quant.numerics import mxfp8
+
+    return scale_mode if scale_mode in mxfp8.SCALE_MODES else "even"
+
+
+def _mxfp8(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
+    from quant.numerics import mxfp8
+
+    q, scales = mxfp8.quantize_mxfp8(w, mode=mxfp8_scale_mode(scale_mode))
+    return {"weight": q, "weight_scale": scales}
+
+
+def _mxfp8_back(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    from quant.numerics import mxfp8
+
+    return mxfp8.dequantize_mxfp8(t["weight"], t["weight_scale"])
+
+
 def _fp8_channel(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
     from quant.numerics import fp8
 
@@ -107,6 +128,9 @@ SCHEMES: dict[str, Scheme] = {
                _mxfp4, _mxfp4_back, _row_select, error_sums=_mxfp4_error),
         Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back,
                _row_select, error_sums=_mxfp4_error, engines=("vllm==latest",)),
+        Scheme("w_mxfp8_a_mxfp8", "MXFP8 weights (OCP E4M3, one E8M0 scale per 32 inputs), dynamic MXFP8 "
+               "activations (Quark OCP_MXFP8E4M3Spec)", 32, "quark", _mxfp8, _mxfp8_back, _row_select,
+               engines=("vllm==latest",)),
         Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
                "quark", _fp8_channel, _fp8_back, _row_select),
         Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
@@ -123,7 +147,13 @@ def get_scheme(name: str) -> Scheme:
     return SCHEMES[name]
 
 
-def secondary_scheme(primary: Scheme) -> Scheme:
-    """What a recipe's "fp8" role means next to the primary scheme: per-channel FP8 in Quark checkpoints,
-    block FP8 when the whole checkpoint is in the official block-FP8 format."""
+def secondary_scheme(primary: Scheme, treatment: str = "fp8") -> Scheme:
+    """What a recipe's "fp8" or "mxfp8" role means next to the primary scheme. "fp8": per-channel FP8 in Quark
+    checkpoints, block FP8 when the whole checkpoint is in the official block-FP8 format. "mxfp8": MXFP8 W8A8 (AMD's
+    mixed releases: MXFP4 experts, MXFP8 elsewhere), which only a Quark checkpoint can hold."""
+    if treatment == "mxfp8":
+        if primary.output_format != "quark":
+            raise QuantError(f"a recipe role 'mxfp8' needs a Quark scheme; {primary.name} writes the official "
+                             "block-FP8 format, which has no MXFP8 layers")
+        return SCHEMES["w_mxfp8_a_mxfp8"]
     return SCHEMES["fp8-block"] if primary.output_format == "fp8-official" else SCHEMES["fp8"]
