@@ -9,7 +9,6 @@ import json
 import re
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from quant.pipeline import quantize_checkpoint
 from quant.toy import build_toy
 from quant.verify import verify_checkpoint
 from tests_engines.logprobs import teacher_forced
+from tests_engines.probe_runner import run_probe
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
 RECIPES = Path(__file__).with_name("recipes")
@@ -486,8 +486,7 @@ def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600, emulation
            "TOKENIZERS_PARALLELISM": "false", "QUANT_VLLM_EMULATION": emulation,
            # the inert torchvision (stubs/torchvision), for vLLM's architecture-inspection subprocess too
            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(PROBE), str(path), json.dumps(prompts)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    proc = run_probe(sys.executable, PROBE, [str(path), json.dumps(prompts)], env, timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:  # no case expects this: the tiers fail on "crash"
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -761,8 +760,8 @@ def run_sglang(release: str, path: Path, reference: Path | None = None, timeout:
     """The probe's JSON for `path` under SGLang `release`. An engine that cannot be imported or set up raises
     (a test error, never a pass), unless `setup_error_ok` (a recorded SGLANG_CANNOT_BUILD setup failure)."""
     command, env = sglang_command(release)
-    command = command + [str(path)] + (["--reference", str(reference)] if reference else [])
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    argv = [str(path)] + (["--reference", str(reference)] if reference else [])
+    proc = run_probe(command[0], Path(command[1]), argv, env, timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"SGLang {release} probe exited {proc.returncode}: {proc.stderr[-2000:]}")

@@ -584,6 +584,15 @@ def decode_against_reference(params, sources, reference_path, draft, mtp_index):
 SERVER_ARGS = None
 
 
+def preload() -> None:
+    """What the zygote (zygote.py) imports once before forking a child per checkpoint: the shim and SGLang's
+    loader, model config and server args (each child sets up its own process group and server args)."""
+    install_shim()
+    import sglang.srt.model_loader.loader  # noqa: F401
+    from sglang.srt.configs.model_config import ModelConfig  # noqa: F401
+    from sglang.srt.server_args import ServerArgs  # noqa: F401
+
+
 def main() -> int:
     global SERVER_ARGS
     parser = argparse.ArgumentParser()

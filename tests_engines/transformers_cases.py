@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from quant.pipeline import quantize_checkpoint
 from quant.toy import build_toy
 from quant.verify import verify_checkpoint
+from tests_engines.probe_runner import run_probe
 from tests_engines.cases import TIER_OVERRIDES, activation_quantized_linears, mean_abs_diff, one_spelling, same_place
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +94,8 @@ def run(path: Path, prompts: list[list[int]], timeout: int = 600) -> dict:
     python = QUARK_VENV / "bin" / "python"
     if not python.exists():
         raise RuntimeError(f"{python} not found: `make {QUARK_VENV}/.installed` (part of make test-engines) builds it")
-    proc = subprocess.run([str(python), str(PROBE), str(path), json.dumps(prompts)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = run_probe(str(python), PROBE, [str(path), json.dumps(prompts)],
+                     {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"transformers probe exited {proc.returncode}: {proc.stderr[-2000:]}")

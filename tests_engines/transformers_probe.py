@@ -42,6 +42,14 @@ def _mtp_layer(key: str, layers: int) -> bool:
     return hit is not None and int(hit.group(1)) >= layers
 
 
+def preload() -> None:
+    """What the zygote (zygote.py) imports once before forking a child per checkpoint."""
+    import quark.torch  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+
 def main() -> int:
     import torch
     import transformers

@@ -78,6 +78,15 @@ def _raised_at(tb) -> str:
     return f"{path}:{tb.tb_lineno}"
 
 
+def preload() -> None:
+    """What the zygote (zygote.py) imports once before forking a child per checkpoint: vLLM, the shim, and the
+    amd-quark MX module vLLM's MXFP4 path imports."""
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from quark.torch.kernel import mx  # noqa: F401
+
+    import vllm_emulation  # noqa: F401
+
+
 def main() -> int:
     checkpoint, prompts = sys.argv[1], json.loads(sys.argv[2])
     try:  # the engine and the shim: a failure here is the tier's environment, never an outcome under test
