@@ -92,7 +92,8 @@ class HubServer:
         self._fail_after: int | None = None
         self._expire_after: int | None = None
         self.generation = 0  # storage URLs carry it; older ones have expired
-        self.rate: float | None = None  # bytes per second of each blob body (a slow link), None: as fast as it goes
+        self.rate: float | None = None  # bytes per second of all blob bodies together (a slow link), None: unlimited
+        self.link_free_at = 0.0  # when the capped link has sent everything queued on it
         self.faults: list[tuple] = []  # one-shot faults for the next blob GETs: ("drop", after_bytes) or
         #                                ("status", code, retry_after)
         self.corrupt: set[str] = set()  # oids whose bytes are served with one byte changed (the sha256 stays)
@@ -158,8 +159,16 @@ class HubServer:
             self._fail_after = n
 
     def limit_rate(self, bytes_per_s: float | None) -> None:
-        """Serve every blob body at `bytes_per_s` (a bandwidth cap), or unthrottled (None)."""
+        """Serve blob bodies at `bytes_per_s` in all (one link's bandwidth, shared by every connection), or
+        unthrottled (None)."""
         self.rate = bytes_per_s
+
+    def _send_slot(self, nbytes: int) -> float:
+        """Queue `nbytes` on the capped link: the time by which they have gone out."""
+        with self.lock:
+            start = max(time.perf_counter(), self.link_free_at)
+            self.link_free_at = start + nbytes / self.rate
+            return self.link_free_at
 
     def drop_mid_blob(self, after_bytes: int, times: int = 1) -> None:
         """The next `times` blob GETs send `after_bytes` bytes of their body, then drop the connection."""
@@ -222,12 +231,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub._count(self.command, self.path, self.headers.get("Range"), status, 0 if head else len(body))
 
     def _write_body(self, body: bytes) -> None:
-        """The body, in 64 kB pieces at `rate` bytes per second, cut after `drop_after` bytes (the connection
+        """The body, in 64 kB pieces at the link's `rate` (shared with every other body under way), cut after `drop_after` bytes (the connection
         then dropped) when this response carries a fault."""
         if self.rate is None and self.drop_after is None:
             self.wfile.write(body)
             return
-        step, sent, t0 = 1 << 16, 0, time.perf_counter()
+        step, sent = 1 << 16, 0
         while sent < len(body):
             piece = body[sent:sent + step]
             if self.drop_after is not None and sent + len(piece) > self.drop_after:
@@ -236,12 +245,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
                 raise ConnectionResetError("fault: connection dropped mid-body")
-            self.wfile.write(piece)
-            sent += len(piece)
             if self.rate:
-                ahead = sent / self.rate - (time.perf_counter() - t0)
+                ahead = self.hub._send_slot(len(piece)) - time.perf_counter()
                 if ahead > 0:
                     time.sleep(ahead)
+            self.wfile.write(piece)
+            sent += len(piece)
 
     def _json(self, status: int, obj, headers: dict | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})})
