@@ -74,8 +74,8 @@ def test_a_misspelled_engine_key_and_scheme_kind(engines_yaml):
     engines_yaml(('    default_releases: ["0.5.12", "0.5.19"]', '    default_release: ["0.5.12", "0.5.19"]'))
     assert "engines.sglang.default_release: unknown rule key; did you mean 'default_releases'?" in _load_error()
     engines_yaml(("        mxfp4: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4",
-                  "        mxfp: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4"))
-    assert "engines.sglang.schemes.linear.mxfp: unknown rule key; did you mean 'mxfp4'?" in _load_error()
+                  "        mxf4: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4"))
+    assert "engines.sglang.schemes.linear.mxf4: unknown rule key; did you mean 'mxfp4'?" in _load_error()
 
 
 def test_a_value_of_the_wrong_type_or_outside_its_choices(engines_yaml):

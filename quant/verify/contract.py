@@ -7,7 +7,11 @@ activations; static ones need a scalar F32 `input_scale`). Sources: vLLM quark_o
 quark_moe.py QuarkOCP_MX_MoEMethod.create_weights (w13 [E, 2*I/TP, H/2] + [E, 2*I/TP, H/32], w2 [E, H, I/TP/2] +
 [E, H, I/TP/32]); SGLang quark_w4a4_mxfp4.py QuarkW4A4MXFP4.create_weights (same per-linear shapes).
 FP8: `weight` F8_E4M3 [out, in] + `weight_scale` F32 [] (per_tensor) or [out] (per_channel), `input_scale` F32
-scalar iff the input is static. Unquantized: `weight` in BF16/F16/F32 and no scale tensors.
+scalar iff the input is static. MXFP8 ([1, 32], dynamic MXFP8 activations): `weight` F8_E4M3 [out, in] + `weight_scale`
+U8 [out, in/32], in % 32 == 0 (in/TP when row-parallel), no `input_scale` (vLLM 0.32 quark_ocp_mx.py:175-201, the
+unpacked branch: MXFP8_VALUE_DTYPE float8_e4m3fn, MXFP8_SCALE_DTYPE uint8 in utils/mxfp8_utils.py:9-10; experts in
+0.33 quark_moe.py:2047-2082 QuarkW8A8Mxfp8MoEMethod.create_weights: w13 [E, 2*I/TP, H] + [E, 2*I/TP, H/32], w2
+[E, H, I/TP] + [E, H, I/TP/32], ValueError unless H and I/TP are multiples of 32). Unquantized: `weight` in BF16/F16/F32 and no scale tensors.
 When the stored weight differs from the engine's parameter the weight itself is the finding (an MXFP4 weight
 left unpacked, or packed along the output dimension, would otherwise look like a wrong scale).
 """
@@ -21,11 +25,12 @@ from quant.verify.modules import Module
 from quant.verify.shapes import MX_GROUP, MX_PACK, mx_scale, mx_weight
 
 MX_KINDS = ("mxfp4", "mxfp4_weight_only", "mxfp4_static_input", "w4a8_mxfp4_fp8")
-FP8_KINDS = ("fp8", "fp8_weight_only")
+MXFP8_KINDS = ("mxfp8",)  # stored like FP8 (F8_E4M3 weight), scaled like MXFP4 (U8 E8M0 [out, in/32])
+FP8_KINDS = ("fp8", "fp8_weight_only", *MXFP8_KINDS)
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "weight_scale_inv", "weight_scale_2", "input_scale_2")
 KIND_LABEL = {"mxfp4": "MXFP4", "mxfp4_weight_only": "MXFP4 weight-only", "mxfp4_static_input":
               "MXFP4 (static activations)", "w4a8_mxfp4_fp8": "MXFP4 W4A8-FP8", "fp8": "FP8",
-              "fp8_weight_only": "FP8 weight-only", None: "unquantized"}
+              "fp8_weight_only": "FP8 weight-only", "mxfp8": "MXFP8", None: "unquantized"}
 
 
 def family(kind: str | None) -> str:
@@ -62,6 +67,8 @@ def expected_weight(kind: str | None, shape: tuple[int, int]) -> str:
     fam = family(kind)
     if fam == "mxfp4":
         return f"U8 {list(mx_weight(shape))} + weight_scale U8 {list(mx_scale(shape))}"
+    if kind in MXFP8_KINDS:
+        return f"F8_E4M3 [{o}, {i}] + weight_scale U8 {list(mx_scale(shape))}"
     if fam == "fp8":
         return f"F8_E4M3 [{o}, {i}] + weight_scale F32"
     return f"BF16 [{o}, {i}] and no scale tensors"
@@ -96,7 +103,6 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
         extra = f" (+ {', '.join(scales)})" if scales else ""
         return [TensorIssue(f"{name}.weight", f"{describe(w)}{extra}", expected_weight(kind, shape), True)]
     o, i = shape
-    issues: list[TensorIssue] = []
     if config_shape and tuple(w.shape) != stored_weight_shape(kind, shape):
         # The engine copies the stored tensor into a parameter sized from config.json: the weight is what is
         # wrong, whatever its scales say (e.g. MXFP4 left unpacked, or packed along the output dimension).
@@ -105,6 +111,14 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
         return [TensorIssue(f"{name}.weight", describe(w) + _layout_hint(want, tuple(w.shape), shape),
                             f"{w.dtype} [{so}, {si}]{packing}, as sized from config.json ([out, in] = [{o}, {i}])",
                             False)]
+    return _scale_issues(mod, kind, layer_cfg, shape, row_parallel_tp)
+
+
+def _scale_issues(mod: Module, kind: str | None, layer_cfg: dict | None, shape: tuple[int, int],
+                  row_parallel_tp: int | None) -> list[TensorIssue]:
+    """The scale tensors of a module whose weight has the dtype and shape `kind` wants."""
+    name, w, (o, i) = mod.name, mod.weight, shape
+    issues: list[TensorIssue] = []
 
     def need(suffix: str, dtype: str, shapes: list[tuple[int, ...]], label: str) -> None:
         info = mod.params.get(suffix)
@@ -117,9 +131,14 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
                 issues.append(TensorIssue(f"{name}.{suffix}", describe(mod.params[suffix]),
                                           "absent (the engine has no parameter for it)", False))
 
+    if family(kind) == "float":
+        forbid(*SCALE_SUFFIXES)
+        return issues
     act = (layer_cfg or {}).get("input_tensors") if isinstance(layer_cfg, dict) else None
     static_input = isinstance(act, dict) and act.get("is_dynamic") is False
-    if want == "mxfp4":
+    if kind in MX_KINDS or kind in MXFP8_KINDS:
+        # MXFP4 and MXFP8 alike: one E8M0 byte per 32 inputs, [out, in/32] (vLLM quark_ocp_mx.py create_weights,
+        # the packed and the unpacked branch; quark_moe.py QuarkW8A8Mxfp8MoEMethod in 0.33).
         if i % MX_GROUP:
             issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
                                       f"an input dimension divisible by {MX_GROUP} (MX blocks)", False))
@@ -132,24 +151,19 @@ def check_module(mod: Module, kind: str | None, layer_cfg: dict | None, row_para
             issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
                                       f"in/TP = {i}/{row_parallel_tp} divisible by {MX_GROUP} (row-parallel split)",
                                       False))
-        if static_input:
-            need("input_scale", "F32", [(), (1,)], "F32 scalar (static activations)")
-        else:
-            forbid("input_scale")
-        forbid("weight_scale_inv")
-    elif want == "fp8":
+        input_label = "F32 scalar (static activations)"
+    else:
         wq = (layer_cfg or {}).get("weight") or {}
         if wq.get("qscheme") == "per_tensor":
             need("weight_scale", "F32", [(), (1,)], "F32 scalar (per_tensor)")
         else:
             need("weight_scale", "F32", [(o,)], f"F32 [{o}] (per_channel)")
-        if static_input:
-            need("input_scale", "F32", [(), (1,)], "F32 scalar (static per-tensor input)")
-        else:
-            forbid("input_scale")
-        forbid("weight_scale_inv")
+        input_label = "F32 scalar (static per-tensor input)"
+    if static_input:
+        need("input_scale", "F32", [(), (1,)], input_label)
     else:
-        forbid(*SCALE_SUFFIXES)
+        forbid("input_scale")
+    forbid("weight_scale_inv")
     return issues
 
 

@@ -18,7 +18,8 @@ def _finding(profile: Profile | None, tensor: str, message: str, fix: str, sever
 
 def classify(layer_cfg: dict | None) -> str:
     """Scheme of a QLayerConfig as the engines' predicates see it (quark.py _is_mx_fp4, _is_w_ocp_mx_a_x,
-    _is_fp8_w8a8, _is_w4a8_mxfp4_fp8); "unmodelled" for dtypes this preflight has no contract for."""
+    _is_fp8_w8a8, _is_w4a8_mxfp4_fp8; MXFP8: _mxfp8_kind); "unmodelled" for dtypes this preflight has no contract
+    for."""
     if not isinstance(layer_cfg, dict):
         return "other"
     if layer_cfg.get("output_tensors") or layer_cfg.get("bias"):
@@ -42,6 +43,8 @@ def classify(layer_cfg: dict | None) -> str:
                 and not a.get("is_dynamic"):
             return "w4a8_mxfp4_fp8"
         return "other"
+    if dtype == "fp8_e4m3" and _mx_block_spec(w):
+        return _mxfp8_kind(w, a)
     if dtype == "fp8_e4m3":
         if w.get("is_dynamic") or w.get("qscheme") not in ("per_tensor", "per_channel"):
             return "other"
@@ -50,6 +53,29 @@ def classify(layer_cfg: dict | None) -> str:
         if a.get("dtype") == "fp8_e4m3" and (a.get("is_dynamic") or a.get("qscheme") == "per_tensor"):
             return "fp8"
         return "other"
+    return "unmodelled"
+
+
+def _mx_block_spec(spec: dict) -> bool:
+    """An OCP MX tensor spec as Quark writes it: one E8M0 scale per 32 inputs (per_group, group_size 32, e8m0), or
+    the 2-D spelling of an MXFP8 weight (per_block, block_size [R, 32], scale_type float8_e8m0fnu: DeepSeek-V4.1)."""
+    if spec.get("qscheme") == "per_group":
+        return spec.get("group_size") == 32 and spec.get("scale_format") == "e8m0"
+    block = spec.get("block_size")
+    return spec.get("qscheme") == "per_block" and isinstance(block, list) and len(block) == 2 and block[1] == 32 \
+        and spec.get("scale_type") == "float8_e8m0fnu"
+
+
+def _mxfp8_kind(w: dict, a: dict | None) -> str:
+    """MXFP8 (OCP E4M3 elements, E8M0 scales per 32 inputs). "mxfp8": static [1, 32] weights with dynamic MXFP8
+    activations, what vLLM's QuarkOCP_MX and 0.33's QuarkW8A8Mxfp8MoEMethod build (engines.yaml `schemes`). Other
+    spellings (weight-only, static or per-tensor FP8 activations, [R, 32] blocks) take other engine paths this
+    preflight has no contract for: "unmodelled"."""
+    if w.get("qscheme") != "per_group" or w.get("is_dynamic"):
+        return "unmodelled"
+    if isinstance(a, dict) and a.get("dtype") == "fp8_e4m3" and a.get("qscheme") == "per_group" \
+            and a.get("group_size") == 32 and a.get("is_dynamic"):
+        return "mxfp8"
     return "unmodelled"
 
 

@@ -129,6 +129,9 @@ MXFP4_SPEC = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis
               "symmetric": None, "round_method": "half_even", "scale_type": "float", "scale_format": "e8m0",
               "scale_calculation_mode": "even", "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver",
               "is_scale_quant": False}
+# amd-quark 0.13's OCP_MXFP8E4M3Spec as the quantizer writes it (quant/pipeline/quark_config.py mxfp8_spec).
+MXFP8_SPEC = dict(MXFP4_SPEC, dtype="fp8_e4m3", zero_point_type="int32", block_size=None, enable_buffer_reuse=False,
+                  max_input_numel=4194304)
 FP8_WEIGHT_SPEC = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False,
                    "group_size": None, "symmetric": None, "round_method": None, "scale_type": None,
                    "scale_format": None, "scale_calculation_mode": None, "mx_element_dtype": None,
@@ -136,10 +139,12 @@ FP8_WEIGHT_SPEC = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 0, 
 
 
 def layer_config(scheme: str) -> dict:
-    """A Quark QLayerConfig dict: "w_mxfp4_a_mxfp4", "w_mxfp4" (weight-only) or "fp8" (PTPC)."""
+    """A Quark QLayerConfig dict: "w_mxfp4_a_mxfp4", "w_mxfp4" (weight-only), "w_mxfp8_a_mxfp8" or "fp8" (PTPC)."""
     if scheme == "fp8":
         weight = dict(FP8_WEIGHT_SPEC)
         act = dict(FP8_WEIGHT_SPEC, qscheme="per_channel", ch_axis=1, is_dynamic=True)
+    elif scheme == "w_mxfp8_a_mxfp8":
+        weight, act = dict(MXFP8_SPEC), dict(MXFP8_SPEC, is_dynamic=True)
     else:
         weight = dict(MXFP4_SPEC)
         act = dict(MXFP4_SPEC, is_dynamic=True) if scheme == "w_mxfp4_a_mxfp4" else None
@@ -160,6 +165,8 @@ def quantized_tensors(module: str, shape: tuple[int, int], scheme: str) -> Tenso
     out_f, in_f = shape
     if scheme == "fp8":
         return {f"{module}.weight": ("F8_E4M3", (out_f, in_f)), f"{module}.weight_scale": ("F32", (out_f,))}
+    if scheme == "w_mxfp8_a_mxfp8":
+        return {f"{module}.weight": ("F8_E4M3", (out_f, in_f)), f"{module}.weight_scale": ("U8", (out_f, in_f // 32))}
     return {f"{module}.weight": ("U8", (out_f, in_f // 2)), f"{module}.weight_scale": ("U8", (out_f, in_f // 32))}
 
 
