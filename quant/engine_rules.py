@@ -104,12 +104,23 @@ class Moe:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModuleFailure:
+    module: str = required("regex on the module's runtime name")
+    kind: SchemeKind = required("the scheme kind it fails with")
+    weight_qscheme: str | None = rule(None, "the weight qscheme it fails with (none: any)")
+    error: str = required("what the engine raises loading it")
+    source: str = rule("", "where it was read or run")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Schemes:
     linear: dict[SchemeKind, str] = rule({}, "scheme kind -> 'ok' or what the engine raises for a Linear module")
     moe: dict[SchemeKind, str] = rule({}, "scheme kind -> 'ok' or what the engine raises for a FusedMoE")
     fp8_moe_qschemes: list[list[str]] | None = rule(
         None, "the [weight, input] qscheme pairs an FP8 FusedMoE accepts (none: any)")
     fp8_moe_error: str | None = rule(None, "what the engine raises for another FP8 FusedMoE qscheme pair")
+    module_failures: list[ModuleFailure] = rule(
+        [], "modules the engine builds with a scheme it accepts but fails to load (a module-specific loader path)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +186,8 @@ class EngineRules:
         {}, "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
             "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
     maps_exclude: bool = rule(False, "exclude is rewritten with the name mapper before matching")
+    maps_layer_quant_config: bool = rule(
+        False, "layer_quant_config keys are rewritten with the name mapper before matching")
     build_prefixes: dict[str, list[BuildPrefix]] = rule(
         {}, "architecture -> modules built under a quant-config prefix other than their checkpoint path")
     block_fp8_moe: Literal["validate", "refine"] | None = rule(

@@ -202,3 +202,27 @@ def test_ue8m0_fp8_attention_passes_through_into_block_fp8(v4, tmp_path):
     want = source[name + ".scale"].view(torch.uint8).numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
     np.testing.assert_array_equal(export[name + ".weight_scale_inv"].numpy(), want)
     assert manifest["tensors"][EXPERT]["action"] == "quantize"
+
+
+def test_an_export_naming_the_mtp_layer_only_as_stored_fails_the_drafts_that_match_exclude_unmapped(v4, tmp_path):
+    """Another tool's export: its MTP layer's BF16 modules excluded under the checkpoint's mtp.0.* names only.
+    vLLM's draft (and SGLang 0.5.12's) matches exclude against the names it builds (model.layers.2.*,
+    model.decoder.*), finds none and builds those modules quantized over BF16 tensors; SGLang 0.5.23 maps exclude
+    with the same renames and loads it."""
+    import shutil
+
+    from quant.verify import verify_checkpoint
+
+    _, out, _ = v4
+    ckpt = tmp_path / "checkpoint-names"
+    shutil.copytree(out, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    q = config["quantization_config"]
+    q["exclude"] = [e for e in q["exclude"] if not e.startswith(("model.layers.2.", "model.decoder.", "model.e_proj",
+                                                                   "model.h_proj"))]
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    assert verify_checkpoint(ckpt, engines=["sglang==0.5.23"]).errors == []
+    vllm = verify_checkpoint(ckpt, engines=["vllm==0.32"]).errors
+    assert vllm and all(f.tensor.startswith("mtp.0.") and "builds model.layers.2." in f.message for f in vllm), \
+        [(f.tensor, f.message) for f in vllm]
+    assert any(f.fix == "add model.layers.2.e_proj to exclude" for f in vllm)

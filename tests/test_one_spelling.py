@@ -56,3 +56,16 @@ def test_one_spelling_names_every_module_once(qwen35, tmp_path, spelling):
         quantized = json.loads((qwen35 / "quant_manifest.json").read_text())["tensors"]
         assert not [m for m, r in quantized.items() if r.get("scheme") and any(p.match(m) for p in patterns)]
         assert all(any(fnmatch.fnmatchcase(m, k) for k in keys) for m in fp8) and all("*" in k for k in keys)
+
+
+# vLLM (quark.py:133-161 apply_vllm_mapper: apply_dict) and SGLang 0.5.23 (quark.py:413-424) rewrite
+# layer_quant_config keys with the class's name mapper; SGLang 0.5.12 rewrites only exclude (quark.py:73-74).
+# Run in the tiers: the checkpoint-form export loads in vLLM 0.32 with its FP8 attention (test_vllm.py).
+@pytest.mark.parametrize("engine,errors", [("vllm==0.32", False), ("sglang==0.5.23", False)])
+def test_layer_quant_config_keys_in_checkpoint_form_are_mapped_where_the_engine_maps_them(qwen35, tmp_path, engine,
+                                                                                         errors):
+    from quant.verify import verify_checkpoint
+
+    one_spelling(qwen35, tmp_path / "checkpoint", "qwen3.5", "checkpoint")
+    report = verify_checkpoint(tmp_path / "checkpoint", engines=[engine])
+    assert bool(report.errors) == errors, [f.message for f in report.errors][:3]

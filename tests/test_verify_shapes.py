@@ -288,4 +288,9 @@ def test_correct_exports_pass(toy_factory, tmp_path, name):
             # DeepSeek-V4: its recipes still quantize modules SGLang never quantizes (indexer.weights_proj under
             # all-linear: a family question, not this test's); its MTP layer (mtp.{k}.*) must raise nothing
             errors = [f for f in report.errors if name != "deepseek-v4" or f.rule.startswith("#13/#14")]
+            # SGLang 0.5.12 cannot load an MLA model's FP8 per-channel kv_b_proj (engines.yaml module_failures; run
+            # in tests_engines/test_sglang.py): expected there, and nowhere else.
+            loader = [f for f in errors if f.rule == "module scheme"]
+            assert all(f.versions == ("0.5.12",) and ".kv_b_proj." in f.tensor for f in loader), loader
+            errors = [f for f in errors if f not in loader]
             assert not errors, (scheme, recipe, [(f.engine, f.tensor, f.message) for f in errors])

@@ -153,14 +153,8 @@ VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5")
 # Real vLLM outcomes the preflight does not predict yet, asserted as recorded (with the preflight's prediction), so
 # that modelling one fails the expectation and the entry goes. case name -> (outcome, why).
 VLLM_PREFLIGHT_MISSES: dict[str, tuple[str, str]] = {
-    # vLLM rewrites every list AND every dict of the Quark config with the class's mapper
-    # (quark/quark.py:133-161 apply_vllm_mapper: apply_list for exclude, apply_dict for layer_quant_config keys),
-    # so checkpoint-form layer_quant_config keys (model.language_model.layers.1.self_attn.q_proj) become the runtime
-    # language_model.model.* names and the FP8 attention loads. The preflight maps exclude (maps_exclude) but looks
-    # layer_quant_config keys up unmapped, and predicts MXFP4 there; modelling it is a change of the verify code
-    # (quant/verify/resolve.py build_contexts), not of engines.yaml.
-    "qwen3.5-spelling-w_mxfp4_a_mxfp4-spelling-mix-spelling-checkpoint": (
-        "loaded", "layer_quant_config keys are rewritten with hf_to_vllm_mapper (apply_dict), not modelled"),
+    # (none now: the qwen3.5 checkpoint-form export's layer_quant_config keys, rewritten by vLLM's apply_dict, are
+    # modelled by engines.yaml maps_layer_quant_config)
 }
 
 
@@ -627,18 +621,7 @@ def sglang_cases() -> list[SglangCase]:
 # preflight's pass, so that modelling one (or the engine changing) fails the expectation and the entry goes. Keys:
 # (case name, release).
 SGLANG_PREFLIGHT_MISSES: dict[tuple[str, str], dict] = {
-    # SGLang 0.5.12's DeepSeek weight loader requantizes an FP8 kv_b_proj per tensor in post_load_weights (called
-    # from load_weights, before any process_weights_after_loading): channel_quant_to_tensor_quant(weight,
-    # weight_scale) multiplies the [out, in] weight by Quark's 1-D per-channel weight_scale [out]
-    # (deepseek_common/deepseek_weight_loader.py:546-547, layers/quantization/fp8_utils.py:1408-1412;
-    # quark/schemes/quark_w8a8_fp8.py:143-148 creates the scale 1-D), which broadcasts along the wrong axis. 0.5.23
-    # reshapes a 1-D scale first (deepseek_weight_loader.py:726-727, fp8_utils.py:2424-2426). Every MLA family
-    # (DeepSeek-V3/V3.2, GLM-5, Kimi-K2.5) with an FP8 per-channel kv_b_proj fails on 0.5.12, main model and
-    # draft. Modelling it needs a module-and-scheme rule the verify code does not read yet (quant/verify).
-    ("deepseek-v3-w_mxfp4_a_mxfp4-experts-mxfp4-attn-fp8", "0.5.12"): {
-        which: Expected("load-error", r"^RuntimeError: The size of tensor a \(512\) must match the size of tensor b "
-                                      r"\(256\) at non-singleton dimension 1")
-        for which in ("main", "draft")},
+    # (none now: 0.5.12's FP8 per-channel MLA kv_b_proj failure is engines.yaml schemes.module_failures)
 }
 
 

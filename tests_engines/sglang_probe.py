@@ -399,8 +399,10 @@ def init_dp_attention(server_args, release, ckpt_path):
 
 def _names_in_trace(tb, param_names=None):
     """Tensor/parameter names held in local variables of the failing frames, outermost first; `param_names`
-    (id -> name) also names the parameters the failing frames were writing."""
-    seen = []
+    (id -> name) also names the parameters the failing frames were writing, and every parameter the innermost
+    frame holding any held (0.5.12's post_load_weights raises holding kv_b_proj's weight and weight_scale under
+    other local names)."""
+    seen, innermost = [], []
     while tb is not None:
         for key in ("param", "parameter"):
             v = tb.tb_frame.f_locals.get(key)
@@ -410,8 +412,10 @@ def _names_in_trace(tb, param_names=None):
             v = tb.tb_frame.f_locals.get(key)
             if isinstance(v, str) and "." in v and v not in seen:
                 seen.append(v)
+        held = [param_names[id(v)] for v in tb.tb_frame.f_locals.values() if param_names and id(v) in param_names]
+        innermost = held or innermost
         tb = tb.tb_next
-    return seen
+    return seen + [n for n in innermost if n not in seen]
 
 
 def run_model(ckpt_path, ckpt, draft, reference, mtp_index):

@@ -79,18 +79,20 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     # rename units too but never `exclude`.
     mapper = engines.name_mapper(rules, config)
     prefixes = engines.build_prefixes(rules, config)
-    target_exclude = exclude
+    target_exclude, target_lqc = exclude, lqc
     if mapper and rules.maps_exclude:
         target_exclude = [e if e.startswith("re:") else engines.runtime_name(e, mapper) for e in exclude]
+    if mapper and rules.maps_layer_quant_config:
+        target_lqc = {engines.runtime_name(k, mapper): v for k, v in lqc.items()}
     contexts = [BuildContext(
         "target", _identity_units(main, packed, group_experts, False, cache, mapper, prefixes),
-        ExcludeMatcher(target_exclude, rules.exclude_match), LayerConfigMatcher(lqc, rules.layer_config_match),
+        ExcludeMatcher(target_exclude, rules.exclude_match), LayerConfigMatcher(target_lqc, rules.layer_config_match),
         never, whole_fused=whole)]
     if not rules.mtp.builds_mtp:
         return contexts
     rule = engines.mtp_namespace(rules, config)
     if rule is not None:
-        contexts.append(_namespace_draft(profile, rule, exclude, lqc, modules, packed))
+        contexts.append(_namespace_draft(profile, rule, exclude, lqc, modules, packed, config))
         contexts[-1].whole_fused = whole
         return contexts
     if not len(mtp_range):
@@ -117,12 +119,15 @@ def _mtp_namespace_prefix(config: dict) -> str | None:
 
 
 def _namespace_draft(profile: Profile, rule: MtpNamespace, exclude: list[str], lqc: dict,
-                     modules: dict[str, Module], packed: dict) -> BuildContext:
-    """The draft of a namespaced MTP head: built under its checkpoint names by a class without a name mapper,
-    so `exclude` is matched as written; some engines build the whole head unquantized once any entry names it."""
+                     modules: dict[str, Module], packed: dict, config: dict) -> BuildContext:
+    """The draft of a namespaced MTP head: `exclude` is matched as written against the names the draft builds its
+    modules under (mtp_namespace draft_names: vLLM's DeepSeek-V4 draft builds mtp.0.* as model.layers.{N}.*), or,
+    where the draft rewrites `exclude` with the same renames (maps_exclude), against the checkpoint's names; some
+    engines build the whole head unquantized once any entry names it."""
     prefix = rule.prefix
     mtp_modules = {k: m for k, m in modules.items() if k.startswith(prefix)}
-    units = build_units(mtp_modules, lambda n: n, packed, True, lambda _: True)
+    built = (lambda n: n) if rule.maps_exclude else (lambda n: engines.namespace_draft_name(rule, n, config))
+    units = build_units(mtp_modules, built, packed, True, lambda _: True)
     never = _any_of(profile.rules.never_quantized + rule.never_quantized)
     quantized, reason = True, ""
     hits = [e for e in exclude if e.startswith(prefix)]
@@ -372,7 +377,22 @@ class ProfileChecker:
         if verdict != "ok":
             self.unsupported[(source, kind, unit.kind, verdict)].append(unit.runtime)
             return None
+        failure = self._module_failure(unit, kind, cfg)
+        if failure is not None:
+            self.add("error", f"{unit.members[0]}.weight",
+                     f"{self._built(unit)} as {kind} ({source}), and its weight loader raises {failure.error}",
+                     "keep this module BF16 or give it a scheme this release loads", "module scheme")
+            return None
         return Resolution(kind, f"from {source}", layer_cfg=cfg)
+
+    def _module_failure(self, unit: Unit, kind: str, cfg: dict):
+        """The recorded loader failure (schemes.module_failures) of this module with this scheme, if any."""
+        qscheme = (cfg.get("weight") or {}).get("qscheme") if isinstance(cfg.get("weight"), dict) else None
+        for failure in self.p.rules.schemes.module_failures:
+            if failure.kind == kind and failure.weight_qscheme in (None, qscheme) \
+                    and re.search(failure.module, unit.runtime):
+                return failure
+        return None
 
     def _layer_config(self, ctx: BuildContext, name: str, unit: Unit) -> tuple[str, dict | None]:
         hit = ctx.layer_config.lookup(name)
