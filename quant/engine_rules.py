@@ -203,6 +203,9 @@ class EngineRules:
     mtp_namespace: dict[str, MtpNamespace] = rule(
         {}, "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
     never_quantized: list[str] = rule([], "regexes of modules the engine builds without asking the quant config")
+    layer_types_length: str | None = rule(
+        None, "what the engine raises reading a config.json (or its text_config) whose layer_types list has another "
+              "length than num_hidden_layers (none: not checked)")
     loader_dequantizes: dict[str, list[str]] = rule(
         {}, "regex of an unquantized module -> stored formats the loader dequantizes into it")
     row_parallel: list[str] = rule([], "regexes of row-parallel modules (TP splits their input)")

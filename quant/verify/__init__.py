@@ -17,7 +17,7 @@ from quant.verify.fix import fix_config
 from quant.verify.modules import inventory
 from quant.verify.report import Finding, Report, merge_versions
 from quant.verify.resolve import ProfileChecker, build_contexts
-from quant.verify.schema import config_problems, profile_config_problems
+from quant.verify.schema import config_problems, model_config_problems, profile_config_problems
 from quant.verify.shapes import config_shapes, consistency_findings
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
@@ -33,6 +33,8 @@ def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None =
     findings = hygiene.integrity_findings(ckpt)
     shape_of = config_shapes(ckpt.config)
     findings += consistency_findings(ckpt, shape_of)
+    for profile in profiles:
+        findings += model_config_problems(ckpt.config, profile)
     if is_block_fp8(ckpt.config):
         findings += block_fp8_findings(ckpt, profiles, shape_of, tp)
         is_quark = False

@@ -102,6 +102,26 @@ def config_problems(config: dict) -> tuple[list[Finding], bool]:
     return out, True
 
 
+def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
+    """What the engine's config class refuses in config.json before any weight is read, whatever the checkpoint's
+    format: a layer_types list (top level or text_config) of another length than num_hidden_layers
+    (engines.yaml layer_types_length; intel/auto-round#1984 wrote one)."""
+    error = profile.rules.layer_types_length
+    out: list[Finding] = []
+    for where, cfg in (("config.json:", config), ("config.json:text_config.", config.get("text_config"))):
+        if not error or not isinstance(cfg, dict):
+            continue
+        types, layers = cfg.get("layer_types"), cfg.get("num_hidden_layers")
+        if isinstance(types, list) and isinstance(layers, int) and len(types) != layers:
+            out.append(_finding(
+                profile, f"{where}layer_types",
+                f"layer_types has {len(types)} entries and num_hidden_layers is {layers}: {profile.title} raises "
+                f"{error.format(layers=layers, types=len(types))} reading config.json",
+                f"write one layer_types entry per decoder layer ({layers}; MTP layers are not listed)",
+                rule="#31 layer_types length"))
+    return out
+
+
 def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:
     q = config["quantization_config"]
     rules = profile.rules.config_schema
