@@ -23,6 +23,7 @@ fails before writing anything but its own bookkeeping leaves the directory as it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -507,6 +508,18 @@ class claim:
                     if name not in c._before:
                         (c.root / name).unlink(missing_ok=True)
         return False
+
+
+@contextlib.contextmanager
+def held(root: Path):
+    """Hold the directory's lock while reading an output of ours (`quant push`): no command writes into it
+    meanwhile (a second one stops with a message)."""
+    c = Claim(real_path(root), "", None, None, created=False)
+    c._acquire()
+    try:
+        yield
+    finally:
+        c._release()
 
 
 def update_record(root: Path, names: list[str], *, kind: str) -> None:

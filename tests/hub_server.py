@@ -21,6 +21,26 @@ file_download.get_hf_file_metadata / hf_hub_download, utils/_http.hf_raise_for_s
                                                         Hub's storage is): `Range: bytes=a-b` answered 206 with
                                                         Content-Range; 403 once the signed URL has expired
 
+Uploads (read from huggingface_hub 2.x: hf_api.create_repo, upload_folder / create_commit with HF_HUB_DISABLE_XET=1,
+_commit_api._fetch_upload_modes / _send_commit, lfs.post_lfs_batch_info / lfs_upload; the Hub's Xet storage is not
+modelled, so a client with hf_xet must run with HF_HUB_DISABLE_XET=1):
+
+  POST /api/repos/create                                {name, organization, visibility}: 200 {url}, 409 if it
+                                                        exists; 401 without a token
+  POST /api/validate-yaml                               a README's front matter: 200, or 400 with errors
+  POST /api/models/{repo}/preupload/{rev}               per file: uploadMode (lfs for LFS_SUFFIXES), shouldIgnore,
+                                                        oid of the file the revision already holds
+  POST /{repo}.git/info/lfs/objects/batch               per object: no actions when the repository has the blob
+                                                        (a resumed upload skips it), else an upload href on the
+                                                        storage port
+  PUT  /lfs-upload/{repo}/{sha256}                      the blob (storage port); refused 400 unless its bytes hash
+                                                        to the name: a cut-off body is never stored
+  POST /api/models/{repo}/commit/{rev}                  ndjson header / file / lfsFile / deletedFile: the files
+                                                        land in the repository's folder, a new commit sha
+Writes need a token (401), one of the repository's `writers` when it names some (403). `hold_puts_after(n)` lets n
+more LFS uploads through and holds the next ones (a push to kill mid-way) until `release_puts()`; `refuse_puts()`
+answers them 403.
+
 Errors carry the Hub's X-Error-Code: RepoNotFound (401 without a token, 404 with one: the Hub does not tell a
 private repository from a missing one), RevisionNotFound (404), EntryNotFound (404, with X-Repo-Commit),
 GatedRepo (401 without a token, 403 with a token that has no access). Requests and response body bytes are
@@ -30,10 +50,13 @@ expires every storage URL handed out so far after n more."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +80,8 @@ class Repo:
     tokens: set[str] = field(default_factory=set)  # tokens with access (gated or private)
     content_sha: bool = False  # LFS oids are the files' real sha256 (what a streamed download is checked against)
     shas: dict = field(default_factory=dict)
+    writers: set[str] = field(default_factory=set)  # tokens that may push (empty: any token)
+    commits: list = field(default_factory=list)  # (sha, summary, paths) of each commit pushed to it
 
     def is_lfs(self, name: str) -> bool:
         return name.endswith(LFS_SUFFIXES)
@@ -99,6 +124,11 @@ class HubServer:
         self.corrupt: set[str] = set()  # oids whose bytes are served with one byte changed (the sha256 stays)
         self.httpd: ThreadingHTTPServer | None = None
         self.storage: ThreadingHTTPServer | None = None
+        self.upload_root = Path(tempfile.mkdtemp(prefix="hub-server-"))  # pushed repositories and LFS blobs
+        self.uploaded: dict[tuple[str, str], Path] = {}  # (repo, sha256) -> blob an LFS upload to it received
+        self._puts_left: int | None = None  # LFS uploads let through before the next ones are held
+        self.puts_released = threading.Event()
+        self.puts_refused = False
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def add_repo(self, repo_id: str, folder: Path, revisions=("main",), gated=False, private=False,
@@ -129,10 +159,86 @@ class HubServer:
         return self
 
     def stop(self) -> None:
+        self.puts_released.set()
         for httpd in (self.httpd, self.storage):
             if httpd is not None:
                 httpd.shutdown()
                 httpd.server_close()
+        shutil.rmtree(self.upload_root, ignore_errors=True)
+
+    # ---- uploads -----------------------------------------------------------------------------------------------
+    def create_repo(self, repo_id: str, private: bool = False, writers=()) -> Repo:
+        """An empty repository pushes land in (what POST /api/repos/create makes)."""
+        folder = self.upload_root / "repos" / repo_id
+        folder.mkdir(parents=True, exist_ok=True)
+        repo = self.add_repo(repo_id, folder, private=private, content_sha=True)
+        repo.writers = set(writers)
+        return repo
+
+    def hold_puts_after(self, n: int) -> None:
+        """Let `n` more LFS uploads through, then hold every later one until `release_puts()`."""
+        with self.lock:
+            self._puts_left = n
+            self.puts_released.clear()
+
+    def release_puts(self) -> None:
+        with self.lock:
+            self._puts_left = None
+        self.puts_released.set()
+
+    def refuse_puts(self, refused: bool = True) -> None:
+        """Answer every LFS upload 403 (the storage refusing the signed URL)."""
+        self.puts_refused = refused
+
+    def _put_gate(self) -> None:
+        with self.lock:
+            if self._puts_left is None:
+                return
+            self._puts_left -= 1
+            hold = self._puts_left < 0
+        if hold:
+            self.puts_released.wait(timeout=120)
+
+    def store_blob(self, repo_id: str, oid: str, data: bytes) -> None:
+        path = self.upload_root / "lfs" / oid
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        with self.lock:
+            self.uploaded[(repo_id, oid)] = path
+
+    def blob_of(self, repo: Repo, oid: str) -> Path | None:
+        """The repository's LFS object `oid` (uploaded to it, or a file it holds), as the Hub's LFS storage is
+        per repository."""
+        if (repo.repo_id, oid) in self.uploaded:
+            return self.uploaded[(repo.repo_id, oid)]
+        return next((p for n, p in repo.files.items() if repo.is_lfs(n) and repo.oid(n) == oid), None)
+
+    def apply_commit(self, repo: Repo, summary: str, ops: list[dict]) -> str:
+        """Write a commit's files into the repository's folder; returns the new commit sha."""
+        with self.lock:
+            for key, value in ops:
+                target = repo.folder / value["path"]
+                if key == "deletedFile":
+                    target.unlink(missing_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if key == "file":
+                    target.write_bytes(base64.b64decode(value["content"]))
+                else:
+                    source = self.blob_of(repo, value["oid"])
+                    if source != target:
+                        shutil.copyfile(source, target)
+            repo.files = {str(p.relative_to(repo.folder)): p for p in sorted(repo.folder.rglob("*")) if p.is_file()}
+            repo.shas = {}
+            repo.sha = hashlib.sha1((repo.sha + summary + json.dumps(ops, sort_keys=True)).encode()).hexdigest()
+            repo.revisions.add(repo.sha)
+            repo.commits.append((repo.sha, summary, [v["path"] for _, v in ops]))
+        for name in repo.files:
+            if repo.is_lfs(name):
+                self.blobs[repo.oid(name)] = (repo, name)
+        return repo.sha
 
     @property
     def url(self) -> str:
@@ -326,6 +432,137 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(404, "NotFound", "Not found")
         except (BrokenPipeError, ConnectionResetError):
             pass
+
+    # ---- uploads -----------------------------------------------------------------------------------------------
+    def _body(self) -> bytes:
+        """The request body, by Content-Length or chunked (whatever arrived when the client went away)."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                line = self.rfile.readline()
+                size = int(line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def do_POST(self) -> None:
+        path = unquote(urlsplit(self.path).path)
+        try:
+            body = self._body()
+            if path == "/api/repos/create":
+                self._create_repo(json.loads(body))
+            elif path == "/api/validate-yaml":
+                self._validate_yaml(json.loads(body))
+            elif path.endswith(".git/info/lfs/objects/batch"):
+                self._lfs_batch(path[1:-len(".git/info/lfs/objects/batch")], json.loads(body))
+            elif path.startswith("/api/models/") and "/preupload/" in path:
+                self._preupload(*path[len("/api/models/"):].split("/preupload/", 1), json.loads(body))
+            elif path.startswith("/api/models/") and "/commit/" in path:
+                self._commit(*path[len("/api/models/"):].split("/commit/", 1), body)
+            else:
+                self._error(404, "NotFound", "Not found")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_PUT(self) -> None:
+        path = unquote(urlsplit(self.path).path)
+        try:
+            if not path.startswith("/lfs-upload/"):
+                self._error(404, "NotFound", "Not found")
+                return
+            self.hub._put_gate()
+            body = self._body()
+            repo_id, _, oid = path[len("/lfs-upload/"):].rpartition("/")
+            if self.hub.puts_refused:
+                self._send(403, b"<Error><Code>AccessDenied</Code></Error>", {"Content-Type": "application/xml"})
+            elif hashlib.sha256(body).hexdigest() != oid:
+                self._send(400, b"<Error><Code>BadDigest</Code></Error>", {"Content-Type": "application/xml"})
+            else:
+                self.hub.store_blob(repo_id, oid, body)
+                self._send(200, b"", {"ETag": f'"{oid}"'})
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+
+    def _writable(self, repo_id: str) -> Repo | None:
+        """The repository a push writes to, or None after answering as the Hub does (no token, no rights)."""
+        token = self._token()
+        if token is None:
+            self._error(401, "Unauthorized", "You must be authenticated to push")
+            return None
+        repo = self._repo(repo_id, files=True)
+        if repo is not None and repo.writers and token not in repo.writers:
+            self._error(403, "Forbidden", f"You don't have the rights to create a commit in {repo_id}")
+            return None
+        return repo
+
+    def _create_repo(self, payload: dict) -> None:
+        if self._token() is None:
+            self._error(401, "Unauthorized", "You must be authenticated to create a repository")
+            return
+        repo_id = f"{payload.get('organization') or 'user'}/{payload['name']}"
+        url = f"{self.hub.url}/{repo_id}"
+        if repo_id in self.hub.repos:
+            self._json(409, {"error": "You already created this model repo", "url": url})
+            return
+        self.hub.create_repo(repo_id, private=payload.get("visibility") == "private").tokens.add(self._token())
+        self._json(200, {"url": url, "name": repo_id})
+
+    def _validate_yaml(self, payload: dict) -> None:
+        import yaml
+
+        m = re.match(r"^---\n(.*?)\n---\n", payload.get("content", ""), re.S)
+        try:
+            meta = yaml.safe_load(m.group(1)) if m else {}
+        except yaml.YAMLError as e:
+            self._json(400, {"errors": [{"message": f"invalid YAML: {e}"}]})
+            return
+        base = (meta or {}).get("base_model") if isinstance(meta, (dict, type(None))) else "?"
+        if base is not None and not (isinstance(base, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", base)):
+            self._json(400, {"errors": [{"message": f"\"base_model\" must be a model id, not {base!r}"}]})
+            return
+        self._json(200, {"errors": [], "warnings": []})
+
+    def _preupload(self, repo_id: str, revision: str, payload: dict) -> None:
+        repo = self._writable(repo_id)
+        if repo is None:
+            return
+        files = []
+        for f in payload["files"]:
+            name = f["path"]
+            files.append({"path": name, "uploadMode": "lfs" if repo.is_lfs(name) else "regular",
+                          "shouldIgnore": False, "oid": repo.oid(name) if name in repo.files else None})
+        self._json(200, {"files": files, "commitOid": repo.sha})
+
+    def _lfs_batch(self, repo_id: str, payload: dict) -> None:
+        repo = self._writable(repo_id)
+        if repo is None:
+            return
+        objects = []
+        for obj in payload["objects"]:
+            entry = {"oid": obj["oid"], "size": obj["size"]}
+            if self.hub.blob_of(repo, obj["oid"]) is None:
+                entry["actions"] = {"upload": {"href": f"{self.hub.storage_url}/lfs-upload/{repo_id}/{obj['oid']}"}}
+            objects.append(entry)
+        self._json(200, {"transfer": "basic", "objects": objects})
+
+    def _commit(self, repo_id: str, revision: str, body: bytes) -> None:
+        repo = self._writable(repo_id)
+        if repo is None:
+            return
+        lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        header = next(item["value"] for item in lines if item["key"] == "header")
+        ops = [(item["key"], item["value"]) for item in lines if item["key"] != "header"]
+        missing = [v["path"] for k, v in ops if k == "lfsFile" and self.hub.blob_of(repo, v["oid"]) is None]
+        if missing:
+            self._error(422, "BadRequest", f"LFS pointer for {missing[0]} has no uploaded object")
+            return
+        sha = self.hub.apply_commit(repo, header["summary"], ops)
+        self._json(200, {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{sha}", "commitOid": sha,
+                         "pullRequestUrl": None})
 
     def _model_info(self, rest: str, blobs: bool) -> None:
         repo_id, _, revision = rest.partition("/revision/")

@@ -8,7 +8,7 @@ QUANT = [sys.executable, "-m", "quant.cli"]
 
 def test_help_lists_every_command():
     out = subprocess.run(QUANT + ["--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("toy", "quantize", "verify-manifest", "eval", "demo"):
+    for command in ("toy", "quantize", "verify-manifest", "push", "eval", "demo"):
         assert command in out
 
 

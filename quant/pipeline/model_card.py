@@ -140,9 +140,10 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
 def _card_header(source: _Source, short: str, source_readme: str | None) -> list[str]:
     """The YAML front matter (library, tags, the hub base model, the source's license) and the title."""
     source_meta = _front_matter(source_readme or "")
-    # base_model is a hub id by the convention; a local source has none to give (its path is in the manifest).
+    # base_model is a hub id by the convention (ORG/NAME: the Hub refuses ORG/NAME@REVISION there; the revision is
+    # in the reproduce command and the manifest); a local source has none to give (its path is in the manifest).
     meta = {"library_name": "transformers", "tags": sorted({short.lower(), "quark", "moe", "moe-quant"}),
-            **({"base_model": source.hub_id} if source.hub else {})}
+            **({"base_model": source.hub_id.partition("@")[0]} if source.hub else {})}
     if source_meta.get("license"):
         meta["license"] = source_meta["license"]
     return ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "", f"# {source.base} ({short})"]

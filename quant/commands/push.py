@@ -1,0 +1,35 @@
+"""`quant push EXPORT ORG/NAME`: upload a finished, verified export with its model card (quant.pipeline.push)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def command(
+    export: Path = typer.Argument(..., help="A finished export of `quant quantize` (its config.json published)."),
+    repo: str = typer.Argument(..., help="The Hub model repository ORG/NAME to upload it to (created when missing; "
+                                         "a write token: HF_TOKEN or `hf auth login`)."),
+    force: bool = typer.Option(False, "--force", help="Push even when the preflight finds errors an engine would "
+                                                      "hit (they are printed as a warning)."),
+    engine: Optional[List[str]] = typer.Option(None, "--engine", "-e",
+                                               help="Engines the preflight checks (as verify-manifest's --engine); "
+                                                    "default: those the export's scheme loads in."),
+    private: bool = typer.Option(False, "--private", help="Create the repository private (when it is created)."),
+    progress: bool = typer.Option(True, help="Show huggingface_hub's upload progress."),
+) -> None:
+    """Upload a finished export (shards, index, config.json, manifest, model card, tokenizer files; never the
+    tool's scratch) to the Hub, after the preflight passes; an interrupted push resumes when run again."""
+    from quant.ownership import held
+    from quant.pipeline.push import finished_export, preflight, push_target, upload
+
+    target = push_target(repo)
+    with held(export):
+        found = finished_export(export)
+        if found.card_edited:
+            typer.echo(f"note: {export / 'README.md'} was edited since the export: uploaded as it stands", err=True)
+        preflight(found, engine, force, log=lambda m: typer.echo(m, err=True))
+        url = upload(found, target, private=private, progress=progress)
+    typer.echo(f"pushed {len(found.files)} files ({found.bytes / 1e6:.1f} MB) of {export} to {target.repo_id}: {url}")
