@@ -39,7 +39,7 @@ def required(meaning: str) -> Any:
 
 
 SchemeKind = Literal["mxfp4", "fp8", "w4a8_mxfp4_fp8", "mxfp4_weight_only", "mxfp4_static_input",
-                     "fp8_weight_only", "mxfp8", "other", "quantized_output_or_bias"]
+                     "fp8_weight_only", "mxfp8", "mxfp8_block", "other", "quantized_output_or_bias"]
 MergedRule = Literal["last_shard_only", "all_shards"]
 
 

@@ -17,6 +17,9 @@ from quant.verify.schema import classify
 from quant.verify.synthetic import (MXFP8_SPEC, glm_moe_dsa_config, glm_moe_dsa_layout, layer_config,
                                     quantized_tensors, quark_layout, write_checkpoint)
 
+# DeepSeek-V4.1-Flash-MXFP4's attention spec (vllm#57191): MXFP8 with one E8M0 scale per 32 x 32 block.
+BLOCK_SPEC = dict(MXFP8_SPEC, qscheme="per_block", group_size=None, block_size=[32, 32], symmetric=True,
+                  scale_type="float8_e8m0fnu")
 RELEASES = ["vllm==0.31", "vllm==0.32", "vllm==0.33", "sglang==0.5.12", "sglang==0.5.23"]
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
@@ -125,11 +128,64 @@ def test_a_weight_stored_as_mxfp4_under_an_mxfp8_config(tmp_path):
     ({"input_tensors": None}, "unmodelled"),                                   # weight-only: another path
     ({"input_tensors": dict(MXFP8_SPEC, is_dynamic=False)}, "unmodelled"),     # static MX activations
     ({"input_tensors": dict(MXFP8_SPEC, qscheme="per_tensor", group_size=None, is_dynamic=True)}, "unmodelled"),
-    ({"weight": dict(MXFP8_SPEC, qscheme="per_block", group_size=None, block_size=[32, 32], symmetric=True,
-                     scale_type="float8_e8m0fnu")}, "unmodelled"),             # DeepSeek-V4.1's 2-D spelling
+    ({"weight": BLOCK_SPEC}, "mxfp8_block"),                                   # DeepSeek-V4.1's 2-D spelling
+    ({"weight": dict(BLOCK_SPEC, symmetric=None)}, "unmodelled"),              # vLLM wants it symmetric
+    ({"weight": dict(BLOCK_SPEC, scale_type="float")}, "other"),               # not E8M0: block FP8, not MXFP8
     ({"weight": dict(MXFP8_SPEC, group_size=64)}, "other"),
 ])
 def test_mxfp8_spellings(change, kind):
     cfg = copy.deepcopy(layer_config("w_mxfp8_a_mxfp8"))
     cfg.update(copy.deepcopy(change))
     assert classify(cfg) == kind, json.dumps(cfg)
+
+
+# ---- vllm#57071/#57191: per-layer MXFP8 specs in [32, 32] blocks (amd/DeepSeek-V4.1-Flash-MXFP4) ---------------
+
+def _mixed_blocks(scale_rows=lambda out_f: out_f // 32, scale_dtype="F8_E8M0"):
+    """MXFP4 experts, every other quantized linear MXFP8 in [32, 32] blocks (weight F8_E4M3 [out, in], scale
+    [out/32, in/32]), each through its own layer_quant_config entry."""
+    cfg = glm_moe_dsa_config()
+    bf16 = glm_moe_dsa_layout(cfg)
+    tensors, config = quark_layout(cfg, bf16)
+    lqc = config["quantization_config"]["layer_quant_config"]
+    spec = dict(layer_config("w_mxfp8_a_mxfp8"), weight=dict(BLOCK_SPEC))
+    for name, (dtype, _) in list(tensors.items()):
+        if dtype == "U8" and name.endswith(".weight") and not EXPERT.search(name):
+            module, (out_f, in_f) = name[: -len(".weight")], bf16[name][1]
+            tensors[name] = ("F8_E4M3", (out_f, in_f))
+            tensors[module + ".weight_scale"] = (scale_dtype, (scale_rows(out_f), in_f // 32))
+            lqc[module] = spec
+    return tensors, config
+
+
+def test_mxfp8_in_32x32_blocks_loads_in_every_vllm_release(tmp_path):
+    tensors, config = _mixed_blocks()
+    report = verify_checkpoint(write_checkpoint(tmp_path / "ckpt", config, tensors), engines=RELEASES)
+    assert [f for f in report.errors if f.engine == "vllm"] == []
+    assert not [f for f in report.warnings if "not modelled" in f.message]
+    assert _unsupported(report) == {("sglang", "0.5.12", "linear"), ("sglang", "0.5.23", "linear")}
+    sglang = next(f for f in report.errors if f.engine == "sglang" and "0.5.23" in f.versions)
+    assert "weight_scale_inv" in sglang.message
+    u8 = verify_checkpoint(write_checkpoint(tmp_path / "u8", *reversed(_mixed_blocks(scale_dtype="U8"))),
+                           engines=["vllm==0.32"])
+    assert u8.errors == []  # the loader reads the scale as bytes: U8 or F8_E8M0
+
+
+def test_mxfp8_block_scale_contract(tmp_path):
+    tensors, config = _mixed_blocks(scale_rows=lambda out_f: out_f)  # one scale row per weight row: 1-D
+    report = verify_checkpoint(write_checkpoint(tmp_path / "ckpt", config, tensors), engines=["vllm==0.33"])
+    bad = [f for f in report.errors if f.rule == "tensor contract"]
+    assert bad and all(f.tensor.endswith(".weight_scale") for f in bad)
+    assert "(E8M0, one byte per 32 x 32 block)" in bad[0].message
+
+
+def test_mxfp8_block_experts(tmp_path):
+    cfg = glm_moe_dsa_config()
+    tensors, config = quark_layout(cfg, glm_moe_dsa_layout(cfg), scheme="w_mxfp8_a_mxfp8")
+    config["quantization_config"]["global_quant_config"]["weight"] = dict(BLOCK_SPEC)
+    for name, (dtype, shape) in list(tensors.items()):
+        if name.endswith(".weight_scale"):
+            tensors[name] = ("F8_E8M0", (shape[0] // 32, shape[1]))
+    report = verify_checkpoint(write_checkpoint(tmp_path / "ckpt", config, tensors), engines=["vllm==0.33"])
+    moe = [f for f in report.errors if "#19" in f.rule]
+    assert len(moe) == 1 and "only the 1-D per_group" in moe[0].message and " on moe modules" in moe[0].message

@@ -25,12 +25,13 @@ from quant.verify.modules import Module
 from quant.verify.shapes import MX_GROUP, MX_PACK, mx_scale, mx_weight
 
 MX_KINDS = ("mxfp4", "mxfp4_weight_only", "mxfp4_static_input", "w4a8_mxfp4_fp8")
-MXFP8_KINDS = ("mxfp8",)  # stored like FP8 (F8_E4M3 weight), scaled like MXFP4 (U8 E8M0 [out, in/32])
+MXFP8_KINDS = ("mxfp8", "mxfp8_block")  # stored like FP8 (F8_E4M3 weight), scaled like MXFP4 (E8M0 per 32 inputs)
 FP8_KINDS = ("fp8", "fp8_weight_only", *MXFP8_KINDS)
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "weight_scale_inv", "weight_scale_2", "input_scale_2")
 KIND_LABEL = {"mxfp4": "MXFP4", "mxfp4_weight_only": "MXFP4 weight-only", "mxfp4_static_input":
               "MXFP4 (static activations)", "w4a8_mxfp4_fp8": "MXFP4 W4A8-FP8", "fp8": "FP8",
-              "fp8_weight_only": "FP8 weight-only", "mxfp8": "MXFP8", None: "unquantized"}
+              "fp8_weight_only": "FP8 weight-only", "mxfp8": "MXFP8", "mxfp8_block": "MXFP8 (2-D blocks)",
+              None: "unquantized"}
 
 
 def family(kind: str | None) -> str:
@@ -67,6 +68,8 @@ def expected_weight(kind: str | None, shape: tuple[int, int]) -> str:
     fam = family(kind)
     if fam == "mxfp4":
         return f"U8 {list(mx_weight(shape))} + weight_scale U8 {list(mx_scale(shape))}"
+    if kind == "mxfp8_block":
+        return f"F8_E4M3 [{o}, {i}] + weight_scale E8M0 [{o}/R, {i // MX_GROUP}] (R x 32 blocks)"
     if kind in MXFP8_KINDS:
         return f"F8_E4M3 [{o}, {i}] + weight_scale U8 {list(mx_scale(shape))}"
     if fam == "fp8":
@@ -142,6 +145,8 @@ def _scale_issues(mod: Module, kind: str | None, layer_cfg: dict | None, shape: 
         if i % MX_GROUP:
             issues.append(TensorIssue(f"{name}.weight", f"{describe(w)} (in = {i})",
                                       f"an input dimension divisible by {MX_GROUP} (MX blocks)", False))
+        elif kind == "mxfp8_block":
+            issues += _block_scale_issues(mod, layer_cfg, shape)
         else:
             need("weight_scale", "U8", [mx_scale(shape)],
                  f"U8 {list(mx_scale(shape))} (E8M0, one byte per {MX_GROUP} inputs)")
@@ -165,6 +170,24 @@ def _scale_issues(mod: Module, kind: str | None, layer_cfg: dict | None, shape: 
         forbid("input_scale")
     forbid("weight_scale_inv")
     return issues
+
+
+def _block_scale_issues(mod: Module, layer_cfg: dict | None, shape: tuple[int, int]) -> list[TensorIssue]:
+    """An MXFP8 weight spelled in [R, 32] blocks: one E8M0 byte per R rows x 32 inputs, [out/R, in/32], read as bytes
+    (U8 or F8_E8M0) and repeated R times along the rows into the [out, in/32] parameter, so out must be a multiple
+    of R (vLLM quark_ocp_mx.py:127-145 _expanding_scale_loader, quark.py:163-175 _scale_block_rows)."""
+    o, i = shape
+    rows = ((layer_cfg or {}).get("weight") or {}).get("block_size", [1])[0]
+    info = mod.params.get("weight_scale")
+    want = (o // rows, i // MX_GROUP)
+    label = f"U8 or F8_E8M0 {list(want)} (E8M0, one byte per {rows} x {MX_GROUP} block)"
+    if o % rows:
+        return [TensorIssue(f"{mod.name}.weight", f"{describe(mod.weight)} (out = {o})",
+                            f"an output dimension divisible by {rows} (the scale is repeated {rows} times per row)",
+                            False)]
+    if info is None or info.dtype not in ("U8", "F8_E8M0") or tuple(info.shape) != want:
+        return [TensorIssue(f"{mod.name}.weight_scale", describe(info), label, False)]
+    return []
 
 
 def _layout_hint(want: str, stored: tuple[int, ...], shape: tuple[int, int]) -> str:

@@ -67,16 +67,15 @@ def _mx_block_spec(spec: dict) -> bool:
 
 
 def _mxfp8_kind(w: dict, a: dict | None) -> str:
-    """MXFP8 (OCP E4M3 elements, E8M0 scales per 32 inputs). "mxfp8": static [1, 32] weights with dynamic MXFP8
-    activations, what vLLM's QuarkOCP_MX and 0.33's QuarkW8A8Mxfp8MoEMethod build (engines.yaml `schemes`). Other
-    spellings (weight-only, static or per-tensor FP8 activations, [R, 32] blocks) take other engine paths this
-    preflight has no contract for: "unmodelled"."""
-    if w.get("qscheme") != "per_group" or w.get("is_dynamic"):
+    """MXFP8 (OCP E4M3 elements, E8M0 scales per 32 inputs) with dynamic FP8 activations, as vLLM's QuarkOCP_MX reads
+    it (engines.yaml `schemes`): "mxfp8" for [1, 32] weights with MXFP8 activations (also what 0.33's
+    QuarkW8A8Mxfp8MoEMethod takes), "mxfp8_block" for the 2-D [R, 32] spelling (symmetric, DeepSeek-V4.1's [32, 32]).
+    Other spellings (weight-only, static activations) take engine paths this preflight has no contract for."""
+    if w.get("is_dynamic") or not (isinstance(a, dict) and a.get("dtype") == "fp8_e4m3" and a.get("is_dynamic")):
         return "unmodelled"
-    if isinstance(a, dict) and a.get("dtype") == "fp8_e4m3" and a.get("qscheme") == "per_group" \
-            and a.get("group_size") == 32 and a.get("is_dynamic"):
-        return "mxfp8"
-    return "unmodelled"
+    if w.get("qscheme") == "per_block":
+        return "mxfp8_block" if w.get("symmetric") is True else "unmodelled"
+    return "mxfp8" if a.get("qscheme") == "per_group" and a.get("group_size") == 32 else "unmodelled"
 
 
 def config_problems(config: dict) -> tuple[list[Finding], bool]:
