@@ -73,11 +73,17 @@ def command(
     reuse_freed_memory()
 
     engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
-    manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode, devices=devices,
-                                   workers=workers, check_engines=engines, progress=progress, method=method,
-                                   gptq=gptq, overwrite=overwrite, log=lambda m: typer.echo(m, err=True),
-                                   max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
-                                   stream=None if stream else False, look_ahead=look_ahead)
+    try:
+        manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode,
+                                       devices=devices, workers=workers, check_engines=engines, progress=progress,
+                                       method=method, gptq=gptq, overwrite=overwrite,
+                                       log=lambda m: typer.echo(m, err=True),
+                                       max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
+                                       stream=None if stream else False, look_ahead=look_ahead)
+    except OSError as e:  # a write that names no file (a full disk met mid-write): OUT is the path to name
+        from quant.errors import naming
+
+        raise naming(e, out) from None
     typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in manifest["timing"].items()), err=True)
     if "stream" in manifest:
         typer.echo(_stream_line(manifest["stream"]), err=True)

@@ -6,6 +6,10 @@ after a kill), pinned to the commit the plan was made from. huggingface_hub itse
 mid-file and waits out 429s; this module adds RETRIES more tries for what it gives up on (429 and 5xx, honouring
 Retry-After, and network errors), then one line naming the file (`quant.hub.explain`, exit 2).
 
+A file that cannot fit the free space left on the disk is refused before its download starts, and a disk that
+fills during one is the OSError it is (exit 74), named by the file's path either way; the partial download stays
+for the next run to resume.
+
 Every LFS file is hashed once downloaded and compared with the sha256 the Hub lists for it; a mismatch deletes
 the file and fetches it once more, and a second mismatch is a one-line error (exit 2). A verified file gets a
 record (`scratch/.verified/<file>.sha256`), so a resumed run keeps it without hashing it again.
@@ -13,10 +17,13 @@ record (`scratch/.verified/<file>.sha256`), so a resumed run keeps it without ha
 
 from __future__ import annotations
 
+import errno
+import shutil
 import time
+import warnings
 from pathlib import Path
 
-from quant.errors import QuantError
+from quant.errors import QuantError, naming
 from quant.files import sha256_file, write_atomic
 from quant.hub import HubCheckpoint, explain
 
@@ -52,7 +59,11 @@ def download(source: HubCheckpoint, file: str, scratch: Path) -> tuple[Path, str
     """(the local path, its sha256) of `file` fetched into `scratch` and checked against the Hub's sha256."""
     expected = source.lfs_sha256.get(file)
     for attempt in range(2):
-        path = _fetch(source, file, scratch)
+        require_room(scratch, file, source.file_size(file))
+        try:
+            path = _fetch(source, file, scratch)
+        except OSError as e:
+            raise naming(e, scratch / file) from None  # the disk: full, read-only, permission (exit 74)
         digest = sha256_file(path)
         if expected is None or digest == expected:
             record = verified_record(scratch, file)
@@ -66,13 +77,27 @@ def download(source: HubCheckpoint, file: str, scratch: Path) -> tuple[Path, str
                      f"it was used: run the same command again to fetch it anew")
 
 
+def require_room(scratch: Path, file: str, size: int) -> None:
+    """Refuse a download the disk has no room for (ENOSPC naming the file, exit 74), before it starts; a partial
+    download already there counts as room."""
+    partial = sum(p.stat().st_size for p in (scratch / ".cache" / "huggingface" / "download").glob(
+        f"{file}.*.incomplete")) if (scratch / ".cache").is_dir() else 0
+    free = shutil.disk_usage(scratch).free
+    if free + partial < size:
+        raise OSError(errno.ENOSPC, f"No space left on device: the source file needs {size / 1e6:.1f} MB, "
+                                    f"{free / 1e6:.1f} MB are free (finished shards are kept: free some space and "
+                                    f"run the same command again)", str(scratch / file))
+
+
 def _fetch(source: HubCheckpoint, file: str, scratch: Path) -> Path:
     from huggingface_hub import hf_hub_download
 
     for attempt in range(RETRIES + 1):
         try:
-            return Path(hf_hub_download(source.ref.repo_id, file, revision=source.commit, local_dir=scratch,
-                                        endpoint=source.endpoint))
+            with warnings.catch_warnings():  # its own free-space warning: require_room checked, ENOSPC says it
+                warnings.filterwarnings("ignore", message="Not enough free disk space", category=UserWarning)
+                return Path(hf_hub_download(source.ref.repo_id, file, revision=source.commit, local_dir=scratch,
+                                            endpoint=source.endpoint))
         except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; explain() sorts them)
             if isinstance(e, OSError) and e.errno is not None:
                 raise  # the disk: full, read-only, permission (exit 74, the path named)

@@ -31,8 +31,8 @@ from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, REC
                                    side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
-from quant.pipeline.source_files import (HubFiles, LocalFiles, check_disk, side_file_names, source_reference,
-                                         streamed_reference)
+from quant.pipeline.source_files import (HubChanges, HubFiles, LocalFiles, check_disk, side_file_names,
+                                         source_reference, streamed_reference)
 from quant.pipeline.solver import SolveRequest, WeightSolver
 from quant.planning.plan import Plan, ShardJob, make_plan
 from quant.planning.recipes import family_for_config, load_recipe
@@ -287,9 +287,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
             return LocalFiles(ckpt, src_path, todo, len(device_list))
         return HubFiles(ckpt, output.root, todo, len(device_list), max_disk, look_ahead, log)
 
+    def changed(output: Output):  # a Hub source: finished shards whose source files changed there since
+        return HubChanges(ckpt, output.root, plan.shards).stale if hub is not None else None
+
     with Output(out, identity, src_path, overwrite, names) as output:
         return _quantize_into(output, plan, files, source_ref, device_list, check_engines, progress, log,
-                              calibrated)
+                              calibrated, changed)
 
 
 def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engines, workers: int):
@@ -327,21 +330,30 @@ def _open_source(src, hub):
 
 
 def _quantize_into(output: Output, plan: Plan, open_files, source_ref: str, device_list: list[str],
-                   check_engines, progress: bool, log, calibrated=None) -> dict:
-    """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish."""
+                   check_engines, progress: bool, log, calibrated=None, changed=None) -> dict:
+    """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish.
+    `changed(output)`: a predicate (shard, its finished result) for a shard to redo though finished (its source
+    changed on the Hub), or None."""
     out, digest = output.root, plan.digest()
     earlier_card = kept_card_parts(out)
     stale = output.begin()
     if stale:
         log(f"removed {len(stale)} temporary file(s) an interrupted run left: {', '.join(stale[:3])}")
     results: dict[str, ShardResult] = {}
-    todo = []
+    todo, redo = [], []
+    outdated = changed(output) if changed is not None else None
     for shard in plan.shards:
         done = completed(out, shard, digest, hash_file=output.sha256)
+        if done and outdated is not None and outdated(shard, done):
+            redo.append(shard.file)
+            done = None
         if done:
             results[shard.file] = done
         else:
             todo.append(shard)
+    if redo:
+        log(f"the Hub repository changed since the earlier run: {len(redo)} finished shard(s) read source files "
+            f"that changed there and are made again ({', '.join(redo[:3])})")
     if results:
         log(f"resuming: {len(results)} of {len(plan.shards)} shards already complete and verified")
 

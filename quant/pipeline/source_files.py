@@ -9,18 +9,20 @@ is written)."""
 from __future__ import annotations
 
 import fnmatch
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
 from quant.checkpoint import Checkpoint
 from quant.errors import QuantError
-from quant.files import sha256_file
+from quant.files import sha256_file, write_atomic
 from quant.hub import HubCheckpoint, HubRef, hub_reference
-from quant.pipeline.download import download
+from quant.pipeline.download import VERIFIED_DIR, download
 from quant.pipeline.fetch import ShardFetcher
-from quant.pipeline.output import OWN_FILES, SOURCE_DIR
-from quant.planning.needs import required_disk
+from quant.pipeline.output import OWN_FILES, SOURCE_DIR, read_record
+from quant.pipeline.progress import ShardResult
+from quant.planning.needs import SourceUse, required_disk
 from quant.planning.plan import Plan, ShardJob
 from quant.planning.source import HUB_PATTERNS
 
@@ -98,6 +100,35 @@ class HubFiles:
 
     def summary(self) -> dict:
         return self.fetcher.summary()
+
+
+# The sha256 of every LFS file at the commit the run read, beside the download records (bookkeeping, not source
+# bytes: outside --max-disk's count).
+HUB_RECORD = f"{VERIFIED_DIR}/hub-sha256.json"
+
+
+class HubChanges:
+    """What changed on the Hub since an earlier run into OUT read it (a repository updated between a kill and the
+    resume): `stale(shard, result)` says a finished shard read a source file whose sha256 on the Hub is no longer
+    the one it was made from, so it is redone. The earlier run's view is its record of the Hub's sha256s
+    (`.quant-source/.verified/hub-sha256.json`, written before its first shard; every source file a shard reads counts, the
+    scales another shard holds too) and each finished shard's own source sha256 (its progress record). Once read,
+    the record is replaced by the Hub's current sha256s: the shards kept read the same bytes under both."""
+
+    def __init__(self, source: HubCheckpoint, out: Path, shards: list[ShardJob]):
+        self.now = dict(source.lfs_sha256)
+        scratch = out / SOURCE_DIR
+        before = read_record(scratch / HUB_RECORD)
+        before = before.get("sha256") if isinstance(before, dict) else None
+        self.changed = {f for f, sha in (before or {}).items() if self.now.get(f) != sha}
+        self.use, self.index = SourceUse.of(shards), {s.file: i for i, s in enumerate(shards)}
+        (scratch / HUB_RECORD).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(scratch / HUB_RECORD, json.dumps({"commit": source.commit, "sha256": self.now}, indent=1,
+                                                      sort_keys=True), tmp_dir=(scratch / HUB_RECORD).parent)
+
+    def stale(self, shard: ShardJob, result: ShardResult) -> bool:
+        own = self.now.get(result.source_file, result.source_sha256) != result.source_sha256
+        return own or bool(self.use.needs[self.index[shard.file]] & self.changed)
 
 
 def streamed_reference(src, stream: bool | None) -> HubRef | None:
