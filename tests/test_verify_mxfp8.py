@@ -189,3 +189,12 @@ def test_mxfp8_block_experts(tmp_path):
     report = verify_checkpoint(write_checkpoint(tmp_path / "ckpt", config, tensors), engines=["vllm==0.33"])
     moe = [f for f in report.errors if "#19" in f.rule]
     assert len(moe) == 1 and "only the 1-D per_group" in moe[0].message and " on moe modules" in moe[0].message
+
+
+def test_transformers_with_amd_quark_cannot_run_mxfp8(tmp_path):
+    """amd-quark 0.13 (the transformers 5.23 runtime) loads an MXFP8 [1, 32] linear and raises on its first forward
+    (engines.yaml: run on the qwen3-moe toy with MXFP8 attention)."""
+    tensors, config = _mixed()
+    report = verify_checkpoint(write_checkpoint(tmp_path / "ckpt", config, tensors), engines=["transformers"])
+    hit = [f for f in report.errors if "#19" in f.rule]
+    assert hit and "Unsupported QuantSchema: per_group for quant_dtype: fp8_e4m3" in hit[0].message

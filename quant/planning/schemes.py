@@ -129,8 +129,8 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back,
                _row_select, error_sums=_mxfp4_error, engines=("vllm==latest",)),
         # MXFP8 linears load in vLLM 0.31 to 0.33, MXFP8 experts only from vLLM 0.33 (QuarkW8A8Mxfp8MoEMethod);
-        # SGLang 0.5.12 to 0.5.23 have no Quark MXFP8 scheme (engines.yaml `schemes`, kind mxfp8). As the scheme,
-        # the experts are MXFP8 too, so the newest vLLM only (0.33 today).
+        # SGLang 0.5.12 to 0.5.23 have no Quark MXFP8 scheme and amd-quark 0.13 (transformers) cannot run one
+        # (engines.yaml `schemes`, kind mxfp8). As the scheme, the experts are MXFP8 too: the newest vLLM only (0.33).
         Scheme("w_mxfp8_a_mxfp8", "MXFP8 weights (OCP E4M3, one E8M0 scale per 32 inputs), dynamic MXFP8 "
                "activations (Quark OCP_MXFP8E4M3Spec)", 32, "quark", _mxfp8, _mxfp8_back, _row_select,
                engines=("vllm==latest",)),
