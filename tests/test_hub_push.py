@@ -160,13 +160,33 @@ def test_changed_unfinished_or_misnamed_refused(world, tmp_path):
 
 
 def test_push_without_write_access(world):
-    """A repository the token may not write to: the Hub's 403 in one line, exit 2, no blob sent, no commit."""
+    """A repository the token may not write to, or no token at all: the Hub's 403 / 401 in one line, exit 2, no
+    blob sent, no commit."""
     server = world["server"]
     server.create_repo("org/theirs", writers={"owner"})
     server.reset()
     line = one_line(*push(world, world["export"], "org/theirs"), 2)
     assert "403" in line and "write token" in line
+    line = one_line(*push(world, world["export"], "org/theirs", HF_TOKEN=""), 2)
+    assert "401" in line and "write token" in line
     assert uploads(server) == [] and server.repos["org/theirs"].commits == []
+
+
+def test_storage_refusing_uploads(world):
+    """The storage answering the blob uploads 403 mid-push: one line naming it, exit 2, nothing committed; once it
+    takes them the same command lands the export."""
+    server = world["server"]
+    server.reset()
+    server.refuse_puts()
+    try:
+        line = one_line(*push(world, world["export"], "org/refusing"), 2)
+    finally:
+        server.refuse_puts(False)
+    assert "storage answered 403" in line and "PUT" in line and "resumes" in line
+    assert server.repos["org/refusing"].commits == []
+    code, _, err = push(world, world["export"], "org/refusing")
+    assert code == 0, err
+    assert_landed(world, "org/refusing", world["export"])
 
 
 def test_killed_push_resumes(world):

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from quant.errors import EngineFailure, QuantError
+from quant.errors import EngineFailure, QuantError, machine_failure
 from quant.files import sha256_file
 from quant.hub import REPO_REF, HubRef
 from quant.ownership import read_record, real_path, regular_file, unchanged
@@ -134,14 +134,16 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
                                      allow_patterns=[glob.escape(n) for n in batch],
                                      commit_message=f"moe-quant export: {message}")
     except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; push_error sorts them)
-        if isinstance(e, OSError) and e.errno is not None:
-            raise  # reading the export failed: the machine (exit 74, the path named)
+        machine = machine_failure(e)
+        if machine is not None:
+            raise machine from None  # reading the export failed: the machine (exit 74, the path named)
         raise push_error(e, target, api.endpoint) from None
     return info.commit_url
 
 
 def push_error(e: BaseException, target: HubRef, endpoint: str) -> QuantError:
-    """One line for an upload that failed: what the Hub or the network said, and that a re-run resumes."""
+    """One line for an upload that failed: what the Hub (its API, or its storage) or the network said, and that a
+    re-run resumes."""
     import httpx2
     from huggingface_hub import errors
 
@@ -152,13 +154,17 @@ def push_error(e: BaseException, target: HubRef, endpoint: str) -> QuantError:
     response = getattr(cause, "response", None)
     status = getattr(response, "status_code", None)
     again = "no config.json was pushed; the same command resumes, sending only what the Hub lacks"
-    if status in (401, 403):
+    request = getattr(response, "request", None) if status is not None else None
+    url = str(getattr(request, "url", "") or "")
+    if status in (401, 403) and url.startswith(endpoint):
         return QuantError(f"{target.repo_id}: the Hub refused the push ({status}): a write token for {target.repo_id} "
                           f"is needed (HF_TOKEN or `hf auth login`); {again}")
     if status is not None:
         detail = (getattr(cause, "server_message", None) or "").strip().splitlines()
         detail = f": {detail[0][:200]}" if detail else ""
-        return QuantError(f"{target.repo_id}: the push failed, the Hub answered {status}{detail} ({endpoint}); {again}")
+        what = "the Hub" if url.startswith(endpoint) else "the Hub's storage"
+        return QuantError(f"{target.repo_id}: the push failed, {what} answered {status}{detail} "
+                          f"({getattr(request, 'method', '?')} {url.split('?')[0][:120]}); {again}")
     first = (str(cause).splitlines() or [""])[0][:200] or type(cause).__name__
     return QuantError(f"{target.repo_id}: the push failed ({type(cause).__name__}: {first}) talking to {endpoint}; "
                       f"{again}")
