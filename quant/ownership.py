@@ -513,9 +513,14 @@ class claim:
 @contextlib.contextmanager
 def held(root: Path):
     """Hold the directory's lock while reading an output of ours (`quant push`): no command writes into it
-    meanwhile (a second one stops with a message)."""
+    meanwhile (a second one stops with a message). A directory no one may write to (read-only, no permission) is
+    read without one."""
     c = Claim(real_path(root), "", None, None, created=False)
-    c._acquire()
+    try:
+        c._acquire()
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
     try:
         yield
     finally:
