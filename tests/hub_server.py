@@ -81,7 +81,7 @@ class Repo:
     content_sha: bool = False  # LFS oids are the files' real sha256 (what a streamed download is checked against)
     shas: dict = field(default_factory=dict)
     writers: set[str] = field(default_factory=set)  # tokens that may push (empty: any token)
-    commits: list = field(default_factory=list)  # (sha, summary, paths) of each commit pushed to it
+    commits: list = field(default_factory=list)  # (sha, summary, added, deleted paths) of each commit pushed
 
     def is_lfs(self, name: str) -> bool:
         return name.endswith(LFS_SUFFIXES)
@@ -234,7 +234,8 @@ class HubServer:
             repo.shas = {}
             repo.sha = hashlib.sha1((repo.sha + summary + json.dumps(ops, sort_keys=True)).encode()).hexdigest()
             repo.revisions.add(repo.sha)
-            repo.commits.append((repo.sha, summary, [v["path"] for _, v in ops]))
+            repo.commits.append((repo.sha, summary, [v["path"] for k, v in ops if k != "deletedFile"],
+                                 [v["path"] for k, v in ops if k == "deletedFile"]))
         for name in repo.files:
             if repo.is_lfs(name):
                 self.blobs[repo.oid(name)] = (repo, name)
@@ -600,7 +601,8 @@ class _Handler(BaseHTTPRequestHandler):
             if folder and not name.startswith(folder.rstrip("/") + "/"):
                 continue
             size = p.stat().st_size
-            entry = {"type": "file", "path": name, "size": size, "oid": hashlib.sha1(name.encode()).hexdigest()}
+            blob = hashlib.sha1(repo.oid(name).encode()).hexdigest() if repo.is_lfs(name) else repo.oid(name)
+            entry = {"type": "file", "path": name, "size": size, "oid": blob}  # a regular file's git blob id
             if repo.is_lfs(name):
                 entry["lfs"] = {"oid": repo.oid(name), "size": size, "pointerSize": 134}
             entries.append(entry)

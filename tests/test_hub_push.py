@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A qwen3-moe toy of 17 shards served as org/src (branch v1 too), its export quantized from the Hub at
-    org/src@v1 (the streamed run), and a weight-only MXFP4 export (vLLM only: SGLang's preflight fails it)."""
+    org/src@v1 (the streamed run), a weight-only MXFP4 export (vLLM only: SGLang's preflight fails it), and the
+    export of the same toy in 8 shards."""
     from quant.pipeline import quantize_checkpoint
     from quant.toy import build_toy
 
@@ -40,7 +41,9 @@ def world(tmp_path_factory):
     code, out, err = quant(w, "quantize", "org/src@v1", tmp / "export", "--no-progress")
     assert code == 0, err
     quantize_checkpoint(src, tmp / "weight-only", scheme="w_mxfp4", check_engines=[])
-    yield {**w, "export": tmp / "export", "weight_only": tmp / "weight-only"}
+    coarse = build_toy("qwen3-moe", tmp / "src-coarse", shard_size=400_000, seed=0)
+    quantize_checkpoint(coarse, tmp / "coarse", check_engines=[])
+    yield {**w, "export": tmp / "export", "weight_only": tmp / "weight-only", "coarse": tmp / "coarse"}
     server.stop()
 
 
@@ -93,13 +96,13 @@ def assert_landed(world, repo_id: str, export: Path) -> None:
     for name in names:
         assert repo.files[name].read_bytes() == (export / name).read_bytes(), name
     assert repo.commits[-1][2] == ["config.json"]  # config.json only once everything else is there
-    assert all("config.json" not in c[2] for c in repo.commits[:-1])
+    assert "config.json" not in repo.commits[-2][2]
 
 
 def test_push_lands_byte_identical(world):
     """The export streamed from org/src@v1 lands on the server byte for byte, scratch and a user's file left
     behind; its card's base_model is org/src; the pushed repository passes verify-manifest read over HTTP; a second
-    push sends no blob again."""
+    push finds it there and sends nothing."""
     export, server = world["export"], world["server"]
     (export / "notes.txt").write_text("a user's file beside the export")
     assert {".quant-owner.json", ".quant-complete", ".quant-progress"} <= {p.name for p in export.iterdir()}
@@ -117,9 +120,26 @@ def test_push_lands_byte_identical(world):
     code, out, err = quant(world, "verify-manifest", "org/pushed")
     assert code == 0, out + err
     server.reset()
+    commits = len(server.repos["org/pushed"].commits)
     code, out, err = push(world, export, "org/pushed")
+    assert code == 0 and "nothing to push" in out, err
+    assert uploads(server) == [] and len(server.repos["org/pushed"].commits) == commits
+
+
+def test_push_over_an_earlier_export(world):
+    """The same repository pushed an export of 17 shards, then one of 8 (other names): the second push's first
+    commit deletes the earlier config.json, its last adds the new one and deletes the shards it does not have; the
+    repository holds exactly the second export."""
+    server = world["server"]
+    assert push(world, world["export"], "org/twice")[0] == 0
+    code, _, err = push(world, world["coarse"], "org/twice")
     assert code == 0, err
-    assert uploads(server) == []
+    assert_landed(world, "org/twice", world["coarse"])
+    before, after = ({p.name for p in world[k].glob("*.safetensors")} for k in ("export", "coarse"))
+    assert len(after) < len(before)
+    first, last = server.repos["org/twice"].commits[-2:]
+    assert first[3] == ["config.json"]  # the earlier config.json goes with the first commit
+    assert sorted(last[3]) == sorted(before - after)
 
 
 def test_refused_push_uploads_nothing(world):

@@ -32,4 +32,8 @@ def command(
             typer.echo(f"note: {export / 'README.md'} was edited since the export: uploaded as it stands", err=True)
         preflight(found, engine, force, log=lambda m: typer.echo(m, err=True))
         url = upload(found, target, private=private, progress=progress)
-    typer.echo(f"pushed {len(found.files)} files ({found.bytes / 1e6:.1f} MB) of {export} to {target.repo_id}: {url}")
+    if url is None:
+        typer.echo(f"{target.repo_id} already holds the {len(found.files)} files of {export}: nothing to push")
+    else:
+        typer.echo(f"pushed {len(found.files)} files ({found.bytes / 1e6:.1f} MB) of {export} to {target.repo_id}: "
+                   f"{url}")

@@ -16,13 +16,17 @@ nothing uploaded) unless `force`.
 The upload is huggingface_hub's `upload_folder`: from huggingface_hub 2.x on, its resumable large-folder upload
 (`upload_large_folder` before; over the Hub's Xet storage when hf_xet is installed: a re-run skips committed
 files and sends no chunk the Hub already holds; without hf_xet, LFS: a re-run skips every blob the Hub already
-holds). Everything but config.json goes first, config.json in a commit of its own after it, so the repository never
-holds a config.json whose shards are not all there (as OUT never does locally).
+holds). A repository that already holds every file of the export, and no other weights, gets nothing. Otherwise
+everything but config.json goes first, with the deletion of the repository's earlier config.json, and config.json
+in a commit of its own after it, with the deletion of the repository's `*.safetensors` the export does not have (an
+earlier export's shards of other names): the repository never holds a config.json whose shards are not all there
+(as OUT never does locally), and its weights end as the export's.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,22 +120,31 @@ def preflight(export: Export, engines: list[str] | None, force: bool, log=print)
     return len(errors)
 
 
-def upload(export: Export, target: HubRef, private: bool = False, progress: bool = True) -> str:
-    """Upload the export's published files to `target` (created when missing), config.json last; returns the URL
-    of the last commit. Network and Hub failures are one line (exit 2): the same command resumes."""
+def upload(export: Export, target: HubRef, private: bool = False, progress: bool = True) -> str | None:
+    """Upload the export's published files to `target` (created when missing); returns the URL of the last
+    commit, None when the repository already holds the export. While anything differs, the first commit (every
+    file but config.json) deletes the repository's config.json and the last adds the export's, with the deletion of
+    the repository's weights the export does not have (an earlier push's shards of other names): a config.json on
+    the Hub means the rest is there. Network and Hub failures are one line (exit 2): the same command resumes."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
     api = HfApi(endpoint=constants.ENDPOINT)
     names = sorted(export.files)
-    first, last = [n for n in names if n != LAST], [LAST]
     (enable_progress_bars if progress else disable_progress_bars)()
     try:
         api.create_repo(target.repo_id, private=private, exist_ok=True)
-        for batch, message in ((first, "weights, index, manifest, model card and side files"),
-                               (last, "config.json (the export is complete)")):
+        remote = remote_files(api, target)
+        stale = [f for f in remote if f.endswith(".safetensors") and f not in export.files]
+        if not stale and all(n in remote and remote[n] == local_oid(export, n, remote[n]) for n in names):
+            return None
+        info = None
+        for batch, gone, message in (([n for n in names if n != LAST], [LAST] if LAST in remote else None,
+                                       "weights, index, manifest, model card and side files"),
+                                      ([LAST], stale, "config.json (the export is complete)")):
             info = api.upload_folder(repo_id=target.repo_id, folder_path=export.root,
                                      allow_patterns=[glob.escape(n) for n in batch],
+                                     delete_patterns=[glob.escape(n) for n in gone] if gone else None,
                                      commit_message=f"moe-quant export: {message}")
     except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; push_error sorts them)
         machine = machine_failure(e)
@@ -139,6 +152,23 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
             raise machine from None  # reading the export failed: the machine (exit 74, the path named)
         raise push_error(e, target, api.endpoint) from None
     return info.commit_url
+
+
+def remote_files(api, target: HubRef) -> dict[str, str]:
+    """The repository's files on its main branch: path -> the sha256 of an LFS file, the git blob id of another."""
+    from huggingface_hub.hf_api import RepoFile
+
+    return {e.path: (e.lfs.sha256 if e.lfs else e.blob_id)
+            for e in api.list_repo_tree(target.repo_id, recursive=True) if isinstance(e, RepoFile)}
+
+
+def local_oid(export: Export, name: str, remote: str) -> str:
+    """The export's file `name` as the repository names its content: its sha256 where the repository holds it as
+    an LFS file (`remote` a 64-digit id), else its git blob id (regular files are small)."""
+    if len(remote) == 64:
+        return export.files[name][1]
+    data = (export.root / name).read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def push_error(e: BaseException, target: HubRef, endpoint: str) -> QuantError:
