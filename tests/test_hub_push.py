@@ -131,7 +131,8 @@ def test_push_over_an_earlier_export(world):
     commit deletes the earlier config.json, its last adds the new one and deletes the shards it does not have; the
     repository holds exactly the second export."""
     server = world["server"]
-    assert push(world, world["export"], "org/twice")[0] == 0
+    assert push(world, world["export"], "org/twice", "--private")[0] == 0
+    assert server.repos["org/twice"].private  # created private
     code, _, err = push(world, world["coarse"], "org/twice")
     assert code == 0, err
     assert_landed(world, "org/twice", world["coarse"])
