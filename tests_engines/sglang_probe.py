@@ -357,11 +357,34 @@ def compare(param, value, padded=False):
     return float(diff.float().mean()) if diff.numel() else 0.0
 
 
+def _sglang_mxfp4_decoder():
+    """SGLang's own MXFP4 dequantization where the release has one: 0.5.23's Quark W4A4 scheme dequantizes a packed
+    weight on CPU-capable code (quark/schemes/quark_w4a4_mxfp4.py:140-160 `_dequant_mxfp4_to_bf16`: low nibble to
+    the even element, its E2M1 table, 2^(b-127) scales, 32 per block). 0.5.12 has none (its MXFP4 paths are
+    aiter/triton kernels), and gets ml_dtypes' E2M1/E8M0 types in the same unpacking order."""
+    try:
+        from sglang.srt.layers.quantization.quark.schemes.quark_w4a4_mxfp4 import _dequant_mxfp4_to_bf16
+    except ImportError:
+        return None
+    return _dequant_mxfp4_to_bf16
+
+
+MXFP4_DECODER = "ml_dtypes"
+
+
 def decode_mxfp4(packed, scale):
-    """Independent decode (ml_dtypes): low nibble first, E8M0 scale per 32 elements along the last axis."""
+    """The MXFP4 weight SGLang holds, decoded by SGLang's own dequantization (else ml_dtypes'): float32."""
+    global MXFP4_DECODER
+    import torch
+
+    sglang_decode = _sglang_mxfp4_decoder()
+    if sglang_decode is not None:
+        MXFP4_DECODER = "sglang:_dequant_mxfp4_to_bf16"
+        rows = packed.contiguous().reshape(-1, packed.shape[-1])
+        out = sglang_decode(rows, scale.contiguous().reshape(-1, scale.shape[-1]))
+        return out.to(torch.float32).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     import ml_dtypes
     import numpy as np
-    import torch
 
     p = packed.contiguous().numpy()
     codes = np.stack([p & 0xF, p >> 4], -1).reshape(*p.shape[:-1], p.shape[-1] * 2)
@@ -632,7 +655,8 @@ def main() -> int:
         models["draft"] = run_model(args.checkpoint, ckpt, True, args.reference, mtp_index)
     else:
         models["draft"] = {"outcome": "absent"}
-    print(json.dumps({"release": sglang.__version__, "models": models, "seconds": round(time.time() - started, 1)}))
+    print(json.dumps({"release": sglang.__version__, "models": models, "mxfp4_decoder": MXFP4_DECODER,
+                      "seconds": round(time.time() - started, 1)}))
     return 0
 
 

