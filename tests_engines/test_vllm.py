@@ -157,6 +157,8 @@ def test_vllm_agrees(case, emulation, work):
             assert (effect > tolerance) == EFFECT_VISIBLE[case.toy], (effect, tolerance)
     assert diff < (W4A4_TOLERANCE if qdq else BF16_TOLERANCE), diff
     to_original = mean_abs_diff(result["logprobs"], transformers_logprobs(original, prompts))
-    if reference != original and case.scheme.startswith("w_mxfp4") and to_original > 4 * BF16_NOISE:
+    experts_w4a4 = case.scheme == "w_mxfp4_a_mxfp4"  # vLLM's MoE quantizes the experts' inputs: not in the reference
+    if reference != original and case.scheme.startswith("w_mxfp4") and to_original > 4 * BF16_NOISE \
+            and not experts_w4a4:
         # The quantization error is visible, and vLLM sits on the dequantized side of it.
         assert diff < 0.5 * to_original
