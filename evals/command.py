@@ -60,6 +60,9 @@ def command(
     write_gate: Optional[Path] = typer.Option(None, "--write-gate", help="Write such a gate file from this run's "
                                               "baseline arm (its accuracy, the margin as tolerance, its acceptance "
                                               "length less the MTP margin), for a release's own CI"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Reuse the answers a run into the same --out "
+                                "kept (each kept as it arrives, keyed by model, prompt and settings), asking only "
+                                "what is missing; --no-resume asks everything again"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write --out into a directory this tool did not make "
                                    "(files it did not write are never deleted); let --write-gate replace a file"),
 ) -> None:
@@ -79,7 +82,7 @@ def command(
         server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
         batch_size=batch_size, device=device, dtype=dtype, baseline_name=baseline_name,
         candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin, overwrite=overwrite,
-        gate=gate, write_gate=write_gate,
+        gate=gate, write_gate=write_gate, resume=resume,
     )
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
     from evals.report.render import print_table

@@ -13,6 +13,7 @@ from pathlib import Path
 from evals.statistics import evidence
 
 from evals.statistics import accuracy
+from evals.arms.answers import ANSWERS_DIR, open_store
 from evals.arms.backends import DTYPES, Backend, BackendOptions, is_url, open_backend
 from evals.statistics.acceptance import compare_acceptance
 from evals.statistics.pairing import generation_counts, pair_acceptance, pair_scores
@@ -24,6 +25,7 @@ from evals.statistics.verdict import Verdict
 from evals.arms.lm_eval_run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
 from evals.arms.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
 from quant.errors import QuantError, machine_failure, naming
+from quant.ownership import remove_path
 
 EXIT_CODES = {Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.INCONCLUSIVE: 3, Verdict.INVALID: 4}
 # What an eval leaves in OUT: the per-question samples of each arm, and the report (report.json last).
@@ -67,6 +69,7 @@ class EvalRequest:
     overwrite: bool = False             # write into an --out this tool did not make (quant.ownership)
     gate: Path | None = None            # a CI gate file (vLLM's GSM8K config format: evals/gate.py)
     write_gate: Path | None = None      # write a gate file from this run's baseline arm
+    resume: bool = True                 # reuse the answers an interrupted run into the same --out kept
 
 
 def _check(request: EvalRequest) -> None:
@@ -164,7 +167,7 @@ def _check_device(device: str) -> None:
         raise QuantError(f"--device {device}: the in-process backend runs on cpu or cuda")
 
 
-def _prepare_out(held) -> None:
+def _prepare_out(held, resume: bool = True) -> None:
     """Refuse (before any work) a file of someone else's where this eval writes; remove what an earlier eval of
     ours left in OUT (by its owner record, only files that still hold what it wrote), report.json first so an
     unfinished run never looks finished."""
@@ -172,8 +175,10 @@ def _prepare_out(held) -> None:
     if held.previous is not None and held.previous.kind == "eval":
         for name in (REPORT_JSON, RUNS_DIR) + OWN_FILES[1:]:
             held.remove_ours(name)
-    if held.is_scratch(SCRATCH_DIR):
-        shutil.rmtree(held.root / SCRATCH_DIR)
+    if held.is_scratch(SCRATCH_DIR):  # all but the kept answers (evals/arms/answers.py), which --no-resume drops
+        for entry in (held.root / SCRATCH_DIR).iterdir():
+            if entry.name != ANSWERS_DIR or not resume:
+                remove_path(entry)
 
 
 def _claim_out(request: EvalRequest):
@@ -277,7 +282,13 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
         from evals.arms.server_metrics import probe
 
         server_spec = probe(source)  # vLLM: the counters before this arm's requests
-    records = run_arm(backend, specs, task_dir, scratch / RUNS_DIR / label, settings, log=log)
+    store = open_store(scratch, backend, options)
+    try:
+        records = run_arm(backend, specs, task_dir, scratch / RUNS_DIR / label, settings, log=log, store=store)
+    finally:
+        store.close()
+    if store.kept:
+        log(f"{label}: {store.kept} answers kept from an earlier run, {store.asked} asked")
     if backend.kind == "server":
         mtp = _server_mtp(server_spec, records, specs, settings, options, log) if server_spec else \
             {"measured": False, "why": "MTP not measured (--mtp off)"}
@@ -353,7 +364,7 @@ def evaluate(request: EvalRequest, log=print) -> EvalReport:
     owner.check()  # a foreign --out, or an input inside it, is refused before the servers are asked
     _check_inputs(request, specs)
     with owner as held:
-        _prepare_out(held)
+        _prepare_out(held, request.resume)
         try:
             report = _evaluate(request, specs, settings, earlier, held, log, gate)
         except Exception as e:  # a full or read-only disk met inside lm-eval or datasets: exit 74 naming OUT
@@ -399,7 +410,7 @@ def _apply_gate(report: EvalReport, gate) -> None:
 
 def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, gate=None) -> EvalReport:
     out, scratch = held.root, held.root / SCRATCH_DIR
-    scratch.mkdir()
+    scratch.mkdir(exist_ok=True)
     datasets_cache = scratch / "hf_datasets_cache"
     gsm8k_dir, gpqa_csv = _eval_data(request, specs, scratch / "data")
     task_dir = write_task_files(scratch / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,

@@ -133,8 +133,10 @@ def write_records(out_dir: Path, specs: list[TaskSpec], records: list[dict]) -> 
 
 
 def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Path, settings: RunSettings,
-            log=print) -> list[dict]:
-    """Evaluate `backend` on every task (and seed); write samples and lm-eval results under `out_dir`."""
+            log=print, store=None) -> list[dict]:
+    """Evaluate `backend` on every task (and seed); write samples and lm-eval results under `out_dir`. With
+    `store` (evals.arms.answers.AnswerStore), answers kept by an earlier run are reused and new ones kept."""
+    from evals.arms.answers import kept_answers
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -149,7 +151,8 @@ def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Pa
             if spec.sampled:
                 gen_kwargs.update(backend.seed_gen_kwargs(seed))
             log(f"  {backend.label}: {spec.name}" + (f" seed {seed}" if spec.sampled else ""))
-            with _light_provenance():
+            keeping = kept_answers(backend, store, seed, spec.sampled, log) if store else contextlib.nullcontext()
+            with _light_provenance(), keeping:
                 results = lm_eval.simple_evaluate(
                     model=backend.lm,
                     tasks=[spec.lm_eval_task],

@@ -25,8 +25,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 class Generator:
     """The model behind the endpoints; one generation at a time."""
 
-    def __init__(self, model, tokenizer, name: str):
+    def __init__(self, model, tokenizer, name: str, digest: str | None = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.digest = digest  # the checkpoint's (evals.arms.answers.checkpoint_digest), listed at /v1/models
         self.lock = threading.Lock()
 
     def render_chat(self, messages: list[dict]) -> str:
@@ -99,8 +100,10 @@ def make_handler(generator: Generator, touch):
         def do_GET(self):
             touch()
             if self.path.rstrip("/") in ("/v1/models", "/models"):
-                self._send(200, {"object": "list", "data": [{"id": generator.name, "object": "model",
-                                                             "owned_by": "evals.arms.model_server"}]})
+                entry = {"id": generator.name, "object": "model", "owned_by": "evals.arms.model_server"}
+                if generator.digest:
+                    entry["checkpoint_digest"] = generator.digest
+                self._send(200, {"object": "list", "data": [entry]})
             elif self.path.rstrip("/") in ("/health", "/v1/health"):
                 self._send(200, {"status": "ok"})
             else:
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     args = parser.parse_args(argv)
 
+    from evals.arms.answers import checkpoint_digest
     from evals.arms.backends import load_checkpoint_model
     from quant.errors import QuantError
 
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.model_name or args.checkpoint.resolve().name
-    server = serve(Generator(model, tokenizer, name), args.host, args.port, args.idle_timeout)
+    server = serve(Generator(model, tokenizer, name, checkpoint_digest(args.checkpoint)), args.host, args.port, args.idle_timeout)
     host, port = server.server_address[:2]
     print(f"serving {name} ({description}) on http://{host}:{port}/v1", flush=True)
     try:

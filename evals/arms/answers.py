@@ -1,0 +1,256 @@
+"""Every answer an arm gets is kept as it arrives, so an eval that was interrupted (Ctrl-C, a crash, a kill, a
+server restart) and is run again asks only what is missing and ends with the report of an uninterrupted run.
+
+The store is one SQLite file per arm in the eval's scratch directory (OUT/.quant-eval/answers/ARM.sqlite), one
+row per answer, each row its own committed transaction (WAL journal: a killed process loses at most the answers
+it had not yet committed, never a committed one, and never leaves half a row). lm-eval's own request cache
+(`use_cache`, `lm_eval.api.model.CachingLM`) is not used: it keys a request by its arguments alone (whatever model
+answered it), skips every sampled request (GPQA's seeded generations) and writes through a background thread.
+
+A row's key is sha256 over (the arm's identity, the request type, the prompt as sent (the text, or the chat
+messages), the generation settings lm-eval passes (stop strings, max tokens, do_sample, temperature, top_p, the
+server seed) and the run's generation seed). The identity is
+- a checkpoint in process: `checkpoint_digest` (config and every other small file's bytes, each shard's
+  safetensors header, size and modification time) with the dtype, device, batch size and the torch,
+  transformers and lm-eval versions;
+- a server: the endpoint URL, the model id sent, and what GET /models says of it (`root`, `max_model_len`, and a
+  `checkpoint_digest` where the server reports one, as evals.arms.model_server does), with the lm-eval version.
+A changed model, prompt, few-shot example or setting therefore changes the key: nothing is reused (tests:
+tests/test_eval_resume.py). Failed generations are never kept (they are asked again).
+
+In process, answers arrive a batch at a time and are committed a whole batch at a time, so what was kept is
+always whole batches from the front of lm-eval's order and the rest is batched exactly as an uninterrupted run
+batches it (padding, hence bf16 rounding, depends on the batch). Sampled generations in process draw from a
+torch seed derived from the run's seed and the batch's prompts, not from the position in the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sqlite3
+import struct
+import threading
+from pathlib import Path
+
+from evals.arms.backends import FAILED_GENERATION, Backend, api_root
+from quant.files import sha256_file
+
+ANSWERS_DIR = "answers"
+SHARD_SUFFIX = ".safetensors"
+SMALL_FILE_BYTES = 64 * 1024 * 1024  # other files bigger than this are identified like shards
+
+
+def _versions(*names: str) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return head
+        (n,) = struct.unpack("<Q", head)
+        return f.read(min(n, 1 << 30))
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 identifying a checkpoint directory's contents: every top-level file's name and, for a small file,
+    its bytes; for a shard (or any large file), its safetensors header with its size and modification time
+    (hashing hundreds of GB at every eval would cost minutes; a shard rewritten with new values gets a new
+    modification time)."""
+    h = hashlib.sha256()
+    for entry in sorted(Path(path).iterdir(), key=lambda p: p.name):
+        if not entry.is_file() or entry.name.startswith(".quant-"):
+            continue
+        st = entry.stat()
+        h.update(entry.name.encode() + b"\0")
+        if entry.name.endswith(SHARD_SUFFIX) or st.st_size > SMALL_FILE_BYTES:
+            header = _safetensors_header(entry) if entry.name.endswith(SHARD_SUFFIX) else b""
+            h.update(hashlib.sha256(header).digest() + f"{st.st_size}:{st.st_mtime_ns}".encode())
+        else:
+            h.update(bytes.fromhex(sha256_file(entry)) if st.st_size else b"")
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _model_entry(url: str, model: str, timeout: float = 30.0) -> dict:
+    """What the server's GET /models says of `model` (its id, root, max_model_len, checkpoint_digest)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api_root(url)}/models", timeout=timeout) as response:
+            data = json.load(response)
+        entries = [m for m in data.get("data") or [] if isinstance(m, dict) and str(m.get("id")) == model]
+    except (OSError, ValueError, AttributeError):
+        entries = []
+    entry = entries[0] if entries else {}
+    return {k: entry.get(k) for k in ("root", "max_model_len", "checkpoint_digest") if entry.get(k) is not None}
+
+
+def arm_identity(backend: Backend, options) -> dict:
+    """What answered: the key every kept answer of the arm carries."""
+    if backend.kind == "server":
+        model = getattr(backend.lm, "model", None)
+        url = getattr(backend.lm, "base_url", backend.source)
+        return {"kind": "server", "url": url, "model": model, **_model_entry(url, str(model)),
+                **_versions("lm_eval")}
+    return {"kind": "transformers", "checkpoint_digest": checkpoint_digest(Path(backend.source)),
+            "dtype": options.dtype, "device": str(getattr(backend.lm, "device", options.device)),
+            "batch_size": options.batch_size, **_versions("torch", "transformers", "lm_eval")}
+
+
+def _plain(value):
+    """A prompt as JSON: lm-eval's chat prompts (JsonChatStr) by their messages, tagged apart from plain text."""
+    prompt = getattr(value, "prompt", None)
+    if isinstance(prompt, str):
+        return {"chat": prompt}
+    raise TypeError(f"cannot key a request argument of type {type(value).__name__}")
+
+
+def request_key(identity_digest: str, attr: str, args, seed: int) -> str:
+    text = json.dumps([identity_digest, attr, list(args), seed], sort_keys=True, default=_plain,
+                      ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class AnswerStore:
+    """One arm's kept answers: `get(key)`, `put(key, response)` (buffered), `commit()` (one transaction)."""
+
+    def __init__(self, path: Path, identity: dict):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.identity = identity
+        self.digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # a committed row survives a killed process
+        self.db.execute("CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, identity TEXT NOT NULL, "
+                        "response TEXT NOT NULL)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS identities (digest TEXT PRIMARY KEY, identity TEXT NOT NULL)")
+        self.db.execute("INSERT OR IGNORE INTO identities VALUES (?, ?)", (self.digest, json.dumps(identity)))
+        self.lock = threading.Lock()
+        self.pending: list[tuple[str, str]] = []
+        self.kept = self.asked = 0
+
+    def get(self, key: str) -> str | None:
+        with self.lock:
+            row = self.db.execute("SELECT response FROM answers WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def put(self, key: str, response: str) -> None:
+        with self.lock:
+            self.pending.append((key, response))
+
+    def commit(self) -> None:
+        with self.lock:
+            if not self.pending:
+                return
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?, ?)",
+                                [(k, self.digest, r) for k, r in self.pending])
+            self.db.execute("COMMIT")
+            self.pending.clear()
+
+    def count(self) -> int:
+        with self.lock:
+            return self.db.execute("SELECT COUNT(*) FROM answers").fetchone()[0]
+
+    def close(self) -> None:
+        self.commit()
+        self.db.close()
+
+
+class _Hook:
+    """lm-eval's cache hook (`lm.set_cache_hook`): each LM calls `add_partial` as each answer arrives."""
+
+    def __init__(self, store: AnswerStore, seed: int, batched: bool):
+        self.store, self.seed, self.batched = store, seed, batched
+
+    def add_partial(self, attr, req, res) -> None:
+        if attr != "generate_until" or not isinstance(res, str) or res == FAILED_GENERATION:
+            return
+        self.store.put(request_key(self.store.digest, attr, req, self.seed), res)
+        if not self.batched:
+            self.store.commit()
+
+
+def _seeded_batches(lm, store: AnswerStore, seed: int, sampled: bool):
+    """Wrap the in-process LM's batch generation: commit the previous batch's answers before the next batch
+    starts (whole batches only), and seed a sampled batch from the run's seed and its prompts."""
+    generate = lm._model_generate
+
+    def model_generate(context, *args, **kwargs):
+        store.commit()
+        if sampled:
+            import torch
+
+            digest = hashlib.sha256(context.cpu().numpy().tobytes() + str(seed).encode()).digest()
+            torch.manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
+        return generate(context, *args, **kwargs)
+
+    return model_generate
+
+
+@contextlib.contextmanager
+def kept_answers(backend: Backend, store: AnswerStore, seed: int, sampled: bool, log=print):
+    """While the block runs, the backend's LM answers `generate_until` from the store where it can and asks the
+    model only for the rest, keeping each new answer as it arrives."""
+    from lm_eval.api.model import CacheHook
+
+    lm = backend.lm
+    batched = backend.kind != "server"
+    hook = _Hook(store, seed, batched)
+    original = lm.generate_until
+
+    def generate_until(requests, *args, **kwargs):
+        keys = [request_key(store.digest, "generate_until", r.args, seed) for r in requests]
+        answers = [store.get(k) for k in keys]
+        missing = [r for r, a in zip(requests, answers) if a is None]
+        store.kept += len(requests) - len(missing)
+        store.asked += len(missing)
+        if len(missing) < len(requests):
+            log(f"  {backend.label}: {len(requests) - len(missing)} answers kept from an earlier run, "
+                f"{len(missing)} to ask")
+        fresh = iter(original(missing, *args, **kwargs) if missing else [])
+        store.commit()
+        return [a if a is not None else next(fresh) for a in answers]
+
+    lm.set_cache_hook(hook)
+    lm.generate_until = generate_until
+    if batched:
+        lm._model_generate = _seeded_batches(lm, store, seed, sampled)
+    try:
+        yield store
+    finally:
+        store.commit()
+        for name in ("generate_until", "_model_generate"):
+            lm.__dict__.pop(name, None)
+        lm.set_cache_hook(CacheHook(None))
+
+
+def answers_path(scratch: Path, label: str) -> Path:
+    return Path(scratch) / ANSWERS_DIR / f"{label}.sqlite"
+
+
+def open_store(scratch: Path, backend: Backend, options) -> AnswerStore:
+    return AnswerStore(answers_path(scratch, backend.label), arm_identity(backend, options))
+
+
+def remove_answers(scratch: Path) -> None:
+    import shutil
+
+    path = Path(scratch) / ANSWERS_DIR
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
