@@ -1,0 +1,261 @@
+"""Resume (issue #33 item 1): every answer is kept as it arrives (evals/arms/answers.py), so `quant eval` killed
+partway and run again asks only what is missing and writes the report.json of an uninterrupted run, byte for
+byte; a changed model, prompt (few-shot) or generation setting reuses nothing.
+
+Against the real in-process backend on the trained toy and against evals.arms.model_server's Generator served
+on 127.0.0.1, whose answers are counted per prompt."""
+
+import collections
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from evals.arms.answers import answers_path, checkpoint_digest, request_key
+from evals.compare import SCRATCH_DIR, EvalRequest, evaluate
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "evals" / "data" / "toy_arith" / "model"
+TOY_DATA = REPO / "evals" / "data" / "toy_arith"
+QUANT = Path(sys.executable).parent / "quant"
+MAX_GEN_TOKS = 24
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="eval-resume")]
+
+
+def rows(out: Path, arm: str) -> int:
+    path = answers_path(out / SCRATCH_DIR, arm)
+    if not path.exists():
+        return 0
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1) as db:
+            return db.execute("SELECT COUNT(*) FROM answers").fetchone()[0]
+    except sqlite3.OperationalError:  # the table is not created yet
+        return 0
+
+
+def cli(baseline, candidate, out: Path, limit: int, **flags) -> list[str]:
+    args = [str(QUANT), "eval", "--baseline", str(baseline), "--candidate", str(candidate), "--tasks", "toy_arith",
+            "--limit", str(limit), "--out", str(out)]
+    for flag, value in {"max_gen_toks": MAX_GEN_TOKS, **flags}.items():
+        args += [f"--{flag.replace('_', '-')}", str(value)]
+    return args
+
+
+def run_cli(args: list[str]) -> str:
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode in (0, 1, 3), done.stderr[-3000:]
+    return done.stderr
+
+
+def kill_when(args: list[str], ready, timeout: float = 600) -> None:
+    """Start `args` and SIGKILL it as soon as `ready()` holds."""
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "the run never got there"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def kept_and_asked(log: str, arm: str) -> tuple[int, int]:
+    """(kept, asked) from the run's `ARM: K answers kept from an earlier run, M to ask` lines; (0, None) when
+    the arm reused nothing (the line is only printed when something was kept)."""
+    lines = [line for line in log.splitlines() if line.strip().startswith(f"{arm}: ") and "to ask" in line]
+    if not lines:
+        return 0, None
+    kept = sum(int(line.split(": ")[1].split()[0]) for line in lines)
+    asked = sum(int(line.split(", ")[-1].split()[0]) for line in lines)
+    return kept, asked
+
+
+# ------------------------------------------------------------------------------------------------- the keys
+
+
+def test_keys_change_with_model_prompt_settings_and_seed():
+    base = request_key("id", "generate_until", ("Q: 1+1=", {"until": ["\n"], "max_gen_toks": 24}), 0)
+    assert base == request_key("id", "generate_until", ("Q: 1+1=", {"max_gen_toks": 24, "until": ["\n"]}), 0)
+    for changed in (request_key("other id", "generate_until", ("Q: 1+1=", {"until": ["\n"], "max_gen_toks": 24}), 0),
+                    request_key("id", "generate_until", ("Q: 1+2=", {"until": ["\n"], "max_gen_toks": 24}), 0),
+                    request_key("id", "generate_until", ("Q: 1+1=", {"until": ["\n"], "max_gen_toks": 25}), 0),
+                    request_key("id", "generate_until", ("Q: 1+1=", {"until": ["\n\n"], "max_gen_toks": 24}), 0),
+                    request_key("id", "generate_until", ("Q: 1+1=", {"until": ["\n"], "max_gen_toks": 24,
+                                                                     "seed": 1}), 0),
+                    request_key("id", "generate_until", ("Q: 1+1=", {"until": ["\n"], "max_gen_toks": 24}), 1)):
+        assert changed != base
+
+
+def test_checkpoint_digest_follows_config_and_weights(tmp_path):
+    copy = shutil.copytree(FIXTURE, tmp_path / "copy")
+    digest = checkpoint_digest(copy)
+    assert checkpoint_digest(copy) == digest == checkpoint_digest(FIXTURE)  # copied with its modification times
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    assert checkpoint_digest(copy) != digest
+    digest = checkpoint_digest(copy)
+    shard = next(copy.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one weight bit, header and size unchanged
+    shard.write_bytes(bytes(data))
+    assert checkpoint_digest(copy) != digest
+
+
+# ----------------------------------------------------------------------------------------------- in process
+
+
+def test_in_process_run_killed_and_rerun_asks_only_what_is_missing(tmp_path):
+    limit, batch = 24, 8
+    candidate = shutil.copytree(FIXTURE, tmp_path / "candidate")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_cli(cli(FIXTURE, candidate, whole, limit, batch_size=batch))
+    args = cli(FIXTURE, candidate, resumed, limit, batch_size=batch)
+    kill_when(args, lambda: rows(resumed, "candidate") >= batch)
+    kept = rows(resumed, "candidate")
+    # Committed a whole batch at a time: the rest is batched (padded) exactly as the uninterrupted run batched it.
+    assert 0 < kept < limit and kept % batch == 0
+    assert rows(resumed, "baseline") == limit
+    assert not (resumed / "report.json").exists()
+    log = run_cli(args)
+    assert kept_and_asked(log, "baseline") == (limit, 0)
+    assert kept_and_asked(log, "candidate") == (kept, limit - kept)
+    assert (resumed / "report.json").read_bytes() == (whole / "report.json").read_bytes()
+    for arm in ("baseline", "candidate"):
+        path = Path("runs") / arm / "toy_arith" / "samples.jsonl"
+        assert (resumed / path).read_bytes() == (whole / path).read_bytes()
+
+
+def test_in_process_changes_reuse_nothing(tmp_path):
+    limit, batch = 8, 8
+    out = tmp_path / "out"
+    candidate = shutil.copytree(FIXTURE, tmp_path / "candidate")
+
+    def run(model=candidate, **kw):
+        lines = []
+        settings = {"tasks": "toy_arith", "limit": limit, "max_gen_toks": MAX_GEN_TOKS, "batch_size": batch,
+                    "mtp": False, **kw}
+        evaluate(EvalRequest(candidate=str(model), baseline=str(FIXTURE), out=out, **settings), log=lines.append)
+        text = "\n".join(lines)
+        return kept_and_asked(text, "baseline")[0], kept_and_asked(text, "candidate")[0]
+
+    assert run() == (0, 0)
+    assert run() == (limit, limit)
+    assert run(max_gen_toks=MAX_GEN_TOKS - 1) == (0, 0)       # a generation setting
+    assert run(dtype="float32") == (0, 0)                     # the in-process compute
+    fewshot = shutil.copytree(TOY_DATA, tmp_path / "toy", ignore=shutil.ignore_patterns("model"))
+    train = (fewshot / "train.jsonl").read_text().splitlines()
+    (fewshot / "train.jsonl").write_text("\n".join(reversed(train)) + "\n")  # other few-shot examples
+    assert run(toy_data_dir=fewshot) == (0, 0)
+    changed = shutil.copytree(FIXTURE, tmp_path / "changed")
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": config["rms_norm_eps"] * 2}))
+    assert run(model=changed) == (limit, 0)               # another model: only the baseline's are reused
+    assert run(resume=False) == (0, 0)
+
+
+# -------------------------------------------------------------------------------------------------- servers
+
+
+class CountingGenerator:
+    """evals.arms.model_server's Generator with every answer counted per prompt; `hold_after(n)` makes requests
+    after the n-th answer wait, then fail, until `release()`."""
+
+    def __init__(self, generator):
+        self.generator, self.answered = generator, collections.Counter()
+        self.limit, self.gate, self.started = None, threading.Event(), 0
+        self.lock = threading.Lock()
+        self.name, self.digest = generator.name, generator.digest
+        self.render_chat = generator.render_chat
+
+    def hold_after(self, n: int) -> None:
+        self.limit, self.gate, self.started = n, threading.Event(), 0
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def complete(self, prompt, **kw):
+        with self.lock:  # counted as the request starts: exactly `limit` are answered, however many run at once
+            held = self.limit is not None and self.started >= self.limit
+            self.started += not held
+        if held:
+            self.gate.wait(timeout=600)
+            raise ValueError("held by the test")  # the answer never arrives (400)
+        text = self.generator.complete(prompt, **kw)
+        with self.lock:
+            self.answered[prompt] += 1
+        return text
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from evals.arms.backends import load_checkpoint_model
+    from evals.arms.model_server import Generator, serve
+
+    model, tokenizer, _, _ = load_checkpoint_model(FIXTURE, Path("."), dtype="bfloat16", device="cpu")
+    digest = checkpoint_digest(FIXTURE)
+    arms = {}
+    for arm in ("baseline", "candidate"):
+        generator = CountingGenerator(Generator(model, tokenizer, f"toy-{arm}", digest))
+        server = serve(generator)
+        server.handle_error = lambda *args: None  # the killed client's closed connections are expected here
+        arms[arm] = (generator, f"http://127.0.0.1:{server.server_address[1]}/v1", server)
+    yield arms
+    for _, _, server in arms.values():
+        server.shutdown()
+        server.server_close()
+
+
+def test_server_run_killed_and_rerun_asks_no_question_twice(servers, tmp_path):
+    limit, held_after = 16, 6
+    (baseline, base_url, _), (candidate, cand_url, _) = servers["baseline"], servers["candidate"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_cli(cli(base_url, cand_url, whole, limit, concurrency=4))
+    assert set(baseline.answered.values()) == {1} and len(candidate.answered) == limit
+    baseline.answered.clear()
+    candidate.answered.clear()
+
+    args = cli(base_url, cand_url, resumed, limit, concurrency=4)
+    candidate.hold_after(held_after)
+    try:
+        kill_when(args, lambda: rows(resumed, "candidate") >= held_after)
+    finally:
+        candidate.release()
+    time.sleep(0.5)  # the held requests fail without an answer
+    assert rows(resumed, "candidate") == held_after and rows(resumed, "baseline") == limit
+    candidate.limit = None
+    first = collections.Counter(candidate.answered)
+    log = run_cli(args)
+    assert kept_and_asked(log, "baseline") == (limit, 0)
+    assert kept_and_asked(log, "candidate") == (held_after, limit - held_after)
+    # Counted at the servers: over both runs every question was answered once in each arm.
+    assert set(baseline.answered.values()) == {1} and len(baseline.answered) == limit
+    assert set(candidate.answered.values()) == {1} and len(candidate.answered) == limit
+    assert sum((candidate.answered - first).values()) == limit - held_after
+    assert (resumed / "report.json").read_bytes() == (whole / "report.json").read_bytes()
+
+
+def test_server_model_or_setting_changes_reuse_nothing(servers, tmp_path):
+    limit = 6
+    (baseline, base_url, _), (candidate, cand_url, _) = servers["baseline"], servers["candidate"]
+    out = tmp_path / "out"
+    run_cli(cli(base_url, cand_url, out, limit, concurrency=2))
+    log = run_cli(cli(base_url, cand_url, out, limit, concurrency=2, max_gen_toks=MAX_GEN_TOKS + 1))
+    assert kept_and_asked(log, "baseline") == (0, None) and kept_and_asked(log, "candidate") == (0, None)
+    candidate.digest = "0" * 64  # the same id and URL, another checkpoint behind it (its /v1/models says so)
+    try:
+        log = run_cli(cli(base_url, cand_url, out, limit, concurrency=2))
+    finally:
+        candidate.digest = candidate.generator.digest
+    assert kept_and_asked(log, "baseline") == (limit, 0) and kept_and_asked(log, "candidate") == (0, None)
