@@ -60,9 +60,8 @@ def command(
     write_gate: Optional[Path] = typer.Option(None, "--write-gate", help="Write such a gate file from this run's "
                                               "baseline arm (its accuracy, the margin as tolerance, its acceptance "
                                               "length less the MTP margin), for a release's own CI"),
-    resume: bool = typer.Option(True, "--resume/--no-resume", help="Reuse the answers a run into the same --out "
-                                "kept (each kept as it arrives, keyed by model, prompt and settings), asking only "
-                                "what is missing; --no-resume asks everything again"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Reuse the answers kept by a run into this --out "
+                                "(keyed by model, prompt, settings); ask only what is missing"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write --out into a directory this tool did not make "
                                    "(files it did not write are never deleted); let --write-gate replace a file"),
 ) -> None:
