@@ -177,7 +177,7 @@ def _prepare_out(held, resume: bool = True) -> None:
             held.remove_ours(name)
     if held.is_scratch(SCRATCH_DIR):  # all but the kept answers (evals/arms/answers.py), which --no-resume drops
         for entry in (held.root / SCRATCH_DIR).iterdir():
-            if entry.name != ANSWERS_DIR or not resume:
+            if entry.name != ANSWERS_DIR or not resume or entry.is_symlink() or not entry.is_dir():
                 remove_path(entry)
 
 

@@ -243,7 +243,16 @@ def answers_path(scratch: Path, label: str) -> Path:
 
 
 def open_store(scratch: Path, backend: Backend, options) -> AnswerStore:
-    return AnswerStore(answers_path(scratch, backend.label), arm_identity(backend, options))
+    """The arm's store in the eval's scratch; anything but a regular file where it lives (a link is never
+    written through) is removed first, with the SQLite journal files beside it."""
+    path = answers_path(scratch, backend.label)
+    for name in (path.name, path.name + "-wal", path.name + "-shm"):
+        entry = path.parent / name
+        if os.path.islink(entry) or (os.path.lexists(entry) and not entry.is_file()):
+            import shutil
+
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    return AnswerStore(path, arm_identity(backend, options))
 
 
 def remove_answers(scratch: Path) -> None:
