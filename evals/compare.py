@@ -285,15 +285,15 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
     store = open_store(scratch, backend, options)
     try:
         records = run_arm(backend, specs, task_dir, scratch / RUNS_DIR / label, settings, log=log, store=store)
+        if store.kept:
+            log(f"{label}: {store.kept} answers kept from an earlier run, {store.asked} asked")
+        if backend.kind == "server":
+            mtp = _server_mtp(server_spec, records, specs, settings, options, log, store) if server_spec else \
+                {"measured": False, "why": "MTP not measured (--mtp off)"}
+        else:
+            mtp = _measure_mtp(backend, records, depth, log)
     finally:
         store.close()
-    if store.kept:
-        log(f"{label}: {store.kept} answers kept from an earlier run, {store.asked} asked")
-    if backend.kind == "server":
-        mtp = _server_mtp(server_spec, records, specs, settings, options, log) if server_spec else \
-            {"measured": False, "why": "MTP not measured (--mtp off)"}
-    else:
-        mtp = _measure_mtp(backend, records, depth, log)
     arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
            "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures(),
            "first_error": backend.first_error(),
@@ -304,9 +304,11 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
     return arm, records
 
 
-def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options: BackendOptions, log) -> dict:
+def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options: BackendOptions, log,
+                store=None) -> dict:
     """A server arm's acceptance (evals/arms/server_metrics.py): vLLM's counters over the run, or SGLang's per-request
-    meta_info from a greedy /generate replay of every greedy generation (attached to its records)."""
+    meta_info from a greedy /generate replay of every greedy generation (attached to its records; each replay kept
+    in `store` as it arrives, like the answers, so a resumed run replays only what is missing)."""
     from evals.arms import server_metrics as server_spec
 
     if spec.kind is None:
@@ -320,7 +322,7 @@ def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options
         if r["task"] not in greedy or key in replayed or r.get("prompt") is None:
             continue
         max_new = settings.gen_kwargs(greedy[r["task"]])["max_gen_toks"]
-        counts = server_spec.sglang_replay(spec, r["prompt"], max_new, r.get("until") or [], options.timeout)
+        counts = _kept_replay(store, spec, r["prompt"], max_new, r.get("until") or [], options.timeout)
         replayed[key] = {"positions": 0, "accepted_depth1": 0, **counts, "depth": None}
     for r in records:
         r["mtp"] = replayed.get((r["task"], r["seed"], r["doc_id"]))
@@ -334,6 +336,21 @@ def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options
             "mean_accepted_length": tokens / rounds if rounds else None,
             "speculative_algorithm": (spec.info or {}).get("speculative_algorithm"),
             "depth": (spec.info or {}).get("speculative_num_steps")}
+
+
+def _kept_replay(store, spec, prompt: str, max_new: int, until: list[str], timeout: float) -> dict:
+    from evals.arms import server_metrics
+    from evals.arms.answers import request_key
+
+    key = request_key(store.digest, "sglang_generate", (prompt, max_new, until), 0) if store else None
+    kept = store.get(key) if store else None
+    if kept is not None:
+        return json.loads(kept)
+    counts = server_metrics.sglang_replay(spec, prompt, max_new, until, timeout)
+    if store:
+        store.put(key, json.dumps(counts))
+        store.commit()
+    return counts
 
 
 def _measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict:

@@ -259,3 +259,41 @@ def test_server_model_or_setting_changes_reuse_nothing(servers, tmp_path):
     finally:
         candidate.digest = candidate.generator.digest
     assert kept_and_asked(log, "baseline") == (limit, 0) and kept_and_asked(log, "candidate") == (0, None)
+
+
+def test_sglang_acceptance_replays_are_kept_like_answers(tmp_path):
+    """SGLang's acceptance comes from a /generate replay of each greedy generation: a resumed run replays only the
+    generations whose replay was not kept, and reports what a run replaying everything reports."""
+    from http.server import ThreadingHTTPServer
+
+    from evals.arms.answers import AnswerStore
+    from evals.arms.backends import BackendOptions
+    from evals.arms.lm_eval_run import RunSettings
+    from evals.arms.server_metrics import probe
+    from evals.arms.tasks import parse_tasks
+    from evals.compare import _server_mtp
+    from test_server_spec import _Handler
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        spec = probe(f"http://127.0.0.1:{server.server_address[1]}/v1")
+        records = [{"task": "toy_arith", "seed": 0, "doc_id": i, "prompt": "Q" * (10 + i), "until": ["Q:"]}
+                   for i in range(5)]
+        args = (parse_tasks("toy_arith"), RunSettings(limit=None, max_gen_toks=24, seeds=1), BackendOptions(),
+                lambda m: None)
+        identity = {"kind": "server", "model": "m"}
+        _Handler.requests.clear()
+        whole = _server_mtp(spec, [dict(r) for r in records], *args, AnswerStore(tmp_path / "a.sqlite", identity))
+        assert len(_Handler.requests) == 5
+        _Handler.requests.clear()
+        store = AnswerStore(tmp_path / "b.sqlite", identity)
+        _server_mtp(spec, [dict(r) for r in records[:3]], *args, store)  # the run killed after 3 replays
+        resumed = _server_mtp(spec, [dict(r) for r in records], *args, AnswerStore(tmp_path / "b.sqlite", identity))
+        assert [len(r["text"]) for r in _Handler.requests] == [10, 11, 12, 13, 14]  # each replayed once
+        assert resumed == whole
+        other = AnswerStore(tmp_path / "b.sqlite", {**identity, "model": "another"})
+        _server_mtp(spec, [dict(r) for r in records], *args, other)
+        assert len(_Handler.requests) == 10  # another model's replays are its own
+    finally:
+        server.shutdown()
