@@ -217,32 +217,37 @@ def servers():
         server.server_close()
 
 
-def test_server_run_killed_and_rerun_asks_no_question_twice(servers, tmp_path):
-    limit, held_after = 16, 6
+def test_server_run_killed_twice_and_rerun_asks_no_question_twice(servers, tmp_path):
+    limit = 16
     (baseline, base_url, _), (candidate, cand_url, _) = servers["baseline"], servers["candidate"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_cli(cli(base_url, cand_url, whole, limit, concurrency=4))
     assert set(baseline.answered.values()) == {1} and len(candidate.answered) == limit
     baseline.answered.clear()
     candidate.answered.clear()
-
     args = cli(base_url, cand_url, resumed, limit, concurrency=4)
-    candidate.hold_after(held_after)
-    try:
-        kill_when(args, lambda: rows(resumed, "candidate") >= held_after)
-    finally:
-        candidate.release()
-    time.sleep(0.5)  # the held requests fail without an answer
-    assert rows(resumed, "candidate") == held_after and rows(resumed, "baseline") == limit
-    candidate.limit = None
-    first = collections.Counter(candidate.answered)
+
+    def interrupt(generator, arm: str, after: int) -> None:
+        """Run the command and SIGKILL it once the arm has kept `after` answers (the server holds the rest)."""
+        generator.hold_after(after)
+        try:
+            kill_when(args, lambda: rows(resumed, arm) >= after)
+        finally:
+            generator.release()
+        time.sleep(0.5)  # the held requests fail without an answer
+        generator.limit = None
+        assert rows(resumed, arm) == after and not (resumed / "report.json").exists()
+
+    interrupt(baseline, "baseline", 5)       # killed in the baseline arm
+    assert rows(resumed, "candidate") == 0
+    interrupt(candidate, "candidate", 6)     # resumed, then killed in the candidate arm
+    assert sum(baseline.answered.values()) == limit
     log = run_cli(args)
     assert kept_and_asked(log, "baseline") == (limit, 0)
-    assert kept_and_asked(log, "candidate") == (held_after, limit - held_after)
-    # Counted at the servers: over both runs every question was answered once in each arm.
+    assert kept_and_asked(log, "candidate") == (6, limit - 6)
+    # Counted at the servers: over the three runs every question was answered once in each arm.
     assert set(baseline.answered.values()) == {1} and len(baseline.answered) == limit
     assert set(candidate.answered.values()) == {1} and len(candidate.answered) == limit
-    assert sum((candidate.answered - first).values()) == limit - held_after
     assert (resumed / "report.json").read_bytes() == (whole / "report.json").read_bytes()
 
 
