@@ -302,3 +302,18 @@ def test_sglang_acceptance_replays_are_kept_like_answers(tmp_path):
         assert len(_Handler.requests) == 10  # another model's replays are its own
     finally:
         server.shutdown()
+
+
+def test_a_damaged_store_is_started_afresh(tmp_path):
+    from evals.arms.answers import open_store
+    from evals.arms.backends import Backend, BackendOptions
+
+    backend = Backend(label="candidate", source="http://127.0.0.1:9/v1", kind="server", lm=None)
+    path = answers_path(tmp_path, "candidate")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a database" * 100)
+    store = open_store(tmp_path, backend, BackendOptions())
+    assert store.count() == 0
+    store.put("k", "answer")
+    store.close()
+    assert open_store(tmp_path, backend, BackendOptions()).get("k") == "answer"

@@ -252,7 +252,13 @@ def open_store(scratch: Path, backend: Backend, options) -> AnswerStore:
             import shutil
 
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    return AnswerStore(path, arm_identity(backend, options))
+    identity = arm_identity(backend, options)
+    try:
+        return AnswerStore(path, identity)
+    except sqlite3.DatabaseError:  # not a database (a damaged or foreign file): its answers cannot be trusted
+        for name in (path.name, path.name + "-wal", path.name + "-shm"):
+            (path.parent / name).unlink(missing_ok=True)
+        return AnswerStore(path, identity)
 
 
 def remove_answers(scratch: Path) -> None:
