@@ -71,15 +71,14 @@ def kill_when(args: list[str], ready, timeout: float = 600) -> None:
         proc.wait(timeout=60)
 
 
-def kept_and_asked(log: str, arm: str) -> tuple[int, int]:
-    """(kept, asked) from the run's `ARM: K answers kept from an earlier run, M to ask` lines; (0, None) when
-    the arm reused nothing (the line is only printed when something was kept)."""
-    lines = [line for line in log.splitlines() if line.strip().startswith(f"{arm}: ") and "to ask" in line]
+def kept_and_asked(log: str, arm: str) -> tuple[int, int | None]:
+    """(kept, asked) from the run's `ARM: K answers kept from an earlier run, M asked` line; (0, None) when the
+    arm reused nothing (the line is only printed when something was kept)."""
+    lines = [line for line in log.splitlines() if line.startswith(f"{arm}: ") and "kept from an earlier run" in line]
     if not lines:
         return 0, None
-    kept = sum(int(line.split(": ")[1].split()[0]) for line in lines)
-    asked = sum(int(line.split(", ")[-1].split()[0]) for line in lines)
-    return kept, asked
+    (line,) = lines
+    return int(line.split(": ")[1].split()[0]), int(line.split(", ")[-1].split()[0])
 
 
 # ------------------------------------------------------------------------------------------------- the keys
@@ -317,3 +316,34 @@ def test_a_damaged_store_is_started_afresh(tmp_path):
     store.put("k", "answer")
     store.close()
     assert open_store(tmp_path, backend, BackendOptions()).get("k") == "answer"
+
+
+def test_in_process_sampled_generations_resume_to_the_same_samples(tmp_path):
+    """GPQA's sampled generations in process: a batch draws from a seed of its own (the run's seed and its
+    prompts), so the batches asked after an interruption sample what an uninterrupted run samples. The
+    interruption is emulated by dropping every kept answer after each arm's first batch (as a kill then leaves
+    it: whole batches, in the order they were asked)."""
+    from test_eval_tasks import write_gpqa_csv
+
+    csv_path = write_gpqa_csv(tmp_path / "gpqa.csv", n=6)
+    twin = shutil.copytree(FIXTURE, tmp_path / "twin")
+
+    def run(out):
+        lines = []
+        evaluate(EvalRequest(candidate=str(twin), baseline=str(FIXTURE), out=out, tasks="gpqa_diamond", limit=None,
+                             seeds=2, gpqa_csv=csv_path, max_gen_toks=12, batch_size=2, mtp=False),
+                 log=lines.append)
+        return "\n".join(lines)
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run(whole)
+    run(resumed)
+    for arm in ("baseline", "candidate"):
+        with sqlite3.connect(answers_path(resumed / SCRATCH_DIR, arm)) as db:
+            db.execute("DELETE FROM answers WHERE rowid > 2")
+    log = run(resumed)
+    assert kept_and_asked(log, "baseline") == (2, 10) and kept_and_asked(log, "candidate") == (2, 10)
+    assert (resumed / "report.json").read_bytes() == (whole / "report.json").read_bytes()
+    for seed in (0, 1):
+        path = Path("runs") / "candidate" / f"gpqa_diamond-seed{seed}" / "samples.jsonl"
+        assert (resumed / path).read_bytes() == (whole / path).read_bytes()
