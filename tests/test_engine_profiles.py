@@ -41,7 +41,11 @@ def test_033_is_the_newest_default_release():
     assert [p.label for p in select_profiles(["vllm"])] == ["vllm==0.31", "vllm==0.32", "vllm==0.33"]
     assert [p.label for p in select_profiles(["vllm==latest"])] == ["vllm==0.33"]
     old, new = profile("vllm", "0.32").rules, profile("vllm", "0.33").rules
-    assert {f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)} == {"sources"}
+    assert {f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)} == {"sources", "schemes"}
+    # ... and of the schemes, only MXFP8 experts (0.33: QuarkW8A8Mxfp8MoEMethod, quark_moe.py:225-239, :229-234)
+    assert old.schemes.linear == new.schemes.linear
+    assert {k for k in set(old.schemes.moe) | set(new.schemes.moe)
+            if old.schemes.moe.get(k) != new.schemes.moe.get(k)} == {"mxfp8", "mxfp8_block"}
     assert any("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl" in s for s in profile("vllm", "0.33").sources)
 
 

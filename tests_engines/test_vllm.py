@@ -98,8 +98,10 @@ def test_vllm_agrees(case, emulation, work):
     result = run_vllm(path, prompts, emulation=emulation)
     if emulation == "force":
         assert EMULATED_KINDS[case.name] <= set(result.get("emulated", ())), result
-    if case.toy == "glm5" and result["outcome"] == "loaded":
+    if case.toy in ("glm5", "deepseek-v3.2") and result["outcome"] == "loaded":
         assert "dense-dsa" in result["emulated"], result
+    if case.toy == "minimax-m2" and result["outcome"] == "loaded":
+        assert "sigmoid-router" in result["emulated"], result
     if unsupported(case):
         miss = vllm_unsupported_miss(case, result)
         assert miss is None, (f"{case.name}: {miss}; recorded in UNSUPPORTED_ON_CPU because {unsupported(case)}. If "

