@@ -25,8 +25,16 @@ def machine_failure(e: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
             return e
+        code = _SQLITE_ERRNOS.get(getattr(e, "sqlite_errorcode", None))  # sqlite3 says it in its own codes
+        if code is not None:
+            return OSError(code, os.strerror(code))
         e = e.__cause__ or e.__context__
     return None
+
+
+# SQLITE_FULL, SQLITE_READONLY, SQLITE_IOERR, SQLITE_PERM (sqlite3.OperationalError.sqlite_errorcode, Python 3.11+):
+# the machine's failures when a cache database is written (the eval's answers, datasets' caches).
+_SQLITE_ERRNOS = {13: errno.ENOSPC, 8: errno.EROFS, 10: errno.EIO, 3: errno.EPERM}
 
 
 def naming(failure: OSError, where) -> OSError:

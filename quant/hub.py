@@ -410,7 +410,7 @@ def open_hub_checkpoint(ref: HubRef) -> HubCheckpoint:
     api = HfApi()
     endpoint = api.endpoint
     if constants.HF_HUB_OFFLINE:
-        raise QuantError(f"{ref.label}: no local directory of that name, and the Hub is off (HF_HUB_OFFLINE=1): "
+        raise QuantError(f"{ref.label}: no local directory of that name, and the Hub is offline (HF_HUB_OFFLINE=1): "
                          f"unset it to read the repository's headers from {endpoint}, or give a local copy")
     traffic = Traffic()
     _count(traffic, True)
@@ -525,7 +525,7 @@ def explain(e: BaseException, ref: HubRef, endpoint: str, file: str | None = Non
         cause = cause.__cause__ or cause.__context__  # hf_hub_download hides the network error under it
     status = getattr(getattr(cause, "response", None), "status_code", None)
     if isinstance(cause, errors.OfflineModeIsEnabled):
-        return QuantError(f"{where}: no local directory of that name, and the Hub is off (HF_HUB_OFFLINE=1): "
+        return QuantError(f"{where}: no local directory of that name, and the Hub is offline (HF_HUB_OFFLINE=1): "
                           f"unset it to read the repository's headers from {endpoint}, or give a local copy")
     if isinstance(cause, errors.GatedRepoError):
         if status == 401:

@@ -369,6 +369,14 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         return auth[7:] if auth.startswith("Bearer ") else None
 
+    def _repo_at(self, repo_id: str, revision: str) -> Repo | None:
+        """The repository's files at `revision`, or None after answering as the Hub does."""
+        repo = self._repo(repo_id, files=True)
+        if repo is not None and revision not in repo.revisions:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None
+        return repo
+
     def _repo(self, repo_id: str, files: bool) -> Repo | None:
         """The repository, or None after answering as the Hub does (missing, private, gated)."""
         repo = self.hub.repos.get(repo_id)
@@ -590,11 +598,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _tree(self, repo_id: str, rest: str) -> None:
         """The file list snapshot_download asks for (`list_repo_tree`, recursive; one page)."""
         revision, _, folder = rest.partition("/")
-        repo = self._repo(repo_id, files=True)
+        repo = self._repo_at(repo_id, revision)
         if repo is None:
-            return
-        if revision not in repo.revisions:
-            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
             return
         entries = []
         for name, p in repo.files.items():
@@ -609,11 +614,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, entries)
 
     def _resolve(self, repo_id: str, revision: str, name: str) -> None:
-        repo = self._repo(repo_id, files=True)
+        repo = self._repo_at(repo_id, revision)
         if repo is None:
-            return
-        if revision not in repo.revisions:
-            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
             return
         commit = {"X-Repo-Commit": repo.sha}
         if name not in repo.files:
@@ -668,3 +670,10 @@ class _Handler(BaseHTTPRequestHandler):
             return data
 
         self._ranged(path.stat().st_size, read, {"ETag": f'"{oid}"', "Content-Type": "binary/octet-stream"})
+
+
+def one_line(code: int, out: str, err: str, expect: int) -> str:
+    """The run's single `error:` line, after checking it exited `expect` with nothing on stdout."""
+    lines = err.strip().splitlines()
+    assert code == expect and out == "" and len(lines) == 1 and lines[0].startswith("error: "), (code, out, err)
+    return lines[0]

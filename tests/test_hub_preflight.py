@@ -234,7 +234,7 @@ def test_every_refusal_is_one_line(world):
     assert "a gated repository and no token was sent (401)" in err["gated 401"] and "set HF_TOKEN" in err["gated 401"]
     assert "the token's account has no access (403)" in err["gated 403"]
     assert f"network failure from {down}" in err["down"] and "Connection refused" in err["down"]
-    assert "the Hub is off (HF_HUB_OFFLINE=1)" in err["offline"]
+    assert "the Hub is offline (HF_HUB_OFFLINE=1)" in err["offline"]
 
 
 def test_network_failure_midway(world):

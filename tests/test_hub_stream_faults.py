@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_server import HubServer
+from hub_server import HubServer, one_line
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 200_000  # the toy's shard size: 17 source shards
@@ -48,12 +48,6 @@ def quant(world, out, *args, wait=True, home=None):
         return subprocess.Popen(cmd, cwd=REPO, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     r = subprocess.run(cmd, cwd=REPO, env=base, capture_output=True, text=True, timeout=300)
     return r.returncode, r.stdout, r.stderr
-
-
-def one_line(code, out, err, expect):
-    lines = err.strip().splitlines()
-    assert code == expect and out == "" and len(lines) == 1 and lines[0].startswith("error: "), (code, out, err)
-    return lines[0]
 
 
 def same_export(local: Path, out: Path) -> None:
