@@ -54,12 +54,17 @@ def scales_in_next_shard(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, toy_factory):
-    """A block-FP8 GLM-5 toy of 41 shards, its scales each in the next shard, served as org/toy (real sha256s),
+    """A block-FP8 GLM-5 toy (six layers) of about 60 shards, its scales each in the next shard, served as org/toy (real sha256s),
     and its local export."""
     from quant.pipeline import quantize_checkpoint
 
     tmp = tmp_path_factory.mktemp("stream")
-    src = scales_in_next_shard(toy_factory("glm5", fp8_block=True, shard_size=SHARD), tmp / "src")
+    from quant.toy import build_toy
+
+    # six decoder layers (the toy has four): the source is then more than ten times the largest pair of shards an
+    # output shard needs (the embedding's and the next), which sets the least --max-disk
+    toy = build_toy("glm5", tmp / "toy", fp8_block=True, shard_size=SHARD, seed=0, overrides={"num_hidden_layers": 6})
+    src = scales_in_next_shard(toy, tmp / "src")
     local = tmp / "local"
     quantize_checkpoint(src, local, check_engines=[])
     server = HubServer().start()
@@ -154,12 +159,12 @@ def required(world, tmp, *args) -> int:
 
 
 def test_stream_bounded_disk_byte_identical(world, tmp_path):
-    """A source more than eight times the limit streams within it (the limit is set by the largest shard, the
+    """A source more than ten times the limit streams within it (the limit is set by the largest shard, the
     toy's embedding, and the next shard holding its scales), and the export is the local one byte for byte; the source
     shards share their names with the outputs (auto-round#2021) and never stand in for them."""
     total = sum(p.stat().st_size for p in world["src"].glob("*.safetensors"))
     limit = required(world, tmp_path, "--look-ahead", "0")
-    assert total > 8 * limit, (total, limit)
+    assert total > 10 * limit, (total, limit)
     out = tmp_path / "out"
     with DiskWatch(out) as watch:
         code, stdout, err = quant(world, out, "--max-disk", limit, "--look-ahead", "0")
