@@ -27,14 +27,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from hub_server import HubServer  # noqa: E402
+from hub_server import DiskWatch, HubServer  # noqa: E402
 
 QUANT = [sys.executable, "-m", "quant.cli"]
 
@@ -55,32 +54,16 @@ def _run(cmd: list[str], env: dict, ok=(0,)) -> tuple[float, subprocess.Complete
     return time.perf_counter() - t0, r
 
 
-class Sampler:
-    """The most bytes of regular files under `root` seen, sampled every 2 ms."""
-
-    def __init__(self, root: Path):
-        self.root, self.peak, self.stop = root, 0, threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self):
-        while not self.stop.is_set():
-            total = 0
-            for base, _, names in os.walk(self.root):
-                for name in names:
-                    try:
-                        total += os.stat(os.path.join(base, name)).st_size
-                    except OSError:
-                        pass
-            self.peak = max(self.peak, total)
-            time.sleep(0.002)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
+def tree_bytes(root: Path) -> int:
+    """Bytes of the regular files under `root` (files deleted while it looks are skipped)."""
+    total = 0
+    for base, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(base, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def hub_env(server: HubServer, home: Path) -> dict:
@@ -91,7 +74,7 @@ def hub_env(server: HubServer, home: Path) -> dict:
 
 def stream_once(server: HubServer, work: Path, i: int, max_disk: str) -> dict:
     out, home = work / f"stream-{i}", work / f"home-stream-{i}"
-    with Sampler(out / ".quant-source") as disk:
+    with DiskWatch(lambda: tree_bytes(out / ".quant-source")) as disk:
         wall, r = _run(QUANT + ["quantize", "org/toy", str(out), "--max-disk", max_disk, "--no-progress",
                                 "--check-engines", ""], hub_env(server, home))
     line = next(x for x in r.stderr.splitlines() if x.startswith("hub: fetched"))
@@ -110,7 +93,7 @@ def download_first_once(server: HubServer, work: Path, i: int) -> dict:
     t_quantize, _ = _run(QUANT + ["quantize", str(local), str(work / f"local-{i}"), "--no-progress",
                                   "--check-engines", ""], env)
     out = work / f"whole-{i}"
-    with Sampler(home) as disk:
+    with DiskWatch(lambda: tree_bytes(home)) as disk:
         wall, _ = _run(QUANT + ["quantize", "org/toy", str(out), "--no-stream", "--no-progress",
                                 "--check-engines", ""], hub_env(server, work / f"home-whole2-{i}"))
     cache = sum(p.stat().st_size for p in (work / f"home-whole2-{i}").rglob("*") if p.is_file())

@@ -677,3 +677,24 @@ def one_line(code: int, out: str, err: str, expect: int) -> str:
     lines = err.strip().splitlines()
     assert code == expect and out == "" and len(lines) == 1 and lines[0].startswith("error: "), (code, out, err)
     return lines[0]
+
+
+class DiskWatch:
+    """Samples `measure()` (bytes on disk) every few milliseconds while in use; `peak` is the most seen."""
+
+    def __init__(self, measure):
+        self.measure, self.peak, self.stop = measure, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.measure())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()

@@ -12,13 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from hub_server import HubServer, one_line
+from hub_server import DiskWatch, HubServer, one_line
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 60_000  # the toy's shard size: 41 source shards of block FP8
@@ -104,27 +103,6 @@ def source_bytes(scratch: Path) -> int:
     return total
 
 
-class DiskWatch:
-    """Samples the source bytes under OUT/.quant-source every few milliseconds; `peak` is the most seen."""
-
-    def __init__(self, out: Path):
-        self.scratch, self.peak, self.stop = out / ".quant-source", 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self.stop.is_set():
-            self.peak = max(self.peak, source_bytes(self.scratch))
-            time.sleep(0.002)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-
 def assert_same_export(world, out: Path) -> None:
     """Every shard, the index and config.json byte-identical to the local export; the manifest the same but for
     the source's name."""
@@ -166,7 +144,7 @@ def test_stream_bounded_disk_byte_identical(world, tmp_path):
     limit = required(world, tmp_path, "--look-ahead", "0")
     assert total > 10 * limit, (total, limit)
     out = tmp_path / "out"
-    with DiskWatch(out) as watch:
+    with DiskWatch(lambda: source_bytes(out / ".quant-source")) as watch:
         code, stdout, err = quant(world, out, "--max-disk", limit, "--look-ahead", "0")
     assert code == 0, err
     assert 0 < watch.peak <= limit, (watch.peak, limit)
