@@ -8,6 +8,7 @@ the error's `exit_code`, from the table in the README:
   2  QuantError: a bad argument or unreadable input, found before any work
   4  `quant eval`: the verdict is `invalid` (an arm at or below the floor, or accuracy and acceptance disagree)
  69  EvidenceMissing: `quant eval` could not get the answers it needs (a server arm's requests failed)
+ 75  RankLost: a GPTQ run on several torch.distributed ranks lost one of them (the same command resumes)
 """
 
 import errno
@@ -70,3 +71,10 @@ class EvidenceMissing(QuantError):
     EX_UNAVAILABLE)."""
 
     exit_code = 69
+
+
+class RankLost(QuantError):
+    """A GPTQ run on torch.distributed ranks lost one of them (killed, or silent beyond the collective timeout): the
+    layers finished so far are kept, and the same command resumes from them (sysexits EX_TEMPFAIL: try again)."""
+
+    exit_code = 75

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -52,9 +53,27 @@ def command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier export of another source or "
                                    "other settings in OUT, or write into a directory this tool did not make; "
                                    "files this tool did not write are never deleted"),
+    ranks: int = typer.Option(1, help="GPTQ: run as N torch.distributed ranks on this machine, one process per "
+                              "device (GPU i, else CPU); across machines run `torchrun ... -m quant quantize` "
+                              "instead (README). Same bytes as one process"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
     from quant.gptq.dry_run import parse_size
+    from quant.gptq.ranks import launched
+
+    if ranks != 1 and not dry_run and not launched():
+        import sys
+
+        from quant.gptq.ranks import launch_local
+
+        if method != "gptq":
+            from quant.errors import QuantError
+
+            raise QuantError(f"--ranks {ranks}: ranks share GPTQ's work; --method {method} has none to share")
+        code = launch_local(ranks, sys.argv)
+        if code:
+            raise typer.Exit(code)
+        return
 
     budget = parse_size(hessian_budget, "--hessian-budget")
     # GPTQ's settings, once: the dry run sizes them, the run solves with them (round to nearest has none).
@@ -73,21 +92,50 @@ def command(
     reuse_freed_memory()
 
     engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
-    try:
-        manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode,
-                                       devices=devices, workers=workers, check_engines=engines, progress=progress,
-                                       method=method, gptq=gptq, overwrite=overwrite,
-                                       log=lambda m: typer.echo(m, err=True),
-                                       max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
-                                       stream=None if stream else False, look_ahead=look_ahead)
-    except OSError as e:  # a write that names no file (a full disk met mid-write): OUT is the path to name
-        from quant.errors import naming
+    manifest = None
 
-        raise naming(e, out) from None
+    def run(devices=devices, gptq=gptq):
+        nonlocal manifest
+        try:
+            manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode,
+                                           devices=devices, workers=workers, check_engines=engines,
+                                           progress=progress, method=method, gptq=gptq, overwrite=overwrite,
+                                           log=lambda m: typer.echo(m, err=True),
+                                           max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
+                                           stream=None if stream else False, look_ahead=look_ahead)
+        except OSError as e:  # a write that names no file (a full disk met mid-write): OUT is the path to name
+            from quant.errors import naming
+
+            raise naming(e, out) from None
+
+    if launched():  # one of several torch.distributed ranks (torchrun, or --ranks)
+        _run_ranked(run, devices, workers, gptq)
+        if manifest is None:  # not rank 0
+            return
+    else:
+        run()
     typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in manifest["timing"].items()), err=True)
     if "stream" in manifest:
         typer.echo(_stream_line(manifest["stream"]), err=True)
     typer.echo(_wrote_line(out, manifest))
+
+
+def _run_ranked(run, devices: str, workers: int, gptq) -> None:
+    """This process is one of several ranks: rank 0 runs the pipeline on its device, its GPTQ solver sharing the
+    work with the others (`quant.gptq.ranks`); the others follow it."""
+    import dataclasses
+
+    from quant.errors import QuantError
+    from quant.gptq.ranks import Ranks, run_command
+
+    if devices != "auto" or workers != 1:
+        if os.environ.get("RANK", "0") != "0":
+            raise typer.Exit(QuantError.exit_code)  # rank 0 says why
+        raise QuantError("under torchrun (or --ranks) each rank computes on its own device (GPU LOCAL_RANK, else "
+                         "the CPU): leave --devices auto and --workers 1")
+    ranks = Ranks.from_env()
+    mine = dataclasses.replace(gptq, ranks=ranks) if gptq is not None else None
+    run_command(ranks, lambda: run(devices=ranks.device, gptq=mine))
 
 
 def _stream_line(stream: dict) -> str:

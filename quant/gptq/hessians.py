@@ -34,21 +34,27 @@ def _act_times_up(module):
 
 class HessianCollector:
     """Accumulates H for the weights `keys` of `layer` (parameter names relative to the layer; fused expert
-    parameters restricted to `experts`, an iterable of expert indices, when given) until `close()`."""
+    parameters restricted to `experts` when given: an iterable of expert indices, or {key: iterable} per
+    parameter) until `close()`.
 
-    def __init__(self, layer: torch.nn.Module, keys: set[str], experts=None):
+    `hooks` (default): from the layer's own forwards, as they run. Without hooks the inputs are fed by hand,
+    `feed_linear` / `feed_experts` with what an `InputRecorder` kept (a rank that owns these weights, fed by the
+    ranks that ran the batches: `quant.gptq.ranks`); either way the same additions in the same order."""
+
+    def __init__(self, layer: torch.nn.Module, keys: set[str], experts=None, hooks: bool = True):
         self.hessians: dict[str, torch.Tensor] = {}  # key -> [E or 1, K, K] fp32
         self.tokens: dict[str, torch.Tensor] = {}  # key -> [E or 1] int64
         self.handles, self.restore = [], []
+        self.experts_state: dict[str, dict] = {}  # experts module path -> what feed_experts needs
         modules = dict(layer.named_modules())
         for key in sorted(keys):
             path, param = key.rsplit(".", 1) if "." in key else ("", key)
             module = modules.get(path)
             if isinstance(module, torch.nn.Linear) and param == "weight":
-                self._hook_linear(key, module)
+                self._hook_linear(key, module, hooks)
             elif module is not None and param in ("gate_up_proj", "down_proj") and hasattr(module, "gate_up_proj"):
-                if path not in [p for p, _ in self.restore]:
-                    self._wrap_experts(path, module, keys, experts)
+                if path not in self.experts_state:
+                    self._wrap_experts(path, module, keys, experts, hooks)
             else:
                 raise QuantError(f"GPTQ: weight {key} is neither an nn.Linear weight nor a fused expert parameter "
                                  f"of a transformers *Experts module ({type(module).__name__})")
@@ -58,62 +64,124 @@ class HessianCollector:
         h[slot].addmm_(x.t(), x)
         self.tokens[key][slot] += count
 
-    def _hook_linear(self, key: str, module: torch.nn.Linear) -> None:
+    def _hook_linear(self, key: str, module: torch.nn.Linear, hooks: bool) -> None:
         k = module.in_features
         dev = module.weight.device
         self.hessians[key] = torch.zeros(1, k, k, dtype=torch.float32, device=dev)
         self.tokens[key] = torch.zeros(1, dtype=torch.int64)
+        if hooks:
+            self.handles.append(module.register_forward_pre_hook(lambda _module, args: self.feed_linear(key, args[0])))
 
-        def hook(_module, args):
-            x = args[0].reshape(-1, k).to(torch.float32)
-            self._add(key, 0, x, x.shape[0])
+    def feed_linear(self, key: str, x: torch.Tensor) -> None:
+        """One call's input of linear `key` (any leading shape)."""
+        k = self.hessians[key].shape[-1]
+        x = x.reshape(-1, k).to(device=self.hessians[key].device, dtype=torch.float32)
+        self._add(key, 0, x, x.shape[0])
 
-        self.handles.append(module.register_forward_pre_hook(hook))
-
-    def _wrap_experts(self, path: str, module, keys: set[str], experts) -> None:
+    def _wrap_experts(self, path: str, module, keys: set[str], experts, hooks: bool) -> None:
         gate_up, down = module.gate_up_proj, module.down_proj
         e_count, two_i, hidden = gate_up.shape
         if down.shape != (e_count, hidden, two_i // 2):
             raise QuantError(f"GPTQ: {path} has gate_up_proj {list(gate_up.shape)} and down_proj "
                              f"{list(down.shape)}; expected [E, 2I, H] and [E, H, I] (transformers' fused layout)")
-        active = sorted(set(range(e_count)) if experts is None else set(experts))
-        slot = {e: i for i, e in enumerate(active)}
-        want_gu, want_down = f"{path}.gate_up_proj" in keys, f"{path}.down_proj" in keys
         dev = gate_up.device
+        slots: dict[str, dict[int, int]] = {}  # key -> expert -> its slot in the key's H
         for key, k in ((f"{path}.gate_up_proj", hidden), (f"{path}.down_proj", two_i // 2)):
             if key in keys:
-                self.hessians[key] = torch.zeros(len(active), k, k, dtype=torch.float32, device=dev)
-                self.tokens[key] = torch.zeros(len(active), dtype=torch.int64)
-        self.slots = getattr(self, "slots", {})
-        self.slots[path] = active
+                chosen = range(e_count) if experts is None else experts.get(key, ()) if isinstance(experts, dict) \
+                    else experts
+                slots[key] = {e: i for i, e in enumerate(sorted(set(chosen)))}
+                self.hessians[key] = torch.zeros(len(slots[key]), k, k, dtype=torch.float32, device=dev)
+                self.tokens[key] = torch.zeros(len(slots[key]), dtype=torch.int64)
+        self.experts_state[path] = {
+            "module": module, "active": sorted({e for s in slots.values() for e in s}), "slots": slots,
+            "hidden": hidden, "gu": f"{path}.gate_up_proj", "down": f"{path}.down_proj",
+            "gated": getattr(module, "_apply_gate", None) or _act_times_up(module)}
+        if not hooks:
+            return
         original = module.forward
-        gated = getattr(module, "_apply_gate", None) or _act_times_up(module)
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            with torch.no_grad():
-                x_all = hidden_states.reshape(-1, hidden)
-                routed = top_k_index.reshape(x_all.shape[0], -1)
-                for e in active:
-                    tokens = (routed == e).any(dim=-1).nonzero().view(-1)
-                    if tokens.numel() == 0:
-                        continue
-                    x = x_all.index_select(0, tokens).to(torch.float32)
-                    if want_gu:
-                        self._add(f"{path}.gate_up_proj", slot[e], x, tokens.numel())
-                    if want_down:
-                        a = gated(torch.nn.functional.linear(x.to(gate_up.dtype), gate_up[e])).to(torch.float32)
-                        self._add(f"{path}.down_proj", slot[e], a, tokens.numel())
+            self.feed_experts(path, hidden_states, top_k_index)
             return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
         module.forward = forward
         self.restore.append((path, module))
 
-    def expert_slots(self, path: str) -> list[int]:
-        return self.slots[path]
+    def feed_experts(self, path: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """One call of experts module `path`: each collected expert's H gets the tokens routed to it (gate_up:
+        the hidden states; down: the gated activation of those tokens, from the expert's current weights)."""
+        state = self.experts_state[path]
+        module, slots, hidden, gated = state["module"], state["slots"], state["hidden"], state["gated"]
+        gu, down = slots.get(state["gu"], {}), slots.get(state["down"], {})
+        gate_up = module.gate_up_proj
+        with torch.no_grad():
+            x_all = hidden_states.reshape(-1, hidden).to(gate_up.device)
+            routed = top_k_index.reshape(x_all.shape[0], -1).to(gate_up.device)
+            for e in state["active"]:
+                tokens = (routed == e).any(dim=-1).nonzero().view(-1)
+                if tokens.numel() == 0:
+                    continue
+                x = x_all.index_select(0, tokens).to(torch.float32)
+                if e in gu:
+                    self._add(state["gu"], gu[e], x, tokens.numel())
+                if e in down:
+                    a = gated(torch.nn.functional.linear(x.to(gate_up.dtype), gate_up[e])).to(torch.float32)
+                    self._add(state["down"], down[e], a, tokens.numel())
+
+    def expert_slots(self, key: str) -> dict[int, int]:
+        """{expert: its slot in hessians[key]} of a fused expert parameter `key`."""
+        path = key.rsplit(".", 1)[0]
+        return self.experts_state[path]["slots"][key]
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         for _, module in self.restore:
             del module.forward  # the instance attribute goes; the class's forward is back
+        self.handles, self.restore = [], []
+
+
+class InputRecorder:
+    """Keeps, batch by batch, what a `HessianCollector` is fed for the weights `keys` of `layer`: each call's input
+    of a plain linear, and each call's hidden states and top-k indices of a fused experts module (on the CPU, in
+    the layer's dtype), while the layer runs a rank's calibration batches. `batches[i]` is the i-th batch run:
+    {"linear": {key: [inputs]}, "experts": {path: [(hidden_states, top_k_index)]}}; `next_batch()` starts one."""
+
+    def __init__(self, layer: torch.nn.Module, keys: set[str]):
+        self.batches: list[dict] = []
+        self.handles, self.restore = [], []
+        modules = dict(layer.named_modules())
+        wrapped = set()
+        for key in sorted(keys):
+            path, param = key.rsplit(".", 1) if "." in key else ("", key)
+            module = modules.get(path)
+            if isinstance(module, torch.nn.Linear) and param == "weight":
+                self.handles.append(module.register_forward_pre_hook(
+                    lambda _m, args, key=key: self._keep("linear", key, args[0].detach().cpu())))
+            elif module is not None and hasattr(module, "gate_up_proj") and path not in wrapped:
+                wrapped.add(path)
+                self._wrap(path, module)
+
+    def next_batch(self) -> None:
+        self.batches.append({"linear": {}, "experts": {}})
+
+    def _keep(self, kind: str, key: str, value) -> None:
+        self.batches[-1][kind].setdefault(key, []).append(value)
+
+    def _wrap(self, path: str, module) -> None:
+        original = module.forward
+
+        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            self._keep("experts", path, (hidden_states.detach().cpu(), top_k_index.detach().cpu()))
+            return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+        module.forward = forward
+        self.restore.append(module)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for module in self.restore:
+            del module.forward
         self.handles, self.restore = [], []

@@ -57,7 +57,10 @@ PROGRESS_SECONDS = 10.0  # at most one progress line this often within a layer
 # that accumulate the input Hessians; the solves (all workers, wall time); saving each layer's solution; and
 # replacing the layer's weights by their quantized values and running the calibration activations through it to
 # the next layer (the MTP layers' inputs included).
-PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_forward_s")
+# On several ranks (`quant.gptq.ranks`), the seconds a rank waited in its collectives are `gptq_comm_s`, not counted
+# in the phase they happened in.
+PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_forward_s",
+          "gptq_comm_s")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class GptqSettings:
     batch: int = 8  # calibration windows per forward call
     hessian_bytes: int = 4 << 30  # budget for one pass's expert Hessians; more experts take more passes
     solve_bytes: int = 1 << 29  # budget for the solver's working set; more experts are solved in more groups
+    # This process's place among torch.distributed ranks (`quant.gptq.ranks.Ranks`), None for one process: never
+    # part of the settings' identity (the same export on any number of ranks).
+    ranks: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         """--damp must be a positive finite number: 0 leaves a singular Hessian singular, a negative one makes it
@@ -98,9 +104,16 @@ class GptqSettings:
         meta_model(src_path, ckpt)
 
     def solve(self, request) -> "SolvedWeights":
-        """`solve_checkpoint` for the pipeline's `quant.pipeline.solver.SolveRequest`."""
-        return solve_checkpoint(request.plan, request.ckpt, request.src_path, request.store, request.devices, self,
-                                request.layer_returns, request.digest, request.write, request.log)
+        """`solve_checkpoint` for the pipeline's `quant.pipeline.solver.SolveRequest` (rank 0 of several: the other
+        ranks are handed the run first, `ranks.lead_solve`)."""
+        ranks, devices = self.ranks, request.devices
+        if ranks is not None and ranks.size > 1:
+            from quant.gptq.ranks import lead_solve
+
+            lead_solve(ranks, request, self)
+            devices = [ranks.device]
+        return solve_checkpoint(request.plan, request.ckpt, request.src_path, request.store, devices, self,
+                                request.layer_returns, request.digest, request.write, request.log, ranks=ranks)
 
 
 def layer_of(job: TensorJob) -> int | None:
@@ -159,8 +172,9 @@ def _layer_digest(plan_digest: str, index: int | str) -> str:
     return hashlib.sha256(f"{plan_digest}:{index}".encode()).hexdigest()
 
 
-def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path, devices: str | list[str],
-                     settings: GptqSettings, layer_returns: list[str], digest: str, write, log=print) -> SolvedWeights:
+def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devices: str | list[str],
+                     settings: GptqSettings, layer_returns: list[str], digest: str, write, log=print,
+                     ranks=None) -> SolvedWeights | None:
     """Solve every MXFP4 weight of the decoder layers with GPTQ into `store` (OUT/.quant-gptq/; resuming what an
     earlier run of the same plan solved there), each layer's record written by `write(path, text, tmp_dir)` (the
     pipeline's atomic write). `log` gets a line before calibration, one when the first layer begins, progress
@@ -170,20 +184,36 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path, devices: str
     `devices` (one device string or the run's device list): the calibration forward passes and the Hessians run
     on the first; each layer's solves (independent groups of experts, and plain linears) are shared among all of
     them by `Workers`, the result byte-identical to one worker's (see there). A family whose decoder layer
-    transformers cannot build from the checkpoint is refused (QuantError) before calibration starts."""
+    transformers cannot build from the checkpoint is refused (QuantError) before calibration starts.
+
+    `ranks` (a `quant.gptq.ranks.Ranks` of size > 1): this process is one of several, each on its own device
+    (`devices`: that one), running its share of the calibration batches and solving the weights it owns (see
+    `quant.gptq.ranks`); the bytes are one process's. Only rank 0 has a `store` (and `write`) and returns the
+    SolvedWeights; the others return None."""
     import torch
 
     from quant.gptq.mtp import mtp_layers
+    from quant.gptq.ranks import Ranks
     from quant.model_exec.layers import DecoderStack, meta_model
 
     devices = [devices] if isinstance(devices, str) else list(devices)
+    ranks = ranks if ranks is not None else Ranks(device=devices[0])
+    if ranks.threads is not None:
+        from quant.process import set_threads
+
+        set_threads(ranks.threads)  # every CPU rank at the same thread count, rank 0 too
     device = devices[0]
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     model = meta_model(src_path, ckpt, dtype)  # before any work: a family GPTQ cannot run is one line
-    store.mkdir(exist_ok=True)
-    log(_calibration_line(settings.calibration, devices))
+    if store is not None:
+        store.mkdir(exist_ok=True)
+    log(_calibration_line(settings.calibration, devices, ranks.size))
     started = time.perf_counter()
-    tokens = calibration_tokens(settings.calibration, src_path)
+    tokens = calibration_tokens(settings.calibration, src_path) if ranks.rank == 0 else None
+    tokens = ranks.broadcast(tokens, 0, "sending the calibration tokens")
+    # The batches as one process cuts them; this rank runs a contiguous share of them (all, with one rank).
+    mine = ranks.share(-(-tokens.shape[0] // settings.batch))
+    local = tokens[mine.start * settings.batch:mine.stop * settings.batch]
     stack = DecoderStack(src_path, ckpt, layer_returns, device, dtype, model)
     workers = Workers(devices)
     by_layer, mtp, mtp_jobs = _split_mtp_jobs(quantized_jobs_by_layer(plan), mtp_layers(ckpt))
@@ -192,25 +222,35 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path, devices: str
     progress = Progress(log, work, len(stack))
     timing: Counter = Counter()
     layers = _DecoderLayers(stack, ckpt, plan, settings, store, digest, write, progress, workers, timing, log,
-                            started)
+                            started, ranks)
     with torch.no_grad(), workers:
-        hidden = stack.capture(tokens, settings.batch)
+        hidden = stack.capture(local, settings.batch) if local.shape[0] else []
         carry: list[dict] = [{} for _ in hidden]
-        timing["gptq_calibration_s"] += time.perf_counter() - started
+        timing["gptq_calibration_s"] += time.perf_counter() - started - ranks.comm_s
         for index in range(len(stack)):
             hidden, carry = layers.run(index, by_layer.get(index, []), hidden, carry)
         if mtp:
-            _solve_mtp(stack, mtp, mtp_jobs, tokens, hidden, plan, settings, store, digest, write, progress, workers,
-                       log, timing)
+            _solve_mtp(stack, mtp, mtp_jobs, local, hidden, plan, settings, store, digest, write, progress, workers,
+                       log, timing, ranks)
+    timing["gptq_comm_s"] = ranks.comm_s
+    comm = (f"; {ranks.size} ranks, rank 0 sent {ranks.sent / 1e6:.1f} MB and received {ranks.received / 1e6:.1f} MB "
+            f"in {ranks.comm_s:.1f} s of collectives" if ranks.size > 1 else "")
     log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
-        + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens)")
-    return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
+        + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens){comm}")
+    ranks.solving = False
+    if store is None:
+        return None
+    solved = SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
+    solved.comm_bytes = {"sent": ranks.sent, "received": ranks.received}
+    return solved
 
 
-def _calibration_line(cal: CalibrationSettings, devices: list[str]) -> str:
+def _calibration_line(cal: CalibrationSettings, devices: list[str], ranks: int = 1) -> str:
     shared = f", solved on {len(devices)} workers ({','.join(devices)})" if len(devices) > 1 else ""
+    where = (f"on {ranks} torch.distributed ranks (rank 0 on {devices[0]}), each running its share of the windows"
+             if ranks > 1 else f"on {devices[0]}{shared}")
     return (f"gptq: calibration: {cal.samples} windows x {cal.seq_len} tokens ({cal.samples * cal.seq_len:,} tokens) "
-            f"of {cal.data}, on {devices[0]}{shared}; tokenizing, then running them to the first decoder layer")
+            f"of {cal.data}, {where}; tokenizing, then running them to the first decoder layer")
 
 
 def _split_mtp_jobs(by_layer: dict[int, list[TensorJob]], mtp: list) -> tuple[dict, list, dict]:
@@ -240,10 +280,14 @@ class _DecoderLayers:
     timing: Counter
     log: object
     started: float             # when calibration began (perf_counter)
+    ranks: object              # quant.gptq.ranks.Ranks
     first: bool = True         # no layer solved yet (the first one solved says when it starts)
 
     def run(self, index: int, jobs: list[TensorJob], hidden: list, carry: list[dict]) -> tuple[list, list[dict]]:
+        from quant.gptq.ranks import maybe_die
+
         stack, timing = self.stack, self.timing
+        maybe_die(self.ranks, index)
         t0 = time.perf_counter()
         layer = stack.load_layer(index)
         timing["gptq_load_s"] += time.perf_counter() - t0
@@ -263,19 +307,19 @@ class _DecoderLayers:
                   ) -> tuple[dict, bool]:
         """(the layer's solution, resumed): an earlier run's for the same plan from the store, else solved now
         and saved there."""
-        record_path = _layer_file(self.store, index, ".json")
-        previous = json.loads(record_path.read_text()) if record_path.is_file() else None
-        if previous and previous.get("digest") == _layer_digest(self.digest, index):
-            return _load_layer_solution(self.store, index, previous), True
+        previous = _previous_solution(self.store, index, self.digest, self.ranks)
+        if previous is not None:
+            return previous, True
         if self.first:
             self.log(f"gptq: layer {index + 1}/{len(self.stack)}: starting ({len(jobs)} weights; calibration "
                      f"inputs ready after {time.perf_counter() - self.started:.1f} s)")
             self.first = False
         self.progress.begin_layer(index, jobs, {j.output: _job_work(self.ckpt, j) for j in jobs})
         solved = _solve_layer(self.stack, index, layer, jobs, hidden, carry, self.plan, self.settings,
-                              self.progress.solved, self.workers, timing=self.timing)
+                              self.progress.solved, self.workers, timing=self.timing, ranks=self.ranks)
         t1 = time.perf_counter()
-        _save_layer_solution(self.store, index, solved, _layer_digest(self.digest, index), self.write)
+        if self.store is not None:
+            _save_layer_solution(self.store, index, solved, _layer_digest(self.digest, index), self.write)
         self.timing["gptq_save_s"] += time.perf_counter() - t1
         return solved, False
 
@@ -288,14 +332,14 @@ class _DecoderLayers:
 
 
 def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Plan, settings: GptqSettings,
-               store: Path, digest: str, write, progress: "Progress", workers: "Workers", log,
-               timing: Counter | None = None) -> None:
+               store: Path | None, digest: str, write, progress: "Progress", workers: "Workers", log,
+               timing: Counter | None = None, ranks=None) -> None:
     """Solve the MTP draft layers `mtp` (`quant.gptq.mtp.MtpLayerRef`, in order) after the main layers: `hidden`
     are the last main layer's outputs per calibration batch (of `tokens` [N, L], settings.batch windows each).
     Draft layer k at position t sees the final-norm hidden state at t (layer k > 0: draft layer k-1's output at
     t) and the embedding of token t+k+1, as the engines run it (`quant.model_exec.mtp`); its quantized weights are
     then replaced by their solved values before the next draft layer is fed its output. `timing` gets seconds per
-    phase (PHASES)."""
+    phase (PHASES). On several `ranks`, `tokens` and `hidden` are this rank's share of the batches."""
     import torch
 
     from quant.model_exec.mtp import MtpBlock
@@ -316,15 +360,14 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
         del prev
         timing["gptq_forward_s"] += time.perf_counter() - t1
         stem = f"mtp-{ref.k:05d}"
-        record_path = _layer_file(store, stem, ".json")
-        previous = json.loads(record_path.read_text()) if record_path.is_file() else None
+        previous = _previous_solution(store, stem, digest, ranks)
         name = f"MTP layer {ref.block.rstrip('.')}"
 
         def slot_of(job, block=block):
             return block.slot(job.source.name, job.source.expert, job.source.rows)
 
-        if previous and previous.get("digest") == _layer_digest(digest, stem):
-            solved, resumed = _load_layer_solution(store, stem, previous), True
+        if previous is not None:
+            solved, resumed = previous, True
         else:
             index = len(stack) + ref.k
             progress.begin_layer(index, jobs, {j.output: _job_work(stack.ckpt, j) for j in jobs}, name=name)
@@ -333,9 +376,10 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
                 return (block.run(z, positions) for z, positions in inputs)
 
             solved = _solve_layer(stack, index, block.layer, jobs, [], [], plan, settings, progress.solved, workers,
-                                  slot_of=slot_of, run_pass=run_pass, timing=timing)
+                                  slot_of=slot_of, run_pass=run_pass, timing=timing, ranks=ranks)
             t1 = time.perf_counter()
-            _save_layer_solution(store, stem, solved, _layer_digest(digest, stem), write)
+            if store is not None:
+                _save_layer_solution(store, stem, solved, _layer_digest(digest, stem), write)
             timing["gptq_save_s"] += time.perf_counter() - t1
             resumed = False
         t1 = time.perf_counter()
@@ -350,6 +394,20 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
         passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
         log(f"gptq: {name} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, {len(jobs) - n_gptq} rounded "
             f"to nearest{passes}, {elapsed:.1f} s{eta}")
+
+
+def _previous_solution(store: Path | None, index: int | str, digest: str, ranks=None) -> dict | None:
+    """An earlier run's solution of layer `index` for the same plan, from the store (rank 0 reads it; on several
+    ranks it is broadcast to the others, which have no store), or None."""
+    solution = None
+    if store is not None:
+        record_path = _layer_file(store, index, ".json")
+        previous = json.loads(record_path.read_text()) if record_path.is_file() else None
+        if previous and previous.get("digest") == _layer_digest(digest, index):
+            solution = _load_layer_solution(store, index, previous)
+    if ranks is not None and ranks.size > 1:
+        solution = ranks.broadcast(solution, 0, "resuming the finished layers")
+    return solution
 
 
 def _job_work(ckpt, job: TensorJob) -> float:
@@ -598,14 +656,16 @@ def _group_cost(param, size: int) -> float:
 
 def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, carry: list[dict], plan: Plan,
                  settings: GptqSettings, progress=None, workers: Workers | None = None, slot_of=None,
-                 run_pass=None, timing: Counter | None = None) -> dict:
+                 run_pass=None, timing: Counter | None = None, ranks=None) -> dict:
     """GPTQ for the MXFP4 weights of one layer. Returns {"records": {output: record}, "parts": {output: parts}}.
     `progress(jobs)` is called as groups of weights are solved. The Hessians are collected on the layer's device;
     the solves of each pass are shared among `workers` (default: one, the layer's device), each solved weight's
     record naming its worker and device. `slot_of(job)` (default: the stack's slot of the job in layer `index`)
     and `run_pass()` (an iterable that runs the layer over every calibration batch; default: layer `index` of the
     stack over `hidden` and `carry`) let an MTP draft layer (`_solve_mtp`) be solved by the same code. `timing`
-    gets the seconds of the Hessian passes and of the solves (gptq_hessians_s, gptq_solve_s)."""
+    gets the seconds of the Hessian passes and of the solves (gptq_hessians_s, gptq_solve_s). On several `ranks`
+    (`_solve_layer_ranked`) each rank runs `run_pass` over its share of the batches and solves the weights it
+    owns; the records and parts are every rank's, the same bytes as one process's."""
     import threading
 
     from quant.gptq.hessians import HessianCollector, supported
@@ -642,6 +702,9 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
 
     workers = workers or Workers([stack.device])
     timing = Counter() if timing is None else timing
+    if ranks is not None and ranks.size > 1:
+        return _solve_layer_ranked(layer, eligible, slots, plain, passes, records, parts, plan, settings, report,
+                                   workers, run_pass, timing, ranks)
     for pass_keys, pass_experts in passes:
         t0 = time.perf_counter()
         collector = HessianCollector(layer, set(pass_keys), pass_experts)
@@ -673,6 +736,185 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
             records.update(group_records)
             parts.update(group_parts)
         del tasks, results
+    return {"records": records, "parts": parts, "passes": len(passes)}
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One solve of a layer, what one process solves together: a plain linear (`experts` None), or one group of a
+    fused expert parameter's experts (`solve_groups` within one calibration pass of `hessian_passes`)."""
+
+    key: str
+    experts: tuple[int, ...] | None
+
+
+def _units(layer, plain: list[str], passes: list, settings: GptqSettings) -> list[_Unit]:
+    units = []
+    for pass_keys, pass_experts in passes:
+        for key in pass_keys:
+            if key in plain:
+                units.append(_Unit(key, None))
+                continue
+            for sel in solve_groups(layer.get_parameter(key), len(pass_experts), settings):
+                units.append(_Unit(key, tuple(pass_experts[i] for i in sel)))
+    return units
+
+
+def _unit_cost(layer, unit: _Unit, counts: dict) -> float:
+    """A unit's estimated work at its owner, for balancing the ranks: accumulating its Hessians (tokens x K^2, and
+    for down_proj the gate_up product that makes its inputs) and solving them (R K (R + K) + K^3 per matrix)."""
+    param = layer.get_parameter(unit.key)
+    r, k = param.shape[-2], param.shape[-1]
+    if unit.experts is None:
+        return float(counts[unit.key]) * k * k + r * k * (r + k) + k ** 3
+    path = unit.key.rsplit(".", 1)[0]
+    tokens = sum(int(counts[path][e]) for e in unit.experts)
+    gate_up = layer.get_parameter(f"{path}.gate_up_proj")
+    extra = 0 if unit.key.endswith("gate_up_proj") else gate_up.shape[-2] * gate_up.shape[-1]
+    return float(tokens) * (k * k + extra) + len(unit.experts) * (r * k * (r + k) + k ** 3)
+
+
+def _sweeps(units: list[_Unit], layer, budget: int) -> list[list[_Unit]]:
+    """A rank's units in sweeps over the layer's calibration inputs: the plain linears in the first, the groups of
+    experts in as few sweeps as keep each one's fp32 Hessians within `budget` (at least one group a sweep)."""
+    sweeps, current, held = [], [u for u in units if u.experts is None], 0
+    for unit in (u for u in units if u.experts is not None):
+        size = len(unit.experts) * layer.get_parameter(unit.key).shape[-1] ** 2 * 4
+        if held and held + size > budget:
+            sweeps.append(current)
+            current, held = [], 0
+        current.append(unit)
+        held += size
+    return sweeps + [current] if current else sweeps
+
+
+def _routed_counts(layer, batches: list[dict], plain: list[str], keys: list[str]) -> dict:
+    """What this rank's batches hold, for the balance: the batches, each plain linear's input rows, and per fused
+    experts module the tokens routed to each expert (exact integers, summed over the ranks)."""
+    import torch
+
+    counts: dict = {"batches": len(batches)}
+    for key in plain:
+        counts[key] = sum(x.numel() // x.shape[-1] for b in batches for x in b["linear"].get(key, []))
+    for path in sorted({k.rsplit(".", 1)[0] for k in keys if k not in plain}):
+        gate_up = layer.get_parameter(f"{path}.gate_up_proj")
+        n = torch.zeros(gate_up.shape[0], dtype=torch.int64)
+        for b in batches:
+            for hidden_states, top_k in b["experts"].get(path, []):
+                routed = top_k.reshape(hidden_states.numel() // gate_up.shape[-1], -1).long()
+                mask = torch.zeros(routed.shape[0], gate_up.shape[0], dtype=torch.bool)
+                n += mask.scatter_(1, routed, True).sum(dim=0)
+        counts[path] = n
+    return counts
+
+
+class _Phase:
+    """Adds a block's seconds to timing[name], less what this rank spent in collectives meanwhile (those are
+    gptq_comm_s)."""
+
+    def __init__(self, timing: Counter, name: str, ranks):
+        self.timing, self.name, self.ranks = timing, name, ranks
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), self.ranks.comm_s
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.timing[self.name] += time.perf_counter() - self.t0 - (self.ranks.comm_s - self.c0)
+        return False
+
+
+def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: list[str], passes: list,
+                        records: dict, parts: dict, plan: Plan, settings: GptqSettings, report, workers: Workers,
+                        run_pass, timing: Counter, ranks) -> dict:
+    """`_solve_layer` on several ranks (`quant.gptq.ranks`): this rank runs the layer over its batches, keeping
+    the inputs of every weight to solve (`hessians.InputRecorder`); the units (`_units`: exactly one process's
+    solves) get owners balanced by their cost (`_unit_cost`, from the routed-token counts of all ranks); then, in
+    sweeps (`_sweeps`), every batch in the global order goes from its holder to the owners that need it and each
+    owner feeds its `HessianCollector` as the hooks would have, and solves its units. The solved weights are
+    gathered to every rank, in rank order; each record of a solved weight names its `rank`."""
+    from quant.gptq.hessians import HessianCollector, InputRecorder
+
+    keys = sorted({k for pass_keys, _ in passes for k in pass_keys})
+    with _Phase(timing, "gptq_hessians_s", ranks):
+        recorder = InputRecorder(layer, set(keys))
+        try:
+            batches = iter(run_pass())
+            while True:
+                recorder.next_batch()
+                if next(batches, None) is None:
+                    break
+        finally:
+            recorder.close()
+        recorder.batches.pop()
+        local_counts = _routed_counts(layer, recorder.batches, plain, keys)
+    gathered = ranks.all_gather(local_counts, "counting the routed tokens")
+    counts = {name: sum(c[name] for c in gathered) for name in local_counts}
+    units = _units(layer, plain, passes, settings)
+    owners = ranks.assign([_unit_cost(layer, u, counts) for u in units])
+    sweeps = {r: _sweeps([u for u, o in zip(units, owners) if o == r], layer, settings.hessian_bytes)
+              for r in range(ranks.size)}
+    rounds = [(r, i) for r in range(ranks.size) for i in range(gathered[r]["batches"])]  # the global batch order
+    mine_records: dict[str, dict] = {}
+    mine_parts: dict[str, dict] = {}
+    for s in range(max(len(v) for v in sweeps.values())):
+        needs = {r: ({u.key for u in sweeps[r][s] if u.experts is None},
+                     {u.key.rsplit(".", 1)[0] for u in sweeps[r][s] if u.experts is not None})
+                 for r in range(ranks.size) if s < len(sweeps[r])}
+        receivers = sorted(needs)
+        chunk = sweeps[ranks.rank][s] if s < len(sweeps[ranks.rank]) else []
+        with _Phase(timing, "gptq_hessians_s", ranks):
+            experts: dict[str, set] = {}
+            for u in chunk:
+                if u.experts is not None:
+                    experts.setdefault(u.key, set()).update(u.experts)
+            collector = HessianCollector(layer, {u.key for u in chunk}, experts, hooks=False) if chunk else None
+            for src, i in rounds:
+                payloads = None
+                if src == ranks.rank:
+                    batch = recorder.batches[i]
+                    payloads = {r: {"linear": {k: batch["linear"].get(k, []) for k in sorted(lin)},
+                                    "experts": {p: batch["experts"].get(p, []) for p in sorted(mods)}}
+                                for r, (lin, mods) in needs.items()}
+                got = ranks.deliver(payloads, src, receivers, "sending the calibration activations to their owners")
+                if got is not None and collector is not None:
+                    for key, inputs in got["linear"].items():
+                        for x in inputs:
+                            collector.feed_linear(key, x)
+                    for path, calls in got["experts"].items():
+                        for hidden_states, top_k in calls:
+                            collector.feed_experts(path, hidden_states, top_k)
+        tasks, costs = [], []
+        for u in chunk:
+            param = layer.get_parameter(u.key)
+            if u.experts is None:
+                hessians, n = collector.hessians.pop(u.key), collector.tokens[u.key]
+                jobs_here = [j for j in eligible if slots[j.output].key == u.key]
+                experts_list = None
+            else:
+                where = collector.expert_slots(u.key)
+                index = [where[e] for e in u.experts]
+                hessians, n = collector.hessians[u.key][index], collector.tokens[u.key][index]
+                experts_list = list(u.experts)
+                jobs_here = [j for j in eligible if slots[j.output].key == u.key and slots[j.output].expert in u.experts]
+            sel = list(range(n.shape[0]))
+            tasks.append(functools.partial(_solve_group, param, experts_list, sel, hessians, n, jobs_here, slots,
+                                           plan.scale_mode, settings, report))
+            costs.append(_group_cost(param, len(sel)))
+        del collector
+        with _Phase(timing, "gptq_solve_s", ranks):
+            results = workers.run(tasks, costs)
+        for worker, (group_records, group_parts) in results:
+            for record in group_records.values():
+                if record["method"] == "gptq":
+                    record.update(rank=ranks.rank, worker=worker, device=workers.devices[worker])
+            mine_records.update(group_records)
+            mine_parts.update(group_parts)
+        del tasks, results
+    del recorder
+    for piece in ranks.all_gather({"records": mine_records, "parts": mine_parts}, "gathering the solved weights"):
+        records.update(piece["records"])
+        parts.update(piece["parts"])
     return {"records": records, "parts": parts, "passes": len(passes)}
 
 
