@@ -108,7 +108,8 @@ def arm_identity(backend: Backend, options) -> dict:
                 **_versions("lm_eval")}
     return {"kind": "transformers", "checkpoint_digest": checkpoint_digest(Path(backend.source)),
             "dtype": options.dtype, "device": str(getattr(backend.lm, "device", options.device)),
-            "batch_size": options.batch_size, **_versions("torch", "transformers", "lm_eval")}
+            "batch_size": options.batch_size, "activations": backend.activations,
+            **_versions("torch", "transformers", "lm_eval")}
 
 
 def _plain(value):

@@ -3,8 +3,10 @@ local-completions / local-chat-completions, or a checkpoint run in this process 
 
 In process, a quantized checkpoint (Quark MXFP4, Quark FP8, block FP8) is first dequantized into a plain BF16
 copy by `quant.dequant.dequantize_checkpoint`, so its weights hold the quantized values (MXFP4 exactly; FP8 times
-its scale rounded to BF16) while activations stay BF16 (no MXFP4 activation quantization). That weights-only
-emulation is the documented approximation of the in-process backend; a server running the real kernels has none.
+its scale rounded to BF16). Activations: with `activations="emulate"` (the default where the scheme quantizes
+them) each quantized linear's input is quantized and dequantized as the checkpoint's quantization_config says
+(`quant.dequant.emulate_activations`: MXFP4 / MXFP8 blocks of 32, per-token(-group) FP8), as amd-quark's emulation
+does; with "bf16" (and for weight-only schemes) they stay BF16, the weights-only emulation.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from quant.errors import QuantError
 FAILED_GENERATION = "[generation failed after retries]"
 ENDPOINTS = {"completions": "completions", "chat": "chat/completions"}
 DTYPES = ("bfloat16", "float32")
+ACTIVATIONS = ("emulate", "bf16")  # quant.dequant.ACTIVATION_MODES; None: emulate where the scheme quantizes them
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +45,7 @@ class BackendOptions:
     device: str | None = None         # in process; None: cuda if available, else cpu
     dtype: str = "bfloat16"           # in process
     mtp: bool = True                  # measure MTP draft acceptance (in process: build the draft; servers: read it)
+    activations: str | None = None    # in process: "emulate" | "bf16"; None: emulate where the scheme quantizes them
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Backend:
     notes: list[str] = field(default_factory=list)
     draft: object = None       # in process: the checkpoint's MTP draft (evals.arms.mtp_draft.MtpDraft), if it has one
     draft_note: str = ""       # why there is no draft, when there is none
+    activations: str = "bf16"  # in process: "emulate" (inputs quantize-dequantized) or "bf16"; servers: "server"
 
     def seed_gen_kwargs(self, seed: int) -> dict:
         """Extra generation kwargs that make sampling follow `seed`. Servers take it in the request payload;
@@ -218,7 +223,7 @@ def _server_backend(source: str, label: str, options: BackendOptions) -> Backend
              max_gen_toks=options.max_gen_toks)
     lm.attempts = max(1, options.max_retries)
     return Backend(label=label, source=source, kind="server", lm=lm, chat=options.endpoint == "chat",
-                   description=f"server {url} (model {model!r}, {options.endpoint} endpoint)")
+                   activations="server", description=f"server {url} (model {model!r}, {options.endpoint} endpoint)")
 
 
 # ----------------------------------------------------------------------------------------- in process
@@ -263,10 +268,12 @@ def _causal_lm(load_dir: Path, dtype):
 
 
 def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16", device: str | None = None,
-                          with_draft: bool = False):
+                          with_draft: bool = False, activations: str | None = None):
     """(model, tokenizer, description, notes[, draft]) for a checkpoint directory; a quantized one is dequantized
     into `work_dir` first (deleted again once loaded). With `with_draft`, also the checkpoint's MTP draft
-    (evals.arms.mtp_draft; None when it has no MTP layers), read from the same (dequantized) tensors."""
+    (evals.arms.mtp_draft; None when it has no MTP layers), read from the same (dequantized) tensors.
+    `activations`: "emulate" quantize-dequantizes each quantized linear's input as the scheme says, "bf16" leaves
+    it; None: emulate where the scheme quantizes activations. The mode that ran is `model.quant_activations`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -274,18 +281,22 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
 
     if dtype not in DTYPES:
         raise QuantError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    if activations is not None and activations not in ACTIVATIONS:
+        raise QuantError(f"--activations {activations!r}: choose from {', '.join(ACTIVATIONS)}")
     ckpt = open_checkpoint(path)
     weights = describe_weights(ckpt)
     quantized = "quantization_config" in ckpt.config
     load_dir = Path(path)
     notes = []
+    formats = {}
     if quantized:
-        from quant.dequant import dequantize_checkpoint
+        from quant.dequant import activation_formats, dequantize_checkpoint
 
+        if activations != "bf16":
+            formats = activation_formats(ckpt)  # a scheme emulate cannot model is refused before any work
         load_dir = Path(work_dir) / f"dequantized-{Path(path).name}"
         shutil.rmtree(load_dir, ignore_errors=True)
         dequantize_checkpoint(path, load_dir)
-        notes.append("weights-only emulation: quantized weights dequantized into BF16, activations not quantized")
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -307,7 +318,24 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
             shutil.rmtree(load_dir, ignore_errors=True)
     device = _torch_device(device)
     model = model.to(device).eval()
-    description = f"transformers on {device} ({weights}{', dequantized to ' + dtype if quantized else ''})"
+    mode = "bf16"
+    if formats:
+        from quant.dequant import emulate_activations
+
+        layers = (ckpt.config.get("text_config") or ckpt.config).get("num_hidden_layers")
+        hooked = emulate_activations(model, formats, layers)
+        mode = "emulate" if hooked else "bf16"
+        if hooked:
+            notes.append("activations emulated: each quantized linear's input quantize-dequantized as the scheme says ("
+                         + ", ".join(f"{label} on {n}" for label, n in sorted(hooked.items())) + " modules)"
+                         + ("; the MTP draft's layers run BF16 activations" if with_draft else ""))
+    if quantized and mode == "bf16":
+        why = "--activations bf16" if activations == "bf16" else "the scheme quantizes weights only"
+        notes.append(f"weights-only emulation: quantized weights dequantized into BF16, activations not quantized "
+                     f"({why})")
+    model.quant_activations = mode
+    description = f"transformers on {device} ({weights}{', dequantized to ' + dtype if quantized else ''}" \
+                  f"{', activations ' + ('emulated' if mode == 'emulate' else 'BF16') if quantized else ''})"
     if with_draft:
         return model, tokenizer, description, notes, draft
     return model, tokenizer, description, notes
@@ -317,11 +345,11 @@ def _transformers_backend(path: Path, label: str, options: BackendOptions, work_
     from lm_eval.models.huggingface import HFLM
 
     loaded = load_checkpoint_model(path, work_dir / label, dtype=options.dtype, device=options.device,
-                                   with_draft=options.mtp)
+                                   with_draft=options.mtp, activations=options.activations)
     model, tokenizer, description, notes = loaded[:4]
     draft = loaded[4] if options.mtp else None
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
     note = "" if draft is not None else ("MTP not measured (--mtp off)" if not options.mtp
                                          else "the checkpoint has no MTP layers")
     return Backend(label=label, source=str(path), kind="transformers", lm=lm, description=description,
-                   notes=notes, draft=draft, draft_note=note)
+                   notes=notes, draft=draft, draft_note=note, activations=model.quant_activations)

@@ -142,6 +142,18 @@ def mtp_status(report: EvalReport) -> list[str]:
     return lines
 
 
+def activation_mode(arm: dict) -> str:
+    """How an arm computed its activations (evals.arms.backends: "emulate", "bf16" or "server")."""
+    mode = arm.get("activations")
+    if mode == "server" or arm.get("kind") == "server":
+        return "as the server's kernels compute them"
+    note = next((n for n in arm.get("notes") or [] if n.startswith(("activations emulated", "weights-only"))), "")
+    if mode == "emulate":
+        return "emulated (--activations emulate): " + note.split(": ", 1)[-1]
+    return "BF16, not quantized" + (f" ({note.rsplit('(', 1)[-1]}" if note.endswith(")") else "") \
+        + "; a server running the real kernels quantizes them for W4A4 schemes such as w_mxfp4_a_mxfp4"
+
+
 def verdict_notes(report: EvalReport) -> list[str]:
     """Why a verdict is invalid, and what would decide an inconclusive one (evals/statistics/evidence.py)."""
     lines = []
@@ -194,10 +206,11 @@ def markdown(report: EvalReport) -> str:
     lines += [f"- {key.replace('_', ' ')}: {text}" for key, text in METHODS.items()]
     if emulated:
         lines += ["", "## Approximation", "",
-                  "Weights-only emulation: the in-process (transformers) backend dequantizes each quantized checkpoint "
-                  "into BF16, so every quantized weight holds its MXFP4/FP8 value (MXFP4 exactly; FP8 times its "
-                  "scale rounded to BF16), but activations are not quantized. A server running the real kernels "
-                  "(SGLang/vLLM) also quantizes activations for W4A4 schemes such as w_mxfp4_a_mxfp4."]
+                  "The in-process (transformers) backend dequantizes each quantized checkpoint into BF16, so every "
+                  "quantized weight holds its MXFP4/FP8 value (MXFP4 exactly; FP8 times its scale rounded to BF16). "
+                  "Activations, per arm:", ""]
+        lines += [f"- {label}: {activation_mode(arm)}" for label, arm in (("baseline", baseline),
+                                                                          ("candidate", candidate))]
     s = report.settings
     lines += ["", "## Settings", "",
               f"- tasks: {', '.join(s['tasks'])}; limit {s['limit']}; seeds for sampled tasks {s['seeds']}; "
@@ -295,6 +308,9 @@ def print_table(report: EvalReport) -> None:
         console.print(table)
     for line in mtp_status(report):
         console.print(escape("MTP " + line[2:]))
+    for label, arm in (("baseline", report.baseline), ("candidate", report.candidate)):
+        if arm.get("notes"):  # a quantized checkpoint run in process
+            console.print(escape(f"activations, {label}: {activation_mode(arm)}"))
     for line in verdict_notes(report):
         if line:
             console.print(escape(line))
