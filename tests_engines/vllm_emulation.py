@@ -33,7 +33,19 @@ vLLM's config parsing, module construction, parameter shapes, packed-module fusi
    through vLLM's own grouped top-k with a single group (`_route_biased_sigmoid`), the same selection and weights
    as vLLM's GPU router.
 
-`EMULATED` records which layer kinds took paths (3), (5) and (6), for the test to assert on.
+7. The probe runs vLLM's front end and engine core in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so this shim
+   reaches the model runner). There, the CPU worker's start-up scan that rebinds Triton kernels across every
+   loaded module (triton_utils/dispatcher.py:124-143 `_rebind_kernels`, called from
+   platforms/cpu.py:685 register_triton_kernel_overrides) reads `vars(value).get("kernel")` of each module
+   attribute with a `__dict__`; llvmlite's `ffi.lib` (binding/ffi.py `_lib_wrapper`: __slots__ and a forwarding
+   __getattr__) answers `__dict__` with a foreign-function wrapper, and the scan raises AttributeError. llvmlite
+   is imported by numba, which Kimi-K2.5's image processor loads in the front end (kimi_k25.py:123,
+   KimiK25FusedVisionProcessor). vLLM's default deployment spawns the engine core as a fresh process, where
+   numba is not loaded and the scan runs (measured: the Kimi-K2.5 toy gets past worker start-up there). So the
+   scan runs unchanged over every object except those whose `vars()` has no `get` (not a namespace: they cannot
+   hold a kernel), hidden from it for its duration (`_scan_without_foreign_dicts`).
+
+`EMULATED` records which layer kinds took paths (3), (5), (6) and (7), for the test to assert on.
 """
 
 from __future__ import annotations
@@ -229,6 +241,43 @@ def install() -> None:
         cpu_moe.CPUExpertsFp8W8A8._supports_current_device = staticmethod(lambda: False)
     _route_fp8_block_linear()
     _route_biased_sigmoid()
+    _scan_without_foreign_dicts()
+
+
+def _scan_without_foreign_dicts() -> None:
+    """Path (7): module attributes whose `vars()` has no `get` are taken out of the module namespaces while vLLM's
+    kernel-rebinding scan runs, and put back after it."""
+    import sys
+
+    from vllm.triton_utils import dispatcher
+
+    original = dispatcher._rebind_kernels
+
+    def foreign(value) -> bool:
+        try:
+            return hasattr(value, "__dict__") and not callable(getattr(vars(value), "get", None))
+        except (TypeError, AttributeError):
+            return False
+
+    def rebind(overrides):
+        hidden = []
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                if foreign(value):
+                    hidden.append((namespace, attr, value))
+                    del namespace[attr]
+        if hidden:
+            EMULATED.add("kernel-scan")
+        try:
+            return original(overrides)
+        finally:
+            for namespace, attr, value in hidden:
+                namespace[attr] = value
+
+    dispatcher._rebind_kernels = rebind
 
 
 def _route_biased_sigmoid() -> None:
