@@ -196,6 +196,7 @@ def build_toy(
     overrides: dict | None = None,
     force: bool = False,
     in_place: bool = False,
+    source_format: str | None = None,
 ) -> Path:
     """Write the toy checkpoint `name` to `out` and return `out`.
 
@@ -207,10 +208,11 @@ def build_toy(
     family = toy_family(name)
     out = Path(out)
     max_shard_size = parse_shard_size(shard_size)
+    source_format_spec(source_format)  # an unknown format is refused before anything is written
     if in_place:  # `out` is a fresh scratch directory of the caller's (quant toy stages into one of its own)
         out.mkdir()
         _write_toy(family, out, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
-                   overrides=overrides or {})
+                   overrides=overrides or {}, source_format=source_format)
         return out
     _check_destination(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +221,7 @@ def build_toy(
     staging.mkdir()
     try:
         _write_toy(family, staging, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
-                   overrides=overrides or {})
+                   overrides=overrides or {}, source_format=source_format)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -237,7 +239,7 @@ def _check_destination(out: Path, force: bool) -> None:
 
 
 def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
-               overrides: dict) -> None:
+               overrides: dict, source_format: str | None = None) -> None:
     import torch
 
     config, n_main, n_mtp = _model_config(family, overrides)
@@ -261,6 +263,8 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     if fp8_block:
         tensors = _quantize_fp8_block(tensors, family.fp8)
         config_json["quantization_config"] = _quantization_config(family.fp8, tensors, n_main + n_mtp)
+    if source_format:
+        tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, source_format)
 
     write_safetensors(tensors, directory, max_shard_size)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
@@ -499,6 +503,59 @@ def _microscale(tensors: dict, native: dict) -> dict:
         else:
             out[name] = value
     return out
+
+
+SOURCE_FORMATS_MANIFEST = MANIFESTS_DIR / "source_formats.yaml"
+
+
+@cache
+def source_formats() -> dict:
+    """manifests/source_formats.yaml `formats`: the release storage formats a toy can be written in."""
+    try:
+        return dict(yaml.safe_load(SOURCE_FORMATS_MANIFEST.read_text())["formats"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise BadData(f"{SOURCE_FORMATS_MANIFEST}: cannot read the source formats ({e})") from e
+
+
+def source_format_spec(name: str | None) -> dict | None:
+    """The spec of source format `name` (None: none asked); QuantError listing the valid names otherwise."""
+    if name is None:
+        return None
+    formats = source_formats()
+    if name not in formats:
+        raise QuantError(f"unknown source format {name!r}; valid names: {', '.join(formats)}")
+    return formats[name]
+
+
+def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict, dict]:
+    """The toy's tensors stored as the release of source format `name` stores them (manifests/source_formats.yaml):
+    each 2-D linear weight of the listed roles encoded (quant.sources.microscaled.encode_as), the others listed as
+    kept; and the release's quantization_config."""
+    from quant.families import family_for_config
+    from quant.sources.microscaled import encode_as
+
+    spec = source_format_spec(name)
+    if config_json.get("quantization_config"):
+        raise QuantError(f"--source-format {name} writes a BF16 toy's weights in another format; this toy is already "
+                         f"quantized (--fp8-block or a microscaled release)")
+    family = family_for_config(config_json)
+    roles = set(spec["roles"])
+    out, kept = {}, []
+    for tensor, value in tensors.items():
+        module = tensor[: -len(".weight")] if tensor.endswith(".weight") else None
+        if module is None or value.dim() != 2 or "embed" in module or value.shape[-1] % 32:
+            out[tensor] = value
+            continue
+        role = family.role_of(module)
+        if role in roles:
+            for suffix, part in encode_as(spec["encode"], value).items():
+                out[module + suffix] = part
+        else:
+            out[tensor] = value
+            kept.append(module)
+    config = json.loads(json.dumps(spec["quantization_config"]))
+    config[spec["ignore_key"]] = list(spec.get("ignore_extra") or []) + sorted(kept)
+    return out, config
 
 
 def _quantization_config(release: Fp8Release, tensors: dict, n_layers: int) -> dict:

@@ -78,9 +78,9 @@ def test_recognise_from_headers():
          "n.weight": Info("BF16", (160,)),
          "bad.weight": Info("I8", (128, 80)), "bad.scale": Info("F8_E8M0", (128, 4)),
          "f32.weight": Info("I8", (128, 80)), "f32.scale": Info("F32", (128, 5))}
-    assert ms.recognise(t, "e.weight") == ms.Encoding(ms.MXFP4, "e.scale", (1, 32), (128, 160))
-    assert ms.recognise(t, "a.weight") == ms.Encoding(ms.FP8_UE8M0, "a.scale", (128, 128), (160, 96))
-    assert ms.recognise(t, "d.weight") == ms.Encoding(ms.FP8_UE8M0, "d.scale", (32, 32), (160, 96))
+    assert ms.recognise(t, "e.weight") == ms.Encoding(ms.MXFP4, "e.scale", (1, 32), (128, 160), "e")
+    assert ms.recognise(t, "a.weight") == ms.Encoding(ms.FP8_UE8M0, "a.scale", (128, 128), (160, 96), "a")
+    assert ms.recognise(t, "d.weight") == ms.Encoding(ms.FP8_UE8M0, "d.scale", (32, 32), (160, 96), "d")
     assert ms.recognise(t, "n.weight") is None
     with pytest.raises(QuantError, match="not MXFP4"):
         ms.recognise(t, "bad.weight")

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import typer
 
-from quant.toy import TOY_NAMES
+from quant.toy import TOY_NAMES, source_formats
 
 # Every toy manifests/toys.yaml defines (quant.toy reads only YAML at import: no torch on `--help`).
 NAMES_HELP = ", ".join(TOY_NAMES)
+FORMATS_HELP = ", ".join(f"{k} ({v['release']})" for k, v in source_formats().items())
 
 
 def command(
@@ -20,6 +21,8 @@ def command(
                                    "(float8_e4m3fn weights + weight_scale_inv, 128x128 blocks)."),
     shard_size: str = typer.Option(None, "--shard-size", help="Split weights into shards of at most this size "
                                    "(bytes, or e.g. 500KB, 2MB) and write model.safetensors.index.json."),
+    source_format: str = typer.Option(None, "--source-format", help=f"Store the weights as a release in this "
+                                      f"format stores them: {FORMATS_HELP} (README: Microscaled sources)."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives byte-identical files."),
     overwrite: bool = typer.Option(False, "--overwrite", "--force",
                                    help="Replace an earlier output of this tool (another toy, an export), or write "
@@ -27,33 +30,38 @@ def command(
                                    "or overwritten)."),
 ) -> None:
     """Write a tiny seeded checkpoint with the family's real tensor names, config and a byte-level tokenizer."""
-    path = write_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=seed, overwrite=overwrite)
+    path = write_toy(name, out, fp8_block=fp8_block, shard_size=shard_size, seed=seed, overwrite=overwrite,
+                     source_format=source_format)
     from quant.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(path)
     size = sum(info.nbytes for info in checkpoint.tensors.values())
-    variant = "block-FP8" if fp8_block else "BF16"
+    variant = source_format or ("block-FP8" if fp8_block else "BF16")
     typer.echo(f"{name} ({variant}, seed {seed}) -> {path}: {len(checkpoint.tensors)} tensors, "
                f"{len(checkpoint.files)} shard(s), {size / 1e6:.2f} MB")
 
 
 def write_toy(name: str, out: Path, *, fp8_block: bool = False, shard_size=None, seed: int = 0,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, source_format: str | None = None) -> Path:
     """`build_toy` under the ownership rule (quant.ownership): into a new or empty directory, or over an earlier
     toy of the same options; anything else needs `overwrite`, and only files of ours are replaced."""
     import secrets
     import shutil
 
     from quant.ownership import claim
-    from quant.toy import build_toy, parse_shard_size, toy_family
+    from quant.toy import build_toy, parse_shard_size, source_format_spec, toy_family
 
-    toy_family(name)  # an unknown name or a bad size is refused before anything is written
+    toy_family(name)  # an unknown name, format or a bad size is refused before anything is written
+    source_format_spec(source_format)
     parse_shard_size(shard_size)
     identity = {"toy": name, "seed": seed, "fp8_block": fp8_block, "shard_size": shard_size}
+    if source_format:
+        identity["source_format"] = source_format
     with claim(out, "toy", identity=identity, overwrite=overwrite) as held:
         staging = held.root / f".quant-toy-{secrets.token_hex(4)}"  # scratch of ours (quant.ownership.SCRATCH)
         try:
-            build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed, in_place=True)
+            build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed, in_place=True,
+                      source_format=source_format)
             held.replace_with(staging)
         finally:
             if staging.exists():

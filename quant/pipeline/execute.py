@@ -101,10 +101,10 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Count
 
 
 def _passthrough(job: TensorJob, reader: SourceReader, timing: Counter) -> tuple[dict[str, torch.Tensor], dict]:
-    """A weight into the format it already has (native MXFP4 into Quark MXFP4, UE8M0 128x128 FP8 into block
-    FP8): its codes and scales bit for bit (quant.sources), nothing decoded or rounded."""
+    """A weight into the format it already has (MXFP4 into Quark MXFP4, E8M0-scaled FP8 into Quark MXFP8, UE8M0
+    128x128 FP8 into block FP8): its codes and scales bit for bit (quant.sources), nothing decoded or rounded."""
     t0 = time.perf_counter()
-    parts = native.passthrough_parts(reader, job.source)
+    parts = native.passthrough_parts(reader, job.source, job.scheme)
     timing["read_s"] += time.perf_counter() - t0
     out = {f"{job.output}.{suffix}": t for suffix, t in parts.items()}
     record = {"action": job.action, "source": job.source.describe(), "role": job.role,

@@ -52,7 +52,7 @@ class Plan:
     recipe: dict
     scheme: Scheme
     scale_mode: str
-    source_format: str  # "bf16", "fp8-block" or "microscaled" (quant.sources: DeepSeek-V4's MXFP4 / UE8M0 FP8)
+    source_format: str  # "bf16", "fp8-block" or "microscaled" (quant.sources: MXFP4 / UE8M0 FP8 / MXFP8 / NVFP4)
     shards: list[ShardJob]
     kept_modules: list[str]  # 2-D weights left unquantized: the exclusion manifest
     quantized: dict[str, str]  # module -> scheme name
@@ -70,6 +70,7 @@ class Plan:
 
 def source_format(ckpt: Checkpoint) -> str:
     if native.is_microscaled(ckpt):
+        native.check_config(ckpt.quantization_config, ckpt.root / "config.json")
         return native.MICROSCALED
     qc = ckpt.quantization_config
     if not qc:
@@ -81,7 +82,8 @@ def source_format(ckpt: Checkpoint) -> str:
                              f"{qc['weight_block_size']} is not supported (only [128, 128])")
         return "fp8-block"
     raise QuantError(f"{ckpt.root / 'config.json'}: source is already quantized "
-                     f"(quantization_config.quant_method={method!r}); start from a BF16 or block-FP8 checkpoint")
+                     f"(quantization_config.quant_method={method!r}); start from a BF16, block-FP8 or microscaled "
+                     f"checkpoint (README: Microscaled sources)")
 
 
 def _layer_of(name: str) -> int | None:
@@ -156,7 +158,7 @@ class Planner:
     def add_native(self, jobs: list[TensorJob], name: str, info, encoding) -> None:
         """A microscaled weight: passthrough when its target is its own format, else decoded exactly once (kept
         BF16: dequantize; another scheme: quantize)."""
-        module = name[: -len(".weight")]
+        module = encoding.module
         if len(encoding.shape) != 2:
             raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is a {len(encoding.shape)}-D "
                              f"{encoding.kind} tensor; only 2-D microscaled weights are supported")
@@ -165,7 +167,7 @@ class Planner:
         source = native.native_source(self.ckpt, name, encoding)
         if scheme is None:
             self.kept.append(module)
-            jobs.append(TensorJob(name, "dequantize", source, role))
+            jobs.append(TensorJob(module + ".weight", "dequantize", source, role))
             return
         self.quantized[module] = scheme.name
         action = "passthrough" if native.passes_through(encoding, scheme.name) else "quantize"
@@ -200,7 +202,7 @@ class Planner:
                     raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has no matching weight")
                 continue  # consumed with its weight
             if name in self.scales:
-                continue  # a microscaled weight's E8M0 scales: consumed with its weight
+                continue  # a microscaled weight's scales (and NVFP4's global scales): consumed with its weight
             encoding = native.recognise(self.ckpt.tensors, name, str(self.ckpt.root / info.file)) \
                 if self.scales else None
             if encoding is not None:
