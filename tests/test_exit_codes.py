@@ -123,6 +123,17 @@ def _case_74(tmp_path, toy_factory):
                           capture_output=True, text=True, timeout=300, preexec_fn=limit)
 
 
+def _case_75(tmp_path, toy_factory):
+    # GPTQ on two ranks (`--ranks 2`), rank 1 killed (SIGKILL) as it starts the second layer: the tests' fault
+    # injection, QUANT_GPTQ_KILL (tests/test_gptq_ranks.py resumes such a run to the bytes of one process).
+    calib = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
+    return subprocess.run(QUANT + ["quantize", str(toy_factory("glm5")), str(tmp_path / "q"), "--method", "gptq",
+                                   "--calib-data", str(calib), "--calib-samples", "16", "--calib-seq-len", "32",
+                                   "--check-engines", "", "--no-progress", "--ranks", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "QUANT_GPTQ_KILL": "1:1"})
+
+
 def _case_130(tmp_path, toy_factory):
     import time
 
@@ -163,7 +174,7 @@ def _case_141(tmp_path, toy_factory):
 
 
 CASES = {0: _case_0, 1: _case_1, 2: _case_2, 3: _case_3, 4: _case_4, 69: _case_69, 70: _case_70, 74: _case_74,
-         130: _case_130, 141: _case_141}
+         75: _case_75, 130: _case_130, 141: _case_141}
 
 
 # Why each walked run ended with its code: a phrase of the README's row for that code, and a pattern the run's own
@@ -177,6 +188,7 @@ REASONS = {
     69: ("requests failed beyond 1%", r"error: .*(request|HTTP|server)"),
     70: ("a bug in this tool", r"error: .*(bug|report)"),
     74: ("the machine failed the write", r"error: /\S+: (No space left|File too large|Read-only|Permission denied)"),
+    75: ("lost one of them", r"error: GPTQ rank \d of 2.*run the same command again to resume"),
     130: ("interrupted", r"(?i)interrupt"),
     141: ("SIGPIPE", r"^$"),
 }

@@ -233,9 +233,19 @@ class _Guard:
         if e is not None and isinstance(e, RuntimeError):
             r = self.ranks
             raise RankLost(f"GPTQ rank {r.rank} of {r.size}: a peer rank stopped answering while {self.what} "
-                           f"({_first_line(e)[:160]}); the layers solved so far are kept in OUT/.quant-gptq/: run "
+                           f"({_why(e, r.timeout_s)}); the layers solved so far are kept in OUT/.quant-gptq/: run "
                            f"the same command again to resume") from None
         return False
+
+
+def _why(e: BaseException, timeout_s: float) -> str:
+    """gloo's error, in words: a lost connection, or no answer within the timeout."""
+    text = str(e).lower()
+    if "timed out" in text or "timeout" in text:
+        return f"no answer within {timeout_s:g} s, {TIMEOUT_ENV}"
+    if any(w in text for w in ("connection reset", "connection closed", "broken pipe", "connection refused", "eof")):
+        return "its connection was lost"
+    return _first_line(e)[:120]
 
 
 def _first_line(e: BaseException) -> str:
@@ -355,12 +365,14 @@ def launch_local(count: int, argv: list[str]) -> int:
         elastic_launch(config, sys.executable)("-m", "quant", *args)
     except ChildFailedError as e:
         codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
-        said = [codes[r] for r in sorted(codes) if codes[r] > 0]
-        if codes.get(0, 0) > 0:
+        if codes.get(0, 0) > 0:  # rank 0 said why (a lost peer included)
             return codes[0]
+        # Another rank's own failure (it named itself); 75 is a rank that only lost a peer, silently.
+        said = [codes[r] for r in sorted(codes) if codes[r] > 0 and codes[r] != RankLost.exit_code]
         if said:
             return said[0]
-        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        dead = {r: f for r, f in e.failures.items() if f.exitcode < 0} or e.failures
+        rank, failure = min(dead.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
         how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         raise RankLost(f"GPTQ rank {rank} of {count} died ({how}); the layers solved so far are kept in "
                        f"OUT/.quant-gptq/: run the same command again to resume") from None

@@ -237,6 +237,13 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
             f"in {ranks.comm_s:.1f} s of collectives" if ranks.size > 1 else "")
     log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
         + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens){comm}")
+    if ranks.size > 1:  # every rank's phases, for the balance (scripts/bench_gptq_ranks.py reads this line)
+        every = ranks.all_gather({**{k: timing[k] for k in PHASES}, "sent": ranks.sent, "received": ranks.received},
+                                 "gathering the ranks' timings")
+        log("gptq: per rank (0.." + f"{ranks.size - 1}): " + ", ".join(
+            f"{k.removeprefix('gptq_').removesuffix('_s')} " + "/".join(f"{t[k]:.2f}" for t in every) + " s"
+            for k in PHASES) + "; MB sent " + "/".join(f"{t['sent'] / 1e6:.2f}" for t in every)
+            + ", received " + "/".join(f"{t['received'] / 1e6:.2f}" for t in every))
     ranks.solving = False
     if store is None:
         return None
