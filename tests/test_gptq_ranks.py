@@ -224,3 +224,24 @@ def test_sweeps_keep_each_within_the_budget():
     assert [[u.experts for u in s] for s in sweeps] == [[None, (0, 1)], [(2, 3)], [(4, 5)], [(6, 7)]]
     assert len(_sweeps(units, layer, 8 * per)) == 1
     assert _sweeps([], layer, per) == [] and _sweeps(units[:1], layer, 1) == [units[:1]]
+
+
+def test_the_dry_run_predicts_each_rank(tmp_path):
+    """`--dry-run --ranks 8` on GLM-5.2's config (tests/data/glm52_config): one process needs 11 calibration passes
+    per MoE layer at the default 4 GiB budget; on 8 ranks each owns about 32 routed experts (5 GiB of Hessians)
+    and collects them in 2 sweeps over its recorded inputs, or in one with --hessian-budget 5GiB, at a lower peak
+    per device than the single process's first device."""
+    from quant.gptq import GptqSettings
+    from quant.gptq.dry_run import predict
+
+    config = str(REPO / "tests" / "data" / "glm52_config")
+    single = predict(config, devices="cuda:0", device_memory=80 * 10 ** 9)
+    ranked = predict(config, devices="cuda:0", device_memory=80 * 10 ** 9, ranks=8)
+    assert single.passes == ranked.passes and single.passes[3] == 11 and not single.rank_sweeps
+    assert ranked.rank_sweeps == {**{i: 0 for i in range(3)}, **{i: 2 for i in range(3, 79)}}
+    assert ranked.peaks["rank"] < single.peaks["device:cuda:0"]
+    assert "one sweep per layer with --hessian-budget 5GiB" in ranked.text()
+    wider = predict(config, devices="cuda:0", device_memory=80 * 10 ** 9, ranks=8,
+                    settings=GptqSettings(hessian_bytes=5 << 30))
+    assert set(wider.rank_sweeps.values()) == {0, 1}
+    assert "fits on each rank's device" in wider.text()

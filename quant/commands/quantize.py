@@ -84,7 +84,7 @@ def command(
 
         memory = parse_size(device_memory, "--device-memory") if device_memory else None
         typer.echo(predict(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
-                           settings=gptq, device_memory=memory).text())
+                           settings=gptq, device_memory=memory, ranks=ranks).text())
         return
     from quant.pipeline import quantize_checkpoint
     from quant.process import reuse_freed_memory

@@ -84,6 +84,7 @@ class LayerPlan:
     plain_hessians: int = 0  # the plain linears' Hessians (in the first pass)
     per_expert: int = 0  # one expert's Hessians, of the layer's largest fused expert module
     experts: int = 0  # experts of that module
+    input_width: int = 0  # elements per token of the inputs its solved weights are fed (on several ranks, kept)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Prediction:
     peaks: dict[str, int] = field(default_factory=dict)  # "device:<d>" / "host" -> bytes
     passes: dict[int, int] = field(default_factory=dict)  # layer -> calibration passes
     mtp_passes: dict[int, int] = field(default_factory=dict)  # MTP layer solved after them -> calibration passes
+    rank_sweeps: dict[int, int] = field(default_factory=dict)  # on several ranks: layer -> Hessian sweeps per rank
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -261,6 +263,11 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
     layer_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
     stacked = max([p.numel() * dtype_bytes for p, _ in fused.values()] or [0])
     per_expert = max((m[2] for m in modules), default=0)
+    # What a rank records of its batches for the owners (hessians.InputRecorder): each plain linear's input, and
+    # each fused experts module's hidden states once (its gate_up and down are both fed from them).
+    width = sum(p.shape[-1] for p in plain.values()) + sum(
+        layer.get_parameter(f"{k.rsplit('.', 1)[0]}.gate_up_proj").shape[-1] for k in
+        {f"{key.rsplit('.', 1)[0]}.gate_up_proj" for key in fused})
     return LayerPlan(
         index=index, weights=weights, passes=len(passes),
         experts_per_pass=max((len(e) for _, e in passes if e is not None), default=None), layer_bytes=layer_bytes,
@@ -268,7 +275,8 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
         hessians_total=plain_h + sum(len(e) * p.shape[-1] ** 2 * 4 for p, e in fused.values()),
         solve_bytes=solve, parts_bytes=elements // 2 + elements // 32, groups=groups, gather_bytes=gather,
         plain_hessians=plain_h,
-        per_expert=per_expert, experts=max((len(m[1]) for m in modules if m[2] == per_expert), default=0))
+        per_expert=per_expert, experts=max((len(m[1]) for m in modules if m[2] == per_expert), default=0),
+        input_width=width)
 
 
 @dataclass
@@ -367,6 +375,7 @@ class MemoryModel:
     resident: int = 0  # the text model outside the layers and the layer kwargs (causal mask)
     token_bytes: int = 0  # the calibration tokens
     hidden: int = 0
+    ranks: int = 1  # torch.distributed ranks (`--ranks`, torchrun), each on a device of devices[0]'s kind
 
     @property
     def every(self) -> list[LayerPlan]:
@@ -471,7 +480,7 @@ def _is_cpu(device: str) -> bool:
 
 
 def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
-                 devices: str = "auto", workers: int = 1, settings=None) -> MemoryModel:
+                 devices: str = "auto", workers: int = 1, settings=None, ranks: int = 1) -> MemoryModel:
     """The run `quant quantize SRC --method ... --dry-run` describes, and for --method gptq what it holds
     (`settings`: the run's GptqSettings)."""
     import torch
@@ -485,6 +494,8 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxf
         raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
     if workers < 1:
         raise QuantError(f"--workers {workers}: must be at least 1")
+    if ranks < 1:
+        raise QuantError(f"--ranks {ranks}: must be at least 1")
     scheme_obj = get_scheme(scheme)
     if method == "gptq" and scheme not in MXFP4_SCHEMES:
         raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
@@ -496,7 +507,7 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxf
     model = MemoryModel(config_path=root / "config.json", family=family.name,
                         decoder_layers=cfg.get("num_hidden_layers"), mtp=family.mtp_layers(config), scheme=scheme,
                         recipe=recipe_obj.name, mtp_layer=recipe_obj.mtp_layer, method=method,
-                        devices=_device_list(devices, workers))
+                        devices=_device_list(devices, workers), ranks=ranks)
     if method == "rtn":
         return model
 
@@ -531,11 +542,12 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxf
 
 
 def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
-            devices: str = "auto", workers: int = 1, settings=None, device_memory: int | None = None
-            ) -> Prediction:
-    """The dry run's prediction (see the module docstring); `settings` is the run's GptqSettings."""
+            devices: str = "auto", workers: int = 1, settings=None, device_memory: int | None = None,
+            ranks: int = 1) -> Prediction:
+    """The dry run's prediction (see the module docstring); `settings` is the run's GptqSettings; `ranks`: the
+    run on that many torch.distributed ranks, each on a device like the first of `devices` (`_say_ranks`)."""
     return render(memory_model(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
-                               settings=settings), device_memory)
+                               settings=settings, ranks=ranks), device_memory)
 
 
 def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
@@ -553,7 +565,82 @@ def render(model: MemoryModel, device_memory: int | None = None) -> Prediction:
     out.passes = {p.index: p.passes for p in model.plans}
     out.mtp_passes = {m.plan.index: m.plan.passes for m in model.mtp_plans}
     _say_fit(model, device_memory, say)
+    if model.ranks > 1:
+        _say_ranks(model, out, device_memory)
     return out
+
+
+def _say_ranks(model: MemoryModel, out: Prediction, device_memory: int | None) -> None:
+    """The same run on `model.ranks` torch.distributed ranks (`quant.gptq.ranks`), per rank: the busiest rank's
+    share of the calibration batches (contiguous shares), run through each layer twice (the pass that records the
+    solved weights' inputs, in host memory, and the forward to the next layer); each layer's Hessians owned by
+    the ranks, about 1/N of the routed experts (and of the plain linears' Hessians) each, balanced by cost on an
+    assumed even routing, collected in as few sweeps over the recorded inputs as keep each within
+    --hessian-budget (one pass per layer where one sweep). Per rank: its device's peak (the layer whole, its
+    share of the activations, one sweep's Hessians and one solver group) and its host memory (the inputs its
+    share recorded, one batch of them received from another rank, the solved codes and scales of two layers,
+    which every rank holds, the tokens and the mapped source pages)."""
+    say = out.lines.append
+    n, cal = model.ranks, model.settings.calibration
+    budget = model.settings.hessian_bytes
+    dtype_bytes = 4 if model.dtype == "float32" else 2
+    batches = -(-cal.samples // model.batch)
+    share = -(-batches // n)
+    tokens = min(share * model.batch, cal.samples) * cal.seq_len
+    frac = tokens / (cal.samples * cal.seq_len)
+    acts, carry = int(model.acts * frac), int(model.carry * frac)
+
+    def per_rank(budget: int) -> tuple[int, tuple, int, dict[int, int]]:
+        """(device peak, (layer, phase) of it, host peak, sweeps per layer) with `budget` of Hessians a sweep."""
+        peak, host, where, sweeps_of = 0, 0, None, {}
+        for p in model.every:
+            owned = -(-p.experts // n) * p.per_expert
+            sweeps_of[p.index] = -(-owned // budget) if owned else (1 if p.weights else 0)
+            hessians = min(owned, max(budget, p.per_expert)) + -(-p.plain_hessians // n)
+            held = model.resident + acts + carry + p.layer_bytes
+            phases = {"loading the layer": held + p.load_extra,
+                      "collecting its Hessians": held + hessians + model.workspace,
+                      "solving": held + hessians + p.solve_bytes,
+                      "running the layer forward to the next one": model.resident + 2 * (acts + carry)
+                      + p.layer_bytes + model.workspace}
+            recorded = (tokens + model.batch * cal.seq_len) * p.input_width * dtype_bytes
+            phase = max(phases, key=phases.get)
+            if phases[phase] > peak:
+                peak, where = phases[phase], (p.index, phase)
+            host = max(host, recorded + model.parts + model.token_bytes + model.mapped)
+        return peak, where, host, sweeps_of
+
+    peak, where, host, out.rank_sweeps = per_rank(budget)
+    cpu = model.first_is_cpu
+    by_sweeps: dict[int, list[int]] = {}
+    for index, sweeps in out.rank_sweeps.items():
+        by_sweeps.setdefault(sweeps, []).append(index)
+    say(f"on {n} ranks (--ranks {n}, or torchrun): each rank runs at most {share} of the {batches} calibration "
+        f"batches ({tokens:,} tokens) through every layer, twice (the pass that records the solved weights' inputs "
+        f"and the forward to the next layer); each layer's Hessians are owned by the ranks, about "
+        f"1/{n} each, fed the recorded inputs in batch order:")
+    for sweeps, layers in sorted(by_sweeps.items()):
+        say(f"  {sweeps} Hessian sweep{'s' * (sweeps != 1)} per rank: {_ranges(layers)}")
+    device = "the CPU (device and host are one memory)" if cpu else f"its {model.devices[0].split(':')[0]} device"
+    say(f"  per rank, on {device}: {human(peak + (host if cpu else 0))} (layer {where[0]}, while {where[1]}); "
+        + ("" if cpu else f"host {human(host)} ") + f"[its share of the activations {human(acts)}, the recorded "
+        f"inputs and one batch received {human(host - model.parts - model.token_bytes - model.mapped)}, solved codes "
+        f"of two layers {human(model.parts)}]" + (f"; {n} ranks on one machine: {human(n * (peak + host))}" if cpu
+                                                   else ""))
+    out.peaks["rank"] = peak + (host if cpu else 0)
+    out.peaks["rank host"] = host
+    capacity = None if cpu else _capacity(model.devices[0], device_memory)
+    if capacity is not None:
+        verdict = "fits" if peak <= capacity else "DOES NOT FIT"
+        say(f"  {verdict} on each rank's device: {human(peak)} of {human(capacity)}")
+    most = max((-(-p.experts // n) * p.per_expert for p in model.every), default=0)
+    if most > budget:  # one sweep per layer: a budget that holds a rank's share of the largest layer
+        gib = -(-most // GIB)
+        one = per_rank(gib * GIB)[0]
+        room = "" if capacity is None else (f", fits in {HEADROOM:.0%} of the device" if one <= HEADROOM * capacity
+                                            else f", more than {HEADROOM:.0%} of the device")
+        say(f"  one sweep per layer with --hessian-budget {gib}GiB: {human(one + (host if cpu else 0))} per rank"
+            f"{room}")
 
 
 def _header_line(model: MemoryModel) -> str:

@@ -333,7 +333,7 @@ class _DecoderLayers:
     def _done_line(self, index: int, jobs: list[TensorJob], solved: dict, resumed: bool, elapsed: float,
                    eta: str) -> str:
         n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
-        passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
+        passes = "" if resumed else _passes_text(solved)
         return (f"gptq: layer {index + 1}/{len(self.stack)} {'(resumed) ' if resumed else ''}{n_gptq} weights "
                 f"solved, {len(jobs) - n_gptq} rounded to nearest{passes}, {elapsed:.1f} s{eta}")
 
@@ -398,9 +398,18 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
         elapsed = time.perf_counter() - t0
         eta = "" if resumed else progress.end_layer(len(stack) + ref.k, elapsed)
         n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
-        passes = "" if resumed else f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
+        passes = "" if resumed else _passes_text(solved)
         log(f"gptq: {name} {'(resumed) ' if resumed else ''}{n_gptq} weights solved, {len(jobs) - n_gptq} rounded "
             f"to nearest{passes}, {elapsed:.1f} s{eta}")
+
+
+def _passes_text(solved: dict) -> str:
+    """How a layer's Hessians were collected: one process's calibration passes (forwards over every window), or on
+    several ranks one forward over each rank's share and the sweeps of the owned Hessians over its inputs."""
+    if "sweeps" in solved:
+        sweeps = solved["sweeps"]
+        return f", 1 calibration pass per rank, {sweeps} Hessian sweep{'s' * (sweeps != 1)} per rank at most"
+    return f", {solved['passes']} calibration pass{'es' * (solved['passes'] != 1)}"
 
 
 def _previous_solution(store: Path | None, index: int | str, digest: str, ranks=None) -> dict | None:
@@ -842,6 +851,8 @@ def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: li
     gathered to every rank, in rank order; each record of a solved weight names its `rank`."""
     from quant.gptq.hessians import HessianCollector, InputRecorder
 
+    if not passes:  # nothing to solve here (every rank knows it): no forward either, as with one process
+        return {"records": records, "parts": parts, "passes": 0, "sweeps": 0}
     keys = sorted({k for pass_keys, _ in passes for k in pass_keys})
     with _Phase(timing, "gptq_hessians_s", ranks):
         recorder = InputRecorder(layer, set(keys))
@@ -922,7 +933,8 @@ def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: li
     for piece in ranks.all_gather({"records": mine_records, "parts": mine_parts}, "gathering the solved weights"):
         records.update(piece["records"])
         parts.update(piece["parts"])
-    return {"records": records, "parts": parts, "passes": len(passes)}
+    return {"records": records, "parts": parts, "passes": len(passes),
+            "sweeps": max(len(v) for v in sweeps.values())}
 
 
 def _solve_group(param, experts: list[int] | None, sel: list[int], hessians, counts, jobs: list[TensorJob],
