@@ -20,7 +20,8 @@ def command(
     baseline: Optional[str] = typer.Option(None, help="Baseline (e.g. FP8): checkpoint directory or server URL"),
     baseline_run: Optional[Path] = typer.Option(None, help="Instead of --baseline: reuse the baseline answers of an "
                                                 "earlier eval output directory (same tasks and settings)"),
-    tasks: str = typer.Option("gsm8k,gpqa_diamond", help="Comma-separated: gsm8k, gpqa_diamond, toy_arith"),
+    tasks: str = typer.Option("gsm8k,gpqa_diamond", help="Comma-separated: gsm8k, gpqa_diamond, gsm8k_boxed (0-shot "
+                              "chat, \\boxed{} answers scored by math_verify), toy_arith"),
     out: Path = typer.Option(Path("eval-out"), help="Output directory (report.json/md/png, per-question samples)"),
     limit: Optional[int] = typer.Option(200, help="Questions per task (first N; GPQA-Diamond has 198); "
                                         "0 for all"),
@@ -44,6 +45,12 @@ def command(
     batch_size: int = typer.Option(16, help="In-process batch size"),
     device: Optional[str] = typer.Option(None, help="In-process torch device (default: cuda if available)"),
     dtype: str = typer.Option("bfloat16", help="In-process compute dtype: bfloat16 | float32"),
+    thinking: Optional[str] = typer.Option(None, help="Reasoning models: on | off, the chat template's thinking "
+                                           "switch (enable_thinking / thinking); reasoning is kept out of answer "
+                                           "extraction. Default: the template's own"),
+    activations: Optional[str] = typer.Option(None, help="In process: emulate (quantize-dequantize each quantized "
+                                              "linear's input as the scheme says) | bf16; default emulate where "
+                                              "the scheme quantizes activations"),
     baseline_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
     candidate_name: Optional[str] = typer.Option(None, help="Name in the report (default: from the weights)"),
     mtp: bool = typer.Option(True, help="Measure MTP draft acceptance: in process from the checkpoint's MTP "
@@ -67,22 +74,14 @@ def command(
 ) -> None:
     """Compare a candidate against a baseline on GSM8K / GPQA-Diamond with paired statistics."""
     from evals.compare import EXIT_CODES, EvalRequest, evaluate
-    from quant.errors import QuantError
 
     if card is not None:
         from evals.report.card import check_card_target
 
         check_card_target(card)
 
-    request = EvalRequest(
-        candidate=candidate, baseline=baseline, baseline_run=baseline_run, tasks=tasks, out=out,
-        limit=limit or None, seeds=seeds, margin=margin, data_dir=data_dir, gpqa_csv=gpqa_csv,
-        max_gen_toks=max_gen_toks, temperature=temperature, top_p=top_p, endpoint=endpoint,
-        server_model=server_model, concurrency=concurrency, max_retries=max_retries, timeout=timeout,
-        batch_size=batch_size, device=device, dtype=dtype, baseline_name=baseline_name,
-        candidate_name=candidate_name, mtp=mtp, mtp_depth=mtp_depth, mtp_margin=mtp_margin, overwrite=overwrite,
-        gate=gate, write_gate=write_gate, resume=resume,
-    )
+    fields = EvalRequest.__dataclass_fields__  # every option of the same name; --limit 0 means all questions
+    request = EvalRequest(**{**{k: v for k, v in locals().items() if k in fields}, "limit": limit or None})
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
     from evals.report.render import print_table
 

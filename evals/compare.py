@@ -14,7 +14,7 @@ from evals.statistics import evidence
 
 from evals.statistics import accuracy
 from evals.arms.answers import ANSWERS_DIR, open_store
-from evals.arms.backends import DTYPES, Backend, BackendOptions, is_url, open_backend
+from evals.arms.backends import ACTIVATIONS, DTYPES, Backend, BackendOptions, is_url, open_backend
 from evals.statistics.acceptance import compare_acceptance
 from evals.statistics.pairing import generation_counts, pair_acceptance, pair_scores
 from evals.statistics.recovery import recovery
@@ -23,7 +23,7 @@ from evals.report.render import METHODS, REPORT_JSON, write_report
 from evals.statistics.results import ComparisonRow, EvalReport
 from evals.statistics.verdict import Verdict
 from evals.arms.lm_eval_run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
-from evals.arms.tasks import EVAL_DATA_DIR, parse_tasks, write_task_files
+from evals.arms.tasks import EVAL_DATA_DIR, THINKING_MODES, parse_tasks, write_task_files
 from quant.errors import QuantError, machine_failure, naming
 from quant.ownership import remove_path
 
@@ -35,6 +35,7 @@ OWN_FILES = (REPORT_JSON, "report.md", "report.png")
 # while they are under way) lives in a scratch directory of ours (quant.ownership.SCRATCH).
 SCRATCH_DIR = ".quant-eval"
 MAX_MARGIN_POINTS = 50.0  # a margin wider than this admits any candidate: refused as a mistake
+GSM8K_TASKS = {"gsm8k", "gsm8k_boxed"}  # the tasks asked on GSM8K's data (--data-dir, else the hub)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class EvalRequest:
     gate: Path | None = None            # a CI gate file (vLLM's GSM8K config format: evals/gate.py)
     write_gate: Path | None = None      # write a gate file from this run's baseline arm
     resume: bool = True                 # reuse the answers an interrupted run into the same --out kept
+    activations: str | None = None      # in process: "emulate" | "bf16"; None: emulate where the scheme quantizes
+    thinking: str | None = None         # "on" | "off": the chat template's thinking switch; None: its default
 
 
 def _check(request: EvalRequest) -> None:
@@ -84,6 +87,10 @@ def _check(request: EvalRequest) -> None:
             raise QuantError(f"{flag} {value}: must be at least 1")
     if request.dtype not in DTYPES:
         raise QuantError(f"--dtype {request.dtype!r}: choose from {', '.join(DTYPES)}")
+    if request.activations is not None and request.activations not in ACTIVATIONS:
+        raise QuantError(f"--activations {request.activations!r}: choose from {', '.join(ACTIVATIONS)}")
+    if request.thinking is not None and request.thinking not in THINKING_MODES:
+        raise QuantError(f"--thinking {request.thinking!r}: choose from {', '.join(THINKING_MODES)}")
     if request.max_gen_toks is not None and request.max_gen_toks < 1:
         raise QuantError(f"--max-gen-toks {request.max_gen_toks}: must be a positive number of tokens")
     for flag, value in (("--temperature", request.temperature), ("--top-p", request.top_p)):
@@ -113,7 +120,12 @@ def _check(request: EvalRequest) -> None:
         # Headers and config only (seconds on any size): a broken candidate is found before the baseline runs.
         from quant.checkpoint import open_checkpoint
 
-        open_checkpoint(source).require_intact()
+        ckpt = open_checkpoint(source)
+        ckpt.require_intact()
+        if request.activations != "bf16" and "quantization_config" in ckpt.config:
+            from quant.dequant import activation_formats
+
+            activation_formats(ckpt)  # an activation scheme --activations emulate cannot model: refused here
     for flag, path in (("--data-dir", request.data_dir), ("--gpqa-csv", request.gpqa_csv),
                        ("--baseline-run", request.baseline_run)):
         if path is not None and not Path(path).exists():
@@ -128,6 +140,19 @@ def _same_source(a: str, b: str) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
+def _check_chat(request: EvalRequest, specs) -> None:
+    """Chat tasks need a server's chat endpoint; --thinking needs every task asked through a chat template."""
+    servers = [s for s in (request.candidate, request.baseline) if s and is_url(s)]
+    for spec in specs:
+        if spec.chat and servers and request.endpoint != "chat":
+            raise QuantError(f"--tasks {spec.name} is a chat task: servers are asked it with --endpoint chat")
+        in_process = [s for s in (request.candidate, request.baseline) if s and not is_url(s)]
+        if request.thinking is not None and not spec.chat and (in_process or request.endpoint != "chat"):
+            raise QuantError(f"--thinking {request.thinking}: {spec.name} is asked as a plain completion, with no chat "
+                             f"template to switch thinking in (chat tasks: gsm8k_boxed; or servers with "
+                             f"--endpoint chat)")
+
+
 def _check_inputs(request: EvalRequest, specs) -> None:
     """What can be checked before any work beyond the arguments: the data files, the data the hub must give
     (all of it named in one error when the hub is off), and every server answering with the model asked for."""
@@ -136,12 +161,13 @@ def _check_inputs(request: EvalRequest, specs) -> None:
     from evals.arms.tasks import gpqa_data_file, gsm8k_data_files
 
     names = {s.name for s in specs}
-    if request.data_dir is not None and "gsm8k" in names:
+    gsm8k = bool(names & GSM8K_TASKS)
+    if request.data_dir is not None and gsm8k:
         gsm8k_data_files(request.data_dir)
     if request.gpqa_csv is not None and "gpqa_diamond" in names:
         gpqa_data_file(request.gpqa_csv)
     needed = {}
-    if "gsm8k" in names and request.data_dir is None:
+    if gsm8k and request.data_dir is None:
         needed["GSM8K"] = hub_data.GSM8K_HINT
     if "gpqa_diamond" in names and request.gpqa_csv is None:
         needed["GPQA-Diamond"] = hub_data.GPQA_HINT
@@ -211,7 +237,7 @@ def _release(backend: Backend) -> None:
         pass
 
 
-RUN_SETTINGS = ("limit", "seeds", "max_gen_toks", "temperature", "top_p", "mtp_depth")
+RUN_SETTINGS = ("limit", "seeds", "max_gen_toks", "temperature", "top_p", "mtp_depth", "thinking")
 
 
 def _settings(request: EvalRequest, specs) -> dict:
@@ -220,7 +246,7 @@ def _settings(request: EvalRequest, specs) -> dict:
     return {"tasks": [s.name for s in specs], "limit": request.limit, "seeds": request.seeds,
             "max_gen_toks": request.max_gen_toks, "temperature": request.temperature, "top_p": request.top_p,
             "mtp": request.mtp, "mtp_depth": request.mtp_depth, "mtp_margin_points": request.mtp_margin,
-            "endpoint": request.endpoint, "ci_level": 0.95, "ci_method": "tango-score",
+            "endpoint": request.endpoint, "thinking": request.thinking, "ci_level": 0.95, "ci_method": "tango-score",
             "lm_eval_version": version("lm_eval")}
 
 
@@ -296,7 +322,7 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
         store.close()
     arm = {"source": source, "name": name or _weights_name(backend), "kind": backend.kind,
            "description": backend.description, "notes": backend.notes, "failed_requests": backend.failures(),
-           "first_error": backend.first_error(),
+           "first_error": backend.first_error(), "activations": backend.activations,
            "mtp": mtp}
     if any("mtp" in r for r in records):  # run_arm wrote the samples before the acceptance was attached
         write_records(scratch / RUNS_DIR / label, specs, records)
@@ -327,7 +353,8 @@ def _server_mtp(spec, records: list[dict], specs, settings: RunSettings, options
     for r in records:
         r["mtp"] = replayed.get((r["task"], r["seed"], r["doc_id"]))
     if not replayed:
-        return {"measured": False, "why": "no greedy task to replay through SGLang's /generate"}
+        return {"measured": False, "why": "no greedy task with a completion prompt to replay through SGLang's "
+                                          "/generate (chat prompts are not replayed)"}
     rounds = sum(q["rounds"] for q in replayed.values())
     tokens = sum(q["tokens"] for q in replayed.values())
     log(f"  SGLang accepted length {tokens / max(rounds, 1):.2f} over {len(replayed)} replayed generations")
@@ -374,6 +401,7 @@ def evaluate(request: EvalRequest, log=print) -> EvalReport:
     report.json holds)."""
     _check(request)
     specs = parse_tasks(request.tasks)
+    _check_chat(request, specs)
     settings = _settings(request, specs)
     earlier = load_baseline_run(request.baseline_run, specs, settings) if request.baseline_run else None
     gate = _read_gate(request, specs)
@@ -431,15 +459,15 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, g
     datasets_cache = scratch / "hf_datasets_cache"
     gsm8k_dir, gpqa_csv = _eval_data(request, specs, scratch / "data")
     task_dir = write_task_files(scratch / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,
-                                gpqa_csv=gpqa_csv, datasets_cache=datasets_cache)
+                                gpqa_csv=gpqa_csv, datasets_cache=datasets_cache, thinking=request.thinking)
     go_offline(datasets_cache)
     run_settings = RunSettings(limit=request.limit, max_gen_toks=request.max_gen_toks, seeds=request.seeds,
-                               temperature=request.temperature, top_p=request.top_p)
+                               temperature=request.temperature, top_p=request.top_p, thinking=request.thinking)
     options = BackendOptions(endpoint=request.endpoint, server_model=request.server_model,
                              concurrency=request.concurrency, max_retries=request.max_retries,
                              timeout=request.timeout, max_gen_toks=request.max_gen_toks or 512,
                              batch_size=request.batch_size, device=request.device, dtype=request.dtype,
-                             mtp=request.mtp)
+                             mtp=request.mtp, activations=request.activations)
     if earlier:
         baseline_arm, baseline = earlier
         baseline_arm = {**baseline_arm, "reused_from": str(request.baseline_run)}
@@ -487,7 +515,7 @@ def _eval_data(request: EvalRequest, specs, dest: Path) -> tuple[Path | None, Pa
 
     names = {s.name for s in specs}
     gsm8k_dir = request.data_dir
-    if gsm8k_dir is None and "gsm8k" in names:
+    if gsm8k_dir is None and names & GSM8K_TASKS:
         gsm8k_dir = hub_data.fetch_gsm8k(dest / "gsm8k")
     gpqa_csv = request.gpqa_csv
     if gpqa_csv is None and "gpqa_diamond" in names:

@@ -39,11 +39,11 @@ def write_gsm8k_dir(path: Path, n: int = 8) -> Path:
     return path
 
 
-def load_docs(tmp: Path, task: str, **files):
+def load_docs(tmp: Path, task: str, thinking: str | None = None, **files):
     from lm_eval.tasks import TaskManager
 
     task_dir = write_task_files(tmp / "tasks", [TASKS[task]], datasets_cache=tmp / "cache",
-                                **{"gsm8k_dir": None, "toy_dir": None, "gpqa_csv": None, **files})
+                                thinking=thinking, **{"gsm8k_dir": None, "toy_dir": None, "gpqa_csv": None, **files})
     go_offline(tmp / "cache")
     loaded = TaskManager(include_path=str(task_dir), include_defaults=False).load([TASKS[task].lm_eval_task])
     return loaded["tasks"][TASKS[task].lm_eval_task]

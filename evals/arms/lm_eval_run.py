@@ -48,12 +48,15 @@ class RunSettings:
     seeds: int                   # generation seeds for sampled tasks
     temperature: float = 1.0     # sampled tasks only; greedy tasks always decode greedily
     top_p: float = 1.0
+    thinking: str | None = None  # "on" / "off": the chat template's thinking switch; None: the template's default
 
     def seed_list(self, spec: TaskSpec) -> list[int]:
         return list(range(self.seeds)) if spec.sampled else [0]
 
     def gen_kwargs(self, spec: TaskSpec) -> dict:
-        max_gen_toks = self.max_gen_toks or spec.default_max_gen_toks
+        default = spec.thinking_max_gen_toks if self.thinking == "on" and spec.thinking_max_gen_toks else \
+            spec.default_max_gen_toks
+        max_gen_toks = self.max_gen_toks or default
         if spec.sampled:
             # do_sample must be explicit: HF and vLLM would otherwise follow a YAML's do_sample and ignore
             # the temperature (lm-eval.md section 7.3).
@@ -107,6 +110,33 @@ def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
     }
 
 
+def template_kwargs(thinking: str | None) -> dict:
+    """The chat-template switch for `--thinking`: `enable_thinking` (Qwen3, GLM) and `thinking` (DeepSeek-V3.1,
+    Kimi), as SGLang's run_eval passes both; a template ignores the one it does not read."""
+    if thinking is None:
+        return {}
+    on = thinking == "on"
+    return {"enable_thinking": on, "thinking": on}
+
+
+def _chat(backend: Backend, spec: TaskSpec, settings: RunSettings) -> bool:
+    """Whether this task is asked as chat messages by this arm; prepares the arm's chat template switch."""
+    chat = backend.chat or spec.chat
+    if not chat:
+        if settings.thinking is not None:
+            raise QuantError(f"--thinking {settings.thinking}: {spec.name} is asked as a plain completion here; "
+                             f"thinking is a chat template's switch (--endpoint chat, or a chat task)")
+        return False
+    if backend.kind == "server":
+        if not backend.chat:
+            raise QuantError(f"{spec.name} is a chat task: ask {backend.source} with --endpoint chat")
+        return True
+    if not getattr(backend.lm.tokenizer, "chat_template", None):
+        raise QuantError(f"{spec.name} is asked as chat, but the tokenizer of {backend.source} has no chat template")
+    backend.lm.chat_template_args = template_kwargs(settings.thinking)  # HFLM renders the template with these
+    return True
+
+
 def _check_context(backend: Backend, spec: TaskSpec, max_gen_toks: int) -> None:
     if backend.kind != "transformers":
         return  # the server tokenizes and enforces its own context length
@@ -148,8 +178,11 @@ def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Pa
             run_dir.mkdir(parents=True, exist_ok=True)
             gen_kwargs = settings.gen_kwargs(spec)
             _check_context(backend, spec, gen_kwargs["max_gen_toks"])
+            chat = _chat(backend, spec, settings)
             if spec.sampled:
                 gen_kwargs.update(backend.seed_gen_kwargs(seed))
+            if chat and backend.kind == "server" and settings.thinking is not None:
+                gen_kwargs["chat_template_kwargs"] = template_kwargs(settings.thinking)  # SGLang's and vLLM's field
             log(f"  {backend.label}: {spec.name}" + (f" seed {seed}" if spec.sampled else ""))
             keeping = kept_answers(backend, store, seed, spec.sampled, log) if store else contextlib.nullcontext()
             with _light_provenance(), keeping:
@@ -159,7 +192,7 @@ def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Pa
                     task_manager=task_manager,
                     limit=settings.limit,
                     gen_kwargs=gen_kwargs,
-                    apply_chat_template=backend.chat,
+                    apply_chat_template=chat,
                     log_samples=True,
                     bootstrap_iters=0,
                     random_seed=PYTHON_SEED,

@@ -1,9 +1,12 @@
 """A small OpenAI-compatible server over transformers `generate`, for evaluating a checkpoint through the same
 server backend as SGLang/vLLM (and for testing that backend): `python -m evals.arms.model_server CKPT --port 8000`.
 
-Endpoints: GET /v1/models, POST /v1/completions (prompt: string or list of strings), POST /v1/chat/completions.
+Endpoints: GET /v1/models, POST /v1/completions (prompt: string or list of strings), POST /v1/chat/completions
+(`chat_template_kwargs` such as `enable_thinking` reach the tokenizer's chat template; with a template that thinks,
+the reasoning comes back as `message.reasoning_content` and only the answer as `content`, as SGLang's and vLLM's
+reasoning parsers return it).
 Requests are served one generation at a time (a lock around the model). Quantized checkpoints are dequantized
-into BF16 first (weights-only emulation, as in the in-process backend). With --idle-timeout the server stops
+into BF16 first, their activations emulated or not as in the in-process backend (--activations). With --idle-timeout the server stops
 itself after that many seconds without a request.
 """
 
@@ -19,6 +22,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from evals.arms.tasks import THINK_CLOSE, THINK_OPEN, split_reasoning
+
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
@@ -30,12 +35,13 @@ class Generator:
         self.digest = digest  # the checkpoint's (evals.arms.answers.checkpoint_digest), listed at /v1/models
         self.lock = threading.Lock()
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The tokenizer's chat template, or, for a tokenizer without one (base models, the toy), the plain
-        few-shot layout lm-eval's completion prompts use: user turns as written, each assistant turn after a
-        space and followed by a blank line."""
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
+        """The tokenizer's chat template (given `template_kwargs`), or, for a tokenizer without one (base models,
+        the toy), the plain few-shot layout lm-eval's completion prompts use: user turns as written, each assistant
+        turn after a space and followed by a blank line."""
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
         parts = []
         for m in messages:
             content = m.get("content") or ""
@@ -46,6 +52,18 @@ class Generator:
             else:
                 parts.append(content)
         return "".join(parts)
+
+    def chat(self, messages: list[dict], template_kwargs: dict, sampling: dict) -> tuple[dict, str, int, int]:
+        """(assistant message, finish_reason, prompt tokens, completion tokens). With a template that thinks (its
+        generation prompt opens <think>, or the generation does) the reasoning is split off into
+        `reasoning_content`, as SGLang's and vLLM's reasoning parsers return it."""
+        prompt = self.render_chat(messages, template_kwargs)
+        text, reason, n_in, n_out = self.complete(prompt, **sampling)
+        message = {"role": "assistant", "content": text}
+        opened = prompt.rstrip().endswith(THINK_OPEN)
+        if opened or THINK_OPEN in text or THINK_CLOSE in text:
+            message["reasoning_content"], message["content"] = split_reasoning(text, opened=opened)
+        return message, reason, n_in, n_out
 
     def complete(self, prompt: str, *, max_tokens: int, temperature: float, top_p: float, stop: list[str],
                  seed: int | None) -> tuple[str, str, int, int]:
@@ -150,11 +168,13 @@ def make_handler(generator: Generator, touch):
             messages = body["messages"]
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise ValueError("messages must be a list of objects")
-            text, reason, n_in, n_out = generator.complete(generator.render_chat(messages), **_sampling(body))
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise ValueError("chat_template_kwargs must be an object")
+            message, reason, n_in, n_out = generator.chat(messages, kwargs, _sampling(body))
             return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                     "model": generator.name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": reason}],
+                    "choices": [{"index": 0, "message": message, "finish_reason": reason}],
                     "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
 
     return Handler
@@ -200,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-name", default=None, help="id served at /v1/models (default: directory name)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    parser.add_argument("--activations", default=None, choices=("emulate", "bf16"),
+                        help="quantized checkpoints: emulate activation quantization (default where the scheme "
+                             "quantizes them) or keep BF16")
     parser.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     args = parser.parse_args(argv)
 
@@ -210,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="evals-server-") as work:
             model, tokenizer, description, _ = load_checkpoint_model(args.checkpoint, Path(work), dtype=args.dtype,
-                                                                     device=args.device)
+                                                                     device=args.device,
+                                                                     activations=args.activations)
     except QuantError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -214,7 +214,9 @@ def markdown(report: EvalReport) -> str:
     s = report.settings
     lines += ["", "## Settings", "",
               f"- tasks: {', '.join(s['tasks'])}; limit {s['limit']}; seeds for sampled tasks {s['seeds']}; "
-              f"max_gen_toks {s['max_gen_toks'] or 'task default'}",
+              f"max_gen_toks {s['max_gen_toks'] or 'task default'}"
+              + (f"; thinking {s['thinking']} (chat template switch; reasoning kept out of answer extraction)"
+                 if s.get("thinking") else ""),
               f"- interval: {s.get('ci_method', 'tango-score')} at {s['ci_level']:.0%}; lm-eval "
               f"{s['lm_eval_version']}",
               "- samples per arm and task: `runs/<arm>/<task>/samples.jsonl`; lm-eval results next to them", ""]
