@@ -277,9 +277,15 @@ def follow(ranks: Ranks) -> None:
     ("solve", what `run.solve_checkpoint` needs) once its pipeline has planned a GPTQ run, then ("done",)."""
     from quant.checkpoint import open_checkpoint
     from quant.gptq.run import solve_checkpoint
+    import transformers  # noqa: F401  (its import, seconds, overlaps rank 0's planning)
 
     while True:
         message = ranks.broadcast(None, 0, "waiting for rank 0's plan")
+        if message[0] == "prepare":  # rank 0 checked the source and plans: build its model meanwhile (imports)
+            from quant.model_exec.layers import meta_model
+
+            meta_model(message[1], open_checkpoint(message[1]))
+            continue
         if message[0] != "solve":
             return
         work = message[1]
@@ -287,6 +293,12 @@ def follow(ranks: Ranks) -> None:
         mine = dataclasses.replace(work["settings"], ranks=ranks)  # rank 0's settings: the same solves
         solve_checkpoint(work["plan"], ckpt, work["src_path"], None, [ranks.device], mine, work["layer_returns"],
                          work["digest"], None, lambda m: None, ranks=ranks)
+
+
+def lead_prepare(ranks: Ranks, src_path) -> None:
+    """Rank 0 has checked the source (`GptqSettings.check`) and goes on planning: the others build the model from
+    it meanwhile, so that transformers' imports and the model's construction are not waited for later."""
+    ranks.broadcast(("prepare", src_path), 0, "sending the source")
 
 
 def lead_solve(ranks: Ranks, request, settings) -> None:

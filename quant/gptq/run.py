@@ -102,6 +102,10 @@ class GptqSettings:
 
         self.calibration.check()
         meta_model(src_path, ckpt)
+        if self.ranks is not None and self.ranks.size > 1:
+            from quant.gptq.ranks import lead_prepare
+
+            lead_prepare(self.ranks, src_path)
 
     def solve(self, request) -> "SolvedWeights":
         """`solve_checkpoint` for the pipeline's `quant.pipeline.solver.SolveRequest` (rank 0 of several: the other
@@ -211,6 +215,7 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
     started = time.perf_counter()
     tokens = calibration_tokens(settings.calibration, src_path) if ranks.rank == 0 else None
     tokens = ranks.broadcast(tokens, 0, "sending the calibration tokens")
+    comm0 = ranks.comm_s  # waiting for the others to be ready is the calibration's set-up, not communication
     # The batches as one process cuts them; this rank runs a contiguous share of them (all, with one rank).
     mine = ranks.share(-(-tokens.shape[0] // settings.batch))
     local = tokens[mine.start * settings.batch:mine.stop * settings.batch]
@@ -226,15 +231,15 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
     with torch.no_grad(), workers:
         hidden = stack.capture(local, settings.batch) if local.shape[0] else []
         carry: list[dict] = [{} for _ in hidden]
-        timing["gptq_calibration_s"] += time.perf_counter() - started - ranks.comm_s
+        timing["gptq_calibration_s"] += time.perf_counter() - started - (ranks.comm_s - comm0)
         for index in range(len(stack)):
             hidden, carry = layers.run(index, by_layer.get(index, []), hidden, carry)
         if mtp:
             _solve_mtp(stack, mtp, mtp_jobs, local, hidden, plan, settings, store, digest, write, progress, workers,
                        log, timing, ranks)
-    timing["gptq_comm_s"] = ranks.comm_s
+    timing["gptq_comm_s"] = ranks.comm_s - comm0
     comm = (f"; {ranks.size} ranks, rank 0 sent {ranks.sent / 1e6:.1f} MB and received {ranks.received / 1e6:.1f} MB "
-            f"in {ranks.comm_s:.1f} s of collectives" if ranks.size > 1 else "")
+            f"in {timing['gptq_comm_s']:.1f} s of collectives" if ranks.size > 1 else "")
     log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
         + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens){comm}")
     if ranks.size > 1:  # every rank's phases, for the balance (scripts/bench_gptq_ranks.py reads this line)
