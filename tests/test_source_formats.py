@@ -319,3 +319,14 @@ def test_toy_refuses_an_unknown_source_format(tmp_path):
     with pytest.raises(QuantError, match="unknown source format 'nvfp8'; valid names: mxfp8, ct-mxfp4, ct-nvfp4"):
         build_toy("qwen3-moe", tmp_path / "t", source_format="nvfp8")
     assert not (tmp_path / "t").exists()
+
+
+def test_gptq_refuses_a_microscaled_source_in_one_line(toys):
+    """GPTQ's layer reader takes BF16 or block FP8: a microscaled source is refused before any work, saying why
+    (before: 'its tensors are named differently', about a family GPTQ does run)."""
+    from quant.checkpoint import open_checkpoint
+    from quant.model_exec.layers import meta_model
+
+    for fmt in ("ct-nvfp4", "mxfp8"):
+        with pytest.raises(QuantError, match="its weights arrive microscaled .* round to nearest"):
+            meta_model(toys[fmt], open_checkpoint(toys[fmt]))

@@ -185,6 +185,11 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
     that every decoder layer it builds can be read from the checkpoint's tensors; a family where it cannot (a
     vision-language wrapper AutoModelForCausalLM has no model for, tensor names transformers only maps while
     loading) is one QuantError naming the family, before any work."""
+    from quant.sources import native
+
+    if native.is_microscaled(ckpt):  # DecoderStack.read takes BF16 or block FP8 (quant.sources decodes the rest)
+        raise _unsupported(ckpt, "its weights arrive microscaled (MXFP4 / MXFP8 / compressed-tensors FP4 codes with "
+                                 "block scales), which GPTQ's layer reader does not decode")
     model = config_model(root, dtype, lambda why: _unsupported(ckpt, why))
     prefix = text_prefix(ckpt.tensors)
     names = LayerNames.of(ckpt)
