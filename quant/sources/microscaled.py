@@ -139,7 +139,9 @@ def scale_tensors(tensors) -> set[str]:
     return out
 
 
-def _expected(fmt: Format, block: tuple[int, int], logical: tuple[int, ...]) -> tuple[int, ...] | None:
+def _expected(block: tuple[int, int], logical: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The scale shape of a weight of decoded shape `logical` under `block` (None: the input dim is not a whole
+    number of per-row groups)."""
     rows, k = logical[-2], logical[-1]
     rb, cb = block
     if rb == 1 and k % cb:
@@ -177,7 +179,7 @@ def recognise(tensors, weight: str, where: str = "") -> Encoding | None:
             raise QuantError(f"{where}: {weight} {w.dtype} {list(wshape)} with {scale} {list(sshape)}: a {fmt.kind} "
                              f"weight must be {'at least ' if fmt.packed else ''}2-D")
         for block in fmt.blocks:
-            if _expected(fmt, block, logical) == sshape:
+            if _expected(block, logical) == sshape:
                 glob = module + fmt.global_scale if fmt.global_scale else ""
                 if glob:
                     g = tensors.get(glob)
@@ -189,7 +191,7 @@ def recognise(tensors, weight: str, where: str = "") -> Encoding | None:
         if fmt.kind == MXFP4:
             raise QuantError(f"{where}: {weight} {w.dtype} {list(wshape)} with {scale} {list(sshape)} is not MXFP4 "
                              f"(expected a scale of shape [..., K/32] for packed codes [..., K/2])")
-        wanted = " or ".join(str(list(e)) for b in fmt.blocks if (e := _expected(fmt, b, logical)))
+        wanted = " or ".join(str(list(e)) for b in fmt.blocks if (e := _expected(b, logical)))
         raise QuantError(f"{where}: {weight} {w.dtype} {list(wshape)} with {scale} {list(sshape)} matches no "
                          f"{fmt.kind} block size ({' or '.join(f'{r}x{c}' for r, c in fmt.blocks)}: scale "
                          f"{wanted or 'none, the input dim is not a multiple of the group'})")
