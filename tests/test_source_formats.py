@@ -330,3 +330,28 @@ def test_gptq_refuses_a_microscaled_source_in_one_line(toys):
     for fmt in ("ct-nvfp4", "mxfp8"):
         with pytest.raises(QuantError, match="its weights arrive microscaled .* round to nearest"):
             meta_model(toys[fmt], open_checkpoint(toys[fmt]))
+
+
+def test_a_sharded_nvfp4_source_reads_scales_from_other_shards(tmp_path):
+    """Shards split a module's weight_packed, weight_scale and weight_global_scale apart: each job names every file
+    it reads (planning/needs.py streams a Hub source by them), and the export holds the one-shard source's tensors."""
+    from quant.checkpoint import open_checkpoint
+    from quant.families import family_for_config
+    from quant.planning.needs import job_files
+    from quant.planning.plan import make_plan
+    from quant.planning.recipes import load_recipe
+    from quant.planning.schemes import SCHEMES
+    from quant.toy import build_toy
+
+    whole = build_toy("qwen3-moe", tmp_path / "whole", source_format="ct-nvfp4")
+    sharded = build_toy("qwen3-moe", tmp_path / "sharded", source_format="ct-nvfp4", shard_size="16KB")
+    ckpt = open_checkpoint(sharded)
+    family = family_for_config(ckpt.config)
+    plan = make_plan(ckpt, family, load_recipe("experts-only", family), SCHEMES["w_mxfp4_a_mxfp4"], "even")
+    split = [j.source for s in plan.shards for j in s.jobs
+             if isinstance(j.source, native.NativeSource) and j.source.global_scale_file != j.source.file]
+    assert split and all({s.file, s.scale_file, s.global_scale_file} <= job_files(s) for s in split)
+    _export(sharded, tmp_path / "q-sharded")
+    _export(whole, tmp_path / "q-whole")
+    a, b = _tensors(tmp_path / "q-sharded"), _tensors(tmp_path / "q-whole")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
