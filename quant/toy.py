@@ -539,7 +539,7 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
         raise QuantError(f"--source-format {name} writes a BF16 toy's weights in another format; this toy is already "
                          f"quantized (--fp8-block or a microscaled release)")
     family = family_for_config(config_json)
-    roles = set(spec["roles"])
+    roles = spec["roles"] if isinstance(spec["roles"], dict) else dict.fromkeys(spec["roles"], spec.get("encode"))
     out, kept = {}, []
     for tensor, value in tensors.items():
         module = tensor[: -len(".weight")] if tensor.endswith(".weight") else None
@@ -548,13 +548,14 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
             continue
         role = family.role_of(module)
         if role in roles:
-            for suffix, part in encode_as(spec["encode"], value).items():
+            for suffix, part in encode_as(roles[role], value, spec.get("fp8_block", 128)).items():
                 out[module + suffix] = part
         else:
             out[tensor] = value
             kept.append(module)
     config = json.loads(json.dumps(spec["quantization_config"]))
-    config[spec["ignore_key"]] = list(spec.get("ignore_extra") or []) + sorted(kept)
+    if spec.get("ignore_key"):
+        config[spec["ignore_key"]] = list(spec.get("ignore_extra") or []) + sorted(kept)
     return out, config
 
 

@@ -355,3 +355,27 @@ def test_a_sharded_nvfp4_source_reads_scales_from_other_shards(tmp_path):
     _export(whole, tmp_path / "q-whole")
     a, b = _tensors(tmp_path / "q-sharded"), _tensors(tmp_path / "q-whole")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_deepseek_v41_storage_passes_through_into_the_mixed_layout(tmp_path):
+    """DeepSeek-V4.1-Flash's storage (MXFP4 experts, UE8M0 32x32 FP8 elsewhere) into AMD's mixed layout (MXFP4 experts,
+    MXFP8 elsewhere): both carried over, the 32x32 scales written per [1, 32] group (vLLM's own repack), every
+    value unchanged; the fp8-block target, whose 128x128 blocks are not the source's, decodes them once."""
+    from quant.toy import build_toy
+    from quant.verify import verify_checkpoint
+
+    src = build_toy("deepseek-v3", tmp_path / "v41", source_format="deepseek-v4.1")
+    manifest = _export(src, tmp_path / "q", recipe="experts-mxfp4-rest-mxfp8")
+    source, export = _tensors(src), _tensors(tmp_path / "q")
+    expert, attn = "model.layers.1.mlp.experts.5.down_proj", "model.layers.1.self_attn.q_b_proj"
+    assert torch.equal(export[expert + ".weight"], source[expert + ".weight"].view(torch.uint8))
+    assert torch.equal(export[expert + ".weight_scale"], source[expert + ".scale"].view(torch.uint8))
+    assert source[attn + ".scale"].shape == (12, 4)  # [384/32, 128/32]
+    assert torch.equal(export[attn + ".weight"].view(torch.uint8), source[attn + ".weight"].view(torch.uint8))
+    exact = ms.decode_fp8_ue8m0(source[attn + ".weight"], source[attn + ".scale"], 32)
+    assert torch.equal(mxfp8.dequantize_mxfp8(export[attn + ".weight"], export[attn + ".weight_scale"]), exact)
+    assert {(manifest["tensors"][m]["action"], manifest["tensors"][m]["source_encoding"]) for m in (expert, attn)} \
+        == {("passthrough", "mxfp4"), ("passthrough", "fp8-ue8m0")}
+    assert verify_checkpoint(tmp_path / "q", engines=["vllm==0.33"]).findings == []
+    block = _export(src, tmp_path / "fp8", scheme="fp8-block", recipe="all-linear")
+    assert block["tensors"][attn]["action"] == "quantize"

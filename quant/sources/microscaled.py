@@ -398,12 +398,19 @@ def encode_nvfp4(x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "to
     return packed, scales, global_scale.to(torch.float32)
 
 
-def encode_as(kind: str, x: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+def encode_as(kind: str, x: "torch.Tensor", block: int = 128) -> dict[str, "torch.Tensor"]:
     """A 2-D weight written in format `kind` as its release stores it: {tensor-name suffix: tensor} (the weight's
-    suffix and its scales', FORMATS), under the release's scale rule (the encoders above)."""
+    suffix and its scales', FORMATS), under the release's scale rule (the encoders above); `block`: the square
+    block of UE8M0 FP8 (128 or 32)."""
     import torch
 
     fmt = next((f for f in FORMATS if f.kind == kind), None)
+    if kind == MXFP4:
+        codes, s = encode_mxfp4_release(x)
+        return {fmt.weight: codes, fmt.scale: s}
+    if kind == FP8_UE8M0:
+        q, s = encode_fp8_ue8m0(x, block)
+        return {fmt.weight: q, fmt.scale: s}
     if kind == MXFP8:
         q, s = encode_mxfp8_release(x)
         return {fmt.weight: q, fmt.scale: s}
@@ -413,4 +420,5 @@ def encode_as(kind: str, x: "torch.Tensor") -> dict[str, "torch.Tensor"]:
     if kind == CT_NVFP4:
         codes, s, g = encode_nvfp4(x)
         return {fmt.weight: codes, fmt.scale: s, fmt.global_scale: g}
-    raise QuantError(f"no release encoder for source format {kind!r} (use mxfp8, ct-mxfp4 or ct-nvfp4)")
+    raise QuantError(f"no release encoder for source format {kind!r} (use one of "
+                     f"{', '.join(f.kind for f in FORMATS)})")
