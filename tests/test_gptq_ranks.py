@@ -192,12 +192,7 @@ def test_hessians_fed_from_recorded_inputs_are_the_hooks_bytes(toy_factory, one_
         some = {fused[0]: [1, 3, 6], fused[-1]: [0, 6]}
         fed = HessianCollector(layer, keys, some, hooks=False)
         for batch in recorder.batches:
-            for key, inputs in batch["linear"].items():
-                for x in inputs:
-                    fed.feed_linear(key, x)
-            for path, calls in batch["experts"].items():
-                for hidden_states, top_k in calls:
-                    fed.feed_experts(path, hidden_states, top_k)
+            fed.feed(batch)
     for key in keys:
         if key in some:
             where = fed.expert_slots(key)

@@ -108,6 +108,15 @@ class HessianCollector:
         module.forward = forward
         self.restore.append((path, module))
 
+    def feed(self, batch: dict) -> None:
+        """What an `InputRecorder` kept of one batch (or the share of it an owner is sent), call by call."""
+        for key, inputs in batch["linear"].items():
+            for x in inputs:
+                self.feed_linear(key, x)
+        for path, calls in batch["experts"].items():
+            for hidden_states, top_k_index in calls:
+                self.feed_experts(path, hidden_states, top_k_index)
+
     def feed_experts(self, path: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
         """One call of experts module `path`: each collected expert's H gets the tokens routed to it (gate_up:
         the hidden states; down: the gated activation of those tokens, from the expert's current weights)."""

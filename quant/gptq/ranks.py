@@ -74,6 +74,7 @@ class Ranks:
     sent: int = 0
     received: int = 0
     comm_s: float = 0.0
+    comm_cpu_s: float = 0.0  # the process's CPU seconds meanwhile (pickling, copies)
     threads: int | None = None  # intra-op threads of a CPU rank (the machine's cores shared among its ranks)
     solving: bool = False  # rank 0: the others have been handed the run and not yet finished it
 
@@ -182,11 +183,13 @@ class Ranks:
             import torch.distributed as dist
 
             with self._guard(what):
-                works, buffers = [], []  # the buffers stay alive until their sends are done
+                works, buffers, encoded = [], [], {}  # the buffers stay alive until their sends are done
                 for dst in receivers:
                     if dst == src:
                         continue
-                    data = _encode(payloads.get(dst))
+                    payload = payloads.get(dst)  # one encoding of a payload several ranks are sent
+                    data = encoded[id(payload)] if id(payload) in encoded else encoded.setdefault(
+                        id(payload), _encode(payload))
                     size = torch.tensor([data.numel()], dtype=torch.int64)
                     buffers += [size, data]
                     works += [dist.isend(size, dst, tag=1), dist.isend(data, dst, tag=2)]
@@ -225,11 +228,12 @@ class _Guard:
         self.ranks, self.what = ranks, what
 
     def __enter__(self):
-        self.t0 = time.perf_counter()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
         return self
 
     def __exit__(self, kind, e, tb) -> bool:
         self.ranks.comm_s += time.perf_counter() - self.t0
+        self.ranks.comm_cpu_s += time.process_time() - self.cpu0
         if e is not None and isinstance(e, RuntimeError):
             r = self.ranks
             raise RankLost(f"GPTQ rank {r.rank} of {r.size}: a peer rank stopped answering while {self.what} "

@@ -21,6 +21,10 @@ final-norm hidden state of the quantized main layers at t and the embedding of t
 BF16 glue), and its records and solved weights go to `mtp-NNNNN.*` beside the layers'. A recipe that keeps the
 MTP layers BF16 leaves nothing to solve there.
 
+On several torch.distributed ranks (`quant.gptq.ranks`: torchrun, or `quant quantize --ranks N`), each rank runs
+its share of the calibration batches through every layer and solves the weights it owns, fed their inputs batch by
+batch in the global order (`_solve_layer_ranked`); the bytes are one process's.
+
 What stays round-to-nearest, and why (each recorded in the manifest as `method`):
   - FP8-scheme modules of mixed recipes (GPTQ here is the MXFP4 grid's);
   - routed experts that fewer than `MIN_EXPERT_TOKENS` calibration tokens were routed to: their Hessian is too
@@ -37,6 +41,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import time
 from collections import Counter, defaultdict
@@ -61,6 +66,10 @@ PROGRESS_SECONDS = 10.0  # at most one progress line this often within a layer
 # in the phase they happened in.
 PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_forward_s",
           "gptq_comm_s")
+# For benchmarks (scripts/bench_gptq_ranks.py): a path prefix; each rank (one process: rank 0) writes PREFIX.RANK, a
+# JSON record of its seconds per phase, the CPU seconds of the forward, Hessian and solve phases, and the bytes its
+# collectives moved.
+TIMING_ENV = "QUANT_GPTQ_TIMING"
 
 
 @dataclass(frozen=True)
@@ -215,7 +224,7 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
     started = time.perf_counter()
     tokens = calibration_tokens(settings.calibration, src_path) if ranks.rank == 0 else None
     tokens = ranks.broadcast(tokens, 0, "sending the calibration tokens")
-    comm0 = ranks.comm_s  # waiting for the others to be ready is the calibration's set-up, not communication
+    comm0, comm_cpu0 = ranks.comm_s, ranks.comm_cpu_s  # waiting for the others is set-up, not communication
     # The batches as one process cuts them; this rank runs a contiguous share of them (all, with one rank).
     mine = ranks.share(-(-tokens.shape[0] // settings.batch))
     local = tokens[mine.start * settings.batch:mine.stop * settings.batch]
@@ -249,12 +258,16 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
             f"{k.removeprefix('gptq_').removesuffix('_s')} " + "/".join(f"{t[k]:.2f}" for t in every) + " s"
             for k in PHASES) + "; MB sent " + "/".join(f"{t['sent'] / 1e6:.2f}" for t in every)
             + ", received " + "/".join(f"{t['received'] / 1e6:.2f}" for t in every))
+    if os.environ.get(TIMING_ENV):
+        Path(f"{os.environ[TIMING_ENV]}.{ranks.rank}").write_text(json.dumps({
+            "rank": ranks.rank, "ranks": ranks.size, "wall_s": {k: timing[k] for k in PHASES},
+            "cpu_s": {**{k: timing["cpu:" + k] for k in PHASES if "cpu:" + k in timing},
+                      "gptq_comm_s": ranks.comm_cpu_s - comm_cpu0},
+            "sent": ranks.sent, "received": ranks.received}, sort_keys=True))
     ranks.solving = False
     if store is None:
         return None
-    solved = SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
-    solved.comm_bytes = {"sent": ranks.sent, "received": ranks.received}
-    return solved
+    return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
 
 
 def _calibration_line(cal: CalibrationSettings, devices: list[str], ranks: int = 1) -> str:
@@ -304,10 +317,9 @@ class _DecoderLayers:
         layer = stack.load_layer(index)
         timing["gptq_load_s"] += time.perf_counter() - t0
         solved, resumed = self._solution(index, layer, jobs, hidden, carry)
-        t1 = time.perf_counter()
-        _apply_quantized(stack, index, layer, jobs, solved, self.plan.scale_mode)
-        hidden, carry = stack.forward(index, layer, hidden, carry)
-        timing["gptq_forward_s"] += time.perf_counter() - t1
+        with _Phase(timing, "gptq_forward_s", self.ranks):
+            _apply_quantized(stack, index, layer, jobs, solved, self.plan.scale_mode)
+            hidden, carry = stack.forward(index, layer, hidden, carry)
         stack.release_layer(index)
         del layer
         elapsed = time.perf_counter() - t0
@@ -394,12 +406,10 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
                 _save_layer_solution(store, stem, solved, _layer_digest(digest, stem), write)
             timing["gptq_save_s"] += time.perf_counter() - t1
             resumed = False
-        t1 = time.perf_counter()
-        _apply_quantized(stack, None, block.layer, jobs, solved, plan.scale_mode, slot_of=slot_of)
-        with torch.no_grad():
+        with _Phase(timing, "gptq_forward_s", ranks), torch.no_grad():
+            _apply_quantized(stack, None, block.layer, jobs, solved, plan.scale_mode, slot_of=slot_of)
             prev = [block.run(z, positions) for z, positions in inputs] if ref is not mtp[-1] else []
         del inputs, block
-        timing["gptq_forward_s"] += time.perf_counter() - t1
         elapsed = time.perf_counter() - t0
         eta = "" if resumed else progress.end_layer(len(stack) + ref.k, elapsed)
         n_gptq = sum(1 for r in solved["records"].values() if r["method"] == "gptq")
@@ -727,14 +737,13 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
         return _solve_layer_ranked(layer, eligible, slots, plain, passes, records, parts, plan, settings, report,
                                    workers, run_pass, timing, ranks)
     for pass_keys, pass_experts in passes:
-        t0 = time.perf_counter()
-        collector = HessianCollector(layer, set(pass_keys), pass_experts)
-        try:
-            for _ in run_pass():
-                pass
-        finally:
-            collector.close()
-        timing["gptq_hessians_s"] += time.perf_counter() - t0
+        with _Phase(timing, "gptq_hessians_s", ranks):
+            collector = HessianCollector(layer, set(pass_keys), pass_experts)
+            try:
+                for _ in run_pass():
+                    pass
+            finally:
+                collector.close()
         tasks, costs = [], []
         for key in pass_keys:
             experts = None if key in plain else pass_experts
@@ -747,9 +756,8 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
                                                plan.scale_mode, settings, report))
                 costs.append(_group_cost(param, len(sel)))
         del collector
-        t0 = time.perf_counter()
-        results = workers.run(tasks, costs)
-        timing["gptq_solve_s"] += time.perf_counter() - t0
+        with _Phase(timing, "gptq_solve_s", ranks):
+            results = workers.run(tasks, costs)
         for worker, (group_records, group_parts) in results:
             for record in group_records.values():
                 if record["method"] == "gptq":
@@ -830,18 +838,23 @@ def _routed_counts(layer, batches: list[dict], plain: list[str], keys: list[str]
 
 
 class _Phase:
-    """Adds a block's seconds to timing[name], less what this rank spent in collectives meanwhile (those are
-    gptq_comm_s)."""
+    """Adds a block's seconds to timing[name], and the process's CPU seconds to timing["cpu:" + name], less what
+    this rank spent in collectives meanwhile (those are gptq_comm_s; `ranks` None: one process, none)."""
 
-    def __init__(self, timing: Counter, name: str, ranks):
+    def __init__(self, timing: Counter, name: str, ranks=None):
         self.timing, self.name, self.ranks = timing, name, ranks
 
+    def _comm(self) -> tuple[float, float]:
+        return (self.ranks.comm_s, self.ranks.comm_cpu_s) if self.ranks is not None else (0.0, 0.0)
+
     def __enter__(self):
-        self.t0, self.c0 = time.perf_counter(), self.ranks.comm_s
+        self.t0, self.cpu0, self.c0 = time.perf_counter(), time.process_time(), self._comm()
         return self
 
     def __exit__(self, *exc) -> bool:
-        self.timing[self.name] += time.perf_counter() - self.t0 - (self.ranks.comm_s - self.c0)
+        wall, cpu = self._comm()
+        self.timing[self.name] += time.perf_counter() - self.t0 - (wall - self.c0[0])
+        self.timing["cpu:" + self.name] += time.process_time() - self.cpu0 - (cpu - self.c0[1])
         return False
 
 
@@ -895,18 +908,14 @@ def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: li
             for src, i in rounds:
                 payloads = None
                 if src == ranks.rank:
-                    batch = recorder.batches[i]
-                    payloads = {r: {"linear": {k: batch["linear"].get(k, []) for k in sorted(lin)},
-                                    "experts": {p: batch["experts"].get(p, []) for p in sorted(mods)}}
-                                for r, (lin, mods) in needs.items()}
+                    batch, shared = recorder.batches[i], {}  # ranks that need the same get the same object
+                    payloads = {r: shared.setdefault((tuple(sorted(lin)), tuple(sorted(mods))), {
+                        "linear": {k: batch["linear"].get(k, []) for k in sorted(lin)},
+                        "experts": {p: batch["experts"].get(p, []) for p in sorted(mods)}})
+                        for r, (lin, mods) in needs.items()}
                 got = ranks.deliver(payloads, src, receivers, "sending the calibration activations to their owners")
                 if got is not None and collector is not None:
-                    for key, inputs in got["linear"].items():
-                        for x in inputs:
-                            collector.feed_linear(key, x)
-                    for path, calls in got["experts"].items():
-                        for hidden_states, top_k in calls:
-                            collector.feed_experts(path, hidden_states, top_k)
+                    collector.feed(got)
         tasks, costs = [], []
         for u in chunk:
             param = layer.get_parameter(u.key)
@@ -919,7 +928,8 @@ def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: li
                 index = [where[e] for e in u.experts]
                 hessians, n = collector.hessians[u.key][index], collector.tokens[u.key][index]
                 experts_list = list(u.experts)
-                jobs_here = [j for j in eligible if slots[j.output].key == u.key and slots[j.output].expert in u.experts]
+                jobs_here = [j for j in eligible
+                             if slots[j.output].key == u.key and slots[j.output].expert in u.experts]
             sel = list(range(n.shape[0]))
             tasks.append(functools.partial(_solve_group, param, experts_list, sel, hessians, n, jobs_here, slots,
                                            plan.scale_mode, settings, report))
