@@ -143,6 +143,9 @@ def test_headers_that_fit_no_format_are_refused_naming_the_tensors():
     with pytest.raises(QuantError, match="zero-point"):
         rec({"m.weight_packed": ("U8", (32, 32)), "m.weight_scale": ("U8", (32, 2)),
              "m.weight_zero_point": ("U8", (32, 2))}, "m.weight_packed")
+    # MXFP8 in [32, 32] blocks under MiniMax's names (the DeepSeek-V4.1 block): one scale row per 32 rows.
+    assert rec({"m.weight": ("F8_E4M3", (96, 64)), "m.weight_scale_inv": ("F8_E8M0", (3, 2))}, "m.weight") == \
+        ms.Encoding(ms.MXFP8, "m.weight_scale_inv", (32, 32), (96, 64), "m")
     # Official block FP8 (F32 weight_scale_inv) is not a microscaled format: left to the block-FP8 path.
     block = {"m.weight": Info("F8_E4M3", (160, 96)), "m.weight_scale_inv": Info("F32", (2, 1))}
     assert ms.recognise(block, "m.weight") is None and ms.scale_tensors(block) == set()
