@@ -182,6 +182,8 @@ class EngineRules:
     packed_modules_mapping: dict[str, list[str]] = rule({}, "fused module -> the checkpoint shards it is built from")
     unexpanded_fused: dict[str, list[str]] = rule(
         {}, "architecture -> fused modules matched by the fused name only (not expanded into shards)")
+    exclude_fused_name_first: bool = rule(
+        False, "an exclude entry matching a fused module's own name excludes it before its shards are expanded")
     name_mappers: dict[str, dict[str, str]] = rule(
         {}, "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
             "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")

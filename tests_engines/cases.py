@@ -166,7 +166,7 @@ def cases() -> list[Case]:
     return out
 
 
-VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5")
+VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5", "kimi-k2.5")
 # Real vLLM outcomes the preflight does not predict yet, asserted as recorded (with the preflight's prediction), so
 # that modelling one fails the expectation and the entry goes. case name -> (outcome, why).
 VLLM_PREFLIGHT_MISSES: dict[str, tuple[str, str]] = {

@@ -300,6 +300,8 @@ class ProfileChecker:
                 return None
         else:
             names = self._lookup_names(ctx, unit)
+            if unit.fused and self.p.rules.exclude_fused_name_first and ctx.exclude.matches(unit.runtime):
+                names = [unit.runtime]  # an entry naming the fused module decides before its shards are looked at
             try:
                 excluded = ignored(names if unit.fused else names[:1], ctx.exclude)
             except ShardConflict as c:
