@@ -70,6 +70,7 @@ def command(
             from quant.errors import QuantError
 
             raise QuantError(f"--ranks {ranks}: ranks share GPTQ's work; --method {method} has none to share")
+        _one_device_per_rank(devices, workers)
         code = launch_local(ranks, sys.argv)
         if code:
             raise typer.Exit(code)
@@ -81,6 +82,9 @@ def command(
         if dry_run or method == "gptq" else None
     if dry_run:
         from quant.gptq.dry_run import predict
+
+        if launched() and os.environ.get("RANK", "0") != "0":
+            return  # under torchrun: rank 0 prints it
 
         memory = parse_size(device_memory, "--device-memory") if device_memory else None
         typer.echo(predict(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
@@ -128,14 +132,20 @@ def _run_ranked(run, devices: str, workers: int, gptq) -> None:
     from quant.errors import QuantError
     from quant.gptq.ranks import Ranks, run_command
 
-    if devices != "auto" or workers != 1:
-        if os.environ.get("RANK", "0") != "0":
-            raise typer.Exit(QuantError.exit_code)  # rank 0 says why
-        raise QuantError("under torchrun (or --ranks) each rank computes on its own device (GPU LOCAL_RANK, else "
-                         "the CPU): leave --devices auto and --workers 1")
+    if os.environ.get("RANK", "0") != "0" and (devices != "auto" or workers != 1):
+        raise typer.Exit(QuantError.exit_code)  # rank 0 says why
+    _one_device_per_rank(devices, workers)
     ranks = Ranks.from_env()
     mine = dataclasses.replace(gptq, ranks=ranks) if gptq is not None else None
     run_command(ranks, lambda: run(devices=ranks.device, gptq=mine))
+
+
+def _one_device_per_rank(devices: str, workers: int) -> None:
+    from quant.errors import QuantError
+
+    if devices != "auto" or workers != 1:
+        raise QuantError("under torchrun (or --ranks) each rank computes on its own device (GPU LOCAL_RANK, else "
+                         "the CPU): leave --devices auto and --workers 1")
 
 
 def _stream_line(stream: dict) -> str:

@@ -59,13 +59,13 @@ _EXPERT = re.compile(r"^(.*\bexperts\.\d+)\.")
 PROGRESS_SECONDS = 10.0  # at most one progress line this often within a layer
 # The phases of a GPTQ run, as `SolvedWeights.timing` (and the manifest's `timing`) name their seconds: tokenizing
 # the calibration text and running it to the first decoder layer; reading each layer's weights; the forward passes
-# that accumulate the input Hessians; the solves (all workers, wall time); saving each layer's solution; and
-# replacing the layer's weights by their quantized values and running the calibration activations through it to
-# the next layer (the MTP layers' inputs included).
+# that accumulate the input Hessians; the solves (all workers, wall time); saving each layer's solution;
+# replacing the layer's weights by their quantized values (apply: the whole layer, on every rank); and running the
+# calibration activations through it to the next layer (the MTP layers' inputs included).
 # On several ranks (`quant.gptq.ranks`), the seconds a rank waited in its collectives are `gptq_comm_s`, not counted
 # in the phase they happened in.
-PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_forward_s",
-          "gptq_comm_s")
+PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_apply_s",
+          "gptq_forward_s", "gptq_comm_s")
 # For benchmarks (scripts/bench_gptq_ranks.py): a path prefix; each rank (one process: rank 0) writes PREFIX.RANK, a
 # JSON record of its seconds per phase, the CPU seconds of the forward, Hessian and solve phases, and the bytes its
 # collectives moved.
@@ -317,8 +317,9 @@ class _DecoderLayers:
         layer = stack.load_layer(index)
         timing["gptq_load_s"] += time.perf_counter() - t0
         solved, resumed = self._solution(index, layer, jobs, hidden, carry)
-        with _Phase(timing, "gptq_forward_s", self.ranks):
+        with _Phase(timing, "gptq_apply_s", self.ranks):
             _apply_quantized(stack, index, layer, jobs, solved, self.plan.scale_mode)
+        with _Phase(timing, "gptq_forward_s", self.ranks):
             hidden, carry = stack.forward(index, layer, hidden, carry)
         stack.release_layer(index)
         del layer
@@ -406,8 +407,9 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
                 _save_layer_solution(store, stem, solved, _layer_digest(digest, stem), write)
             timing["gptq_save_s"] += time.perf_counter() - t1
             resumed = False
-        with _Phase(timing, "gptq_forward_s", ranks), torch.no_grad():
+        with _Phase(timing, "gptq_apply_s", ranks):
             _apply_quantized(stack, None, block.layer, jobs, solved, plan.scale_mode, slot_of=slot_of)
+        with _Phase(timing, "gptq_forward_s", ranks), torch.no_grad():
             prev = [block.run(z, positions) for z, positions in inputs] if ref is not mtp[-1] else []
         del inputs, block
         elapsed = time.perf_counter() - t0
