@@ -127,7 +127,12 @@ test-vllm-fast: $(ENGINES_VENV)/.installed
 # MTP draft; the outcome matrix goes to docs/engine-matrix.md. Each tier runs on two pytest workers (each with its
 # own probe zygote: tests_engines/zygote.py) and ends with every case's outcome by name (-rA).
 ENGINES_XDIST ?= -n 2
+# The probes' outcomes of one run are kept by content in ENGINE_RESULTS (tests_engines/probe_runner.py), fresh per
+# run, so the matrix step reads what the tiers observed instead of running every probe again.
+ENGINE_RESULTS ?= .engine-results
+test-engines: export QUANT_ENGINE_RESULTS = $(abspath $(ENGINE_RESULTS))
 test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed $(VENV)/.installed $(QUARK_VENV)/.installed
+	rm -rf $(ENGINE_RESULTS)
 	$(ENGINES_VENV)/bin/python -m pytest -q -rA $(ENGINES_XDIST) -p no:cacheprovider \
 		-o "markers=vllm_fast: the CI slice" tests_engines \
 		--ignore=tests_engines/test_sglang.py --ignore=tests_engines/test_sglang_sources.py \
