@@ -82,3 +82,30 @@ def test_a_preload_that_fails_is_an_error_not_an_outcome(tmp_path, monkeypatch):
     monkeypatch.setattr(probe_runner, "FORK", True)
     with pytest.raises(RuntimeError, match="vllm_emulation_missing"):
         probe_runner.run_probe(sys.executable, path, [], dict(os.environ), 30)
+
+
+def test_kept_outcomes_answer_only_identical_inputs(probe, tmp_path, monkeypatch):
+    """QUANT_ENGINE_RESULTS: a probe already completed on the same checkpoint bytes and settings is answered from its
+    kept outcome (the same child output, no new child); a changed byte, another setting or a failed probe runs."""
+    import json
+
+    monkeypatch.setattr(probe_runner, "RESULTS", str(tmp_path / "results"))
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    (checkpoint / "quant_manifest.json").write_text('{"source": "/somewhere"}')
+
+    def pid(action="ok", env=None):
+        done = probe_runner.run_probe(sys.executable, probe, [action, str(checkpoint)], env or dict(os.environ), 30)
+        return done.returncode, json.loads(done.stdout.splitlines()[0])["pid"]
+
+    first = pid()
+    assert pid() == first  # answered from the kept outcome
+    (checkpoint / "quant_manifest.json").write_text('{"source": "/elsewhere"}')  # no engine reads it
+    assert pid() == first
+    (checkpoint / "model.safetensors").write_bytes(b"weightz")
+    changed = pid()
+    assert changed != first and pid() == changed
+    assert pid(env={**os.environ, "QUANT_VLLM_EMULATION": "force"}) != changed
+    failed = pid("exit3")
+    assert failed[0] == 3 and pid("exit3") != failed  # a failed probe is never kept
