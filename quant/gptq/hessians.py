@@ -151,6 +151,14 @@ class HessianCollector:
         self.handles, self.restore = [], []
 
 
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """`x` on the CPU in a storage of its own size: a view of a larger tensor is copied, since pickling it (to send it
+    to another rank) would carry all of that tensor."""
+    x = x.detach().cpu()
+    return x if x.untyped_storage().nbytes() == x.nbytes and x.is_contiguous() else x.clone(
+        memory_format=torch.contiguous_format)
+
+
 class InputRecorder:
     """Keeps, batch by batch, what a `HessianCollector` is fed for the weights `keys` of `layer`: each call's input
     of a plain linear, and each call's hidden states and top-k indices of a fused experts module (on the CPU, in
@@ -167,7 +175,7 @@ class InputRecorder:
             module = modules.get(path)
             if isinstance(module, torch.nn.Linear) and param == "weight":
                 self.handles.append(module.register_forward_pre_hook(
-                    lambda _m, args, key=key: self._keep("linear", key, args[0].detach().cpu())))
+                    lambda _m, args, key=key: self._keep("linear", key, _own(args[0]))))
             elif module is not None and hasattr(module, "gate_up_proj") and path not in wrapped:
                 wrapped.add(path)
                 self._wrap(path, module)
@@ -182,7 +190,7 @@ class InputRecorder:
         original = module.forward
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            self._keep("experts", path, (hidden_states.detach().cpu(), top_k_index.detach().cpu()))
+            self._keep("experts", path, (_own(hidden_states), _own(top_k_index)))
             return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
         module.forward = forward

@@ -124,15 +124,9 @@ class Ranks:
         return next(r for r in range(self.size) if batch in self.share(count, r))
 
     def assign(self, costs: list[float]) -> list[int]:
-        """The owner rank of each item: largest estimated cost first, each to the least loaded rank (lowest on
-        ties). A function of the costs and the rank count alone, so every rank computes the same owners."""
-        loads = [0.0] * self.size
-        owner = [0] * len(costs)
-        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-            r = min(range(self.size), key=lambda r: (loads[r], r))
-            owner[i] = r
-            loads[r] += costs[i]
-        return owner
+        """The owner rank of each item (`balance`): a function of the costs and the rank count alone, so every
+        rank computes the same owners."""
+        return balance(costs, self.size)
 
     # -- collectives -----------------------------------------------------------------------------------------
     def broadcast(self, obj=None, src: int = 0, what: str = "a broadcast"):
@@ -219,6 +213,17 @@ class Ranks:
 
     def _guard(self, what: str):
         return _Guard(self, what)
+
+
+def balance(costs: list[float], bins: int) -> list[int]:
+    """The bin of each item: largest estimated cost first, each to the least loaded bin (lowest on ties)."""
+    loads = [0.0] * bins
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        b = min(range(bins), key=lambda b: (loads[b], b))
+        owner[i] = b
+        loads[b] += costs[i]
+    return owner
 
 
 class _Guard:

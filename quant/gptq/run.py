@@ -586,14 +586,10 @@ class Workers:
 
     def assign(self, costs: list[float]) -> list[int]:
         """The worker of each task: largest estimated cost first, each to the least loaded worker (lowest index
-        on ties)."""
-        loads = [0.0] * len(self.devices)
-        owner = [0] * len(costs)
-        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-            w = min(range(len(loads)), key=lambda w: (loads[w], w))
-            owner[i] = w
-            loads[w] += costs[i]
-        return owner
+        on ties; `ranks.balance`, as the ranks share a layer's weights)."""
+        from quant.gptq.ranks import balance
+
+        return balance(costs, len(self.devices))
 
     def run(self, tasks: list, costs: list[float]) -> list[tuple[int, object]]:
         """Run `tasks` (callables taking the worker's device string); returns (worker, result) in task order. The
@@ -998,8 +994,9 @@ def _solve_group(param, experts: list[int] | None, sel: list[int], hessians, cou
         records[job.output] = {"method": "gptq", "tokens": tokens, "damping": float(solved.damping[i]),
                                "calib_rel_error_rtn": float(err_rtn[i]),
                                "calib_rel_error_gptq": float(err_gptq[i])}
-        parts[job.output] = {"weight": solved.packed[i, r0:r1].contiguous().cpu(),
-                             "weight_scale": solved.scales[i, r0:r1].contiguous().cpu()}
+        # copies of their own (a view would carry the whole group's storage wherever it is pickled to: ranks)
+        parts[job.output] = {"weight": solved.packed[i, r0:r1].to("cpu", copy=True),
+                             "weight_scale": solved.scales[i, r0:r1].to("cpu", copy=True)}
     del h, solved, rtn, w
     progress(done)
     return records, parts
