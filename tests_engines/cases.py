@@ -159,14 +159,16 @@ def cases() -> list[Case]:
     # loads, and its log-probabilities must fall outside the tolerance the intact export is held to.
     out += [Case(toy, "control", "w_mxfp4", "experts-only", "swapped-nibbles") for toy in runnable
             if toy not in VLLM_LOADS_ONLY]
-    # Exports as other tools write them (one_spelling), for the toys whose main model vLLM-CPU runs and whose
-    # spellings differ for vLLM (the MTP families' NextN spellings concern SGLang's draft; the probe builds none).
+    # Exports as other tools write them (one_spelling), for every toy whose main model vLLM-CPU runs (MiniMax-M3
+    # only loads). The probe builds no MTP draft, so the MTP families' cases compare the target model's outcome with
+    # the preflight's findings on it (_target_errors).
     out += [Case(toy, "spelling", "w_mxfp4_a_mxfp4", ONE_SPELLING_RECIPE, f"spelling-{spelling}")
             for toy in VLLM_SPELLING_TOYS for spelling in ONE_SPELLING[toy]]
     return out
 
 
-VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5", "kimi-k2.5")
+VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5", "kimi-k2.5", "deepseek-v3", "glm5", "deepseek-v3.2", "glm4.7",
+                      "minimax-m2")
 # Real vLLM outcomes the preflight does not predict yet, asserted as recorded (with the preflight's prediction), so
 # that modelling one fails the expectation and the entry goes. case name -> (outcome, why).
 VLLM_PREFLIGHT_MISSES: dict[str, tuple[str, str]] = {
@@ -422,17 +424,28 @@ def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
     return out, reference, toy
 
 
-def prediction(path: Path) -> tuple[str, str]:
-    """("pass" | "error", first error message) from the preflight for the vLLM release under test."""
+def _target_errors(path: Path) -> list:
+    """The preflight's vLLM errors on what vllm_probe.py builds: the target model. The probe configures no
+    speculative decoding, so vLLM builds no MTP draft and reads none of the MTP layer's weights; findings on the MTP
+    layers (model.layers.{N+k}.*, the mtp.* namespace) concern the draft, which tests_engines/test_vllm_mtp.py runs."""
+    from quant.engines import split_mtp
+
+    config = json.loads((path / "config.json").read_text())
     report = verify_checkpoint(path, engines=[VLLM_RELEASE])
-    errors = [f for f in report.errors if f.engine in ("vllm", "all")]
+    return [f for f in report.errors if f.engine in ("vllm", "all")
+            and not (f.tensor.startswith("mtp.") or split_mtp(f.tensor.rsplit(".", 1)[0], config))]
+
+
+def prediction(path: Path) -> tuple[str, str]:
+    """("pass" | "error", first error message) from the preflight for the vLLM release under test, on the target
+    model (_target_errors)."""
+    errors = _target_errors(path)
     return ("error", errors[0].message) if errors else ("pass", "")
 
 
 def prediction_tensors(path: Path) -> list[str]:
-    """The tensors the preflight's vLLM errors name."""
-    report = verify_checkpoint(path, engines=[VLLM_RELEASE])
-    return [f.tensor for f in report.errors if f.engine in ("vllm", "all")]
+    """The tensors the preflight's vLLM errors on the target model name."""
+    return [f.tensor for f in _target_errors(path)]
 
 
 _PLACE = re.compile(r"layers\.(\d+)\.(\w+)")
