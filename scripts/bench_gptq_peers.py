@@ -247,8 +247,10 @@ def glm52_config() -> dict:
     return json.loads((REPO / "tests" / "data" / "glm52_config" / "config.json").read_text())
 
 
-def layer_toy(work: Path, experts: int) -> tuple[Path, dict]:
-    """A one-layer GLM-5-shaped MoE checkpoint: GLM-5.2's attention, hidden and expert sizes, `experts` routed."""
+def layer_toy(work: Path, experts: int, scale: int = 1) -> tuple[Path, dict]:
+    """A one-layer GLM-5-shaped MoE checkpoint: GLM-5.2's attention, hidden and expert sizes, `experts` routed;
+    with `scale` > 1 the widths (hidden, expert, LoRA ranks) and head counts divided by it
+    (scripts/bench_gptq_ranks.py)."""
     from quant.toy import build_toy
 
     real = glm52_config()
@@ -256,9 +258,13 @@ def layer_toy(work: Path, experts: int) -> tuple[Path, dict]:
             "num_attention_heads", "num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "index_n_heads", "index_head_dim", "head_dim")
     overrides = {k: real[k] for k in keys if k in real}
+    for k in ("hidden_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank"):
+        overrides[k] = max(32, overrides[k] // scale)
+    for k in ("num_attention_heads", "num_key_value_heads", "index_n_heads"):
+        overrides[k] = max(1, overrides[k] // scale)
     overrides.update(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=experts,
                      num_experts_per_tok=min(real["num_experts_per_tok"], experts), num_nextn_predict_layers=0)
-    src = work / f"glm5-layer-{experts}"
+    src = work / (f"glm5-layer-{experts}" + (f"-s{scale}" if scale > 1 else ""))
     if not (src / "config.json").is_file():
         build_toy("glm5", src, overrides=overrides, force=True)
     return src, overrides
