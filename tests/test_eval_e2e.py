@@ -117,13 +117,15 @@ def test_correct_mxfp4_export_passes_and_swapped_nibbles_fail(tmp_path):
     assert row["n_questions"] == LIMIT
     assert report["verdict"] == "pass" and report["exit_code"] == 0, row
     assert report["baseline"]["name"] == "FP8" and report["candidate"]["name"] == "MXFP4"
-    assert "weights-only emulation" in " ".join(report["candidate"]["notes"])
+    # both schemes quantize activations: emulated by default (MXFP4 blocks; block FP8's per-token groups)
+    assert report["candidate"]["activations"] == report["baseline"]["activations"] == "emulate"
+    assert "activations emulated" in " ".join(report["candidate"]["notes"])
     for name in (REPORT_JSON, REPORT_MD, REPORT_PNG):
         assert (first / name).stat().st_size > 0
     md = (first / REPORT_MD).read_text()
     assert ("| Eval | n | FP8 baseline | MXFP4 | Δ (pt) | 95% CI (pt) | recovery [95% CI] | McNemar p | n to pass |"
             in md)
-    assert "activations are not quantized" in md
+    assert "- candidate: emulated (--activations emulate): each quantized linear's input" in md
     assert json.loads((first / REPORT_JSON).read_text())["verdict"] == "pass"
     samples = (first / "runs" / "candidate" / "toy_arith" / "samples.jsonl").read_text().splitlines()
     assert len(samples) == 2 * LIMIT  # one record per question per filter
