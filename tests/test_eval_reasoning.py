@@ -98,7 +98,8 @@ def test_thinking_needs_a_chat_template_and_is_refused_before_any_work(tmp_path)
     fixture = Path(__file__).resolve().parent.parent / "evals" / "data" / "toy_arith" / "model"
     for kw, message in (({"thinking": "maybe"}, "--thinking 'maybe': choose from on, off"),
                         ({"thinking": "on", "tasks": "toy_arith"}, "toy_arith is asked as a plain completion"),
-                        ({"tasks": "gsm8k_boxed"}, "gsm8k_boxed is a chat task: servers are asked it with --endpoint chat")):
+                        ({"tasks": "gsm8k_boxed"},
+                         "gsm8k_boxed is a chat task: servers are asked it with --endpoint chat")):
         request = {"candidate": str(fixture), "baseline": "http://127.0.0.1:9/v1", "out": tmp_path / "out",
                    "tasks": "gsm8k_boxed", **kw}
         with pytest.raises(QuantError, match=message):

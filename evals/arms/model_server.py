@@ -53,18 +53,6 @@ class Generator:
                 parts.append(content)
         return "".join(parts)
 
-    def chat(self, messages: list[dict], template_kwargs: dict, sampling: dict) -> tuple[dict, str, int, int]:
-        """(assistant message, finish_reason, prompt tokens, completion tokens). With a template that thinks (its
-        generation prompt opens <think>, or the generation does) the reasoning is split off into
-        `reasoning_content`, as SGLang's and vLLM's reasoning parsers return it."""
-        prompt = self.render_chat(messages, template_kwargs)
-        text, reason, n_in, n_out = self.complete(prompt, **sampling)
-        message = {"role": "assistant", "content": text}
-        opened = prompt.rstrip().endswith(THINK_OPEN)
-        if opened or THINK_OPEN in text or THINK_CLOSE in text:
-            message["reasoning_content"], message["content"] = split_reasoning(text, opened=opened)
-        return message, reason, n_in, n_out
-
     def complete(self, prompt: str, *, max_tokens: int, temperature: float, top_p: float, stop: list[str],
                  seed: int | None) -> tuple[str, str, int, int]:
         """(text, finish_reason, prompt tokens, completion tokens)."""
@@ -90,6 +78,20 @@ class Generator:
         if cut >= 0:
             text = text[:cut]
         return text, "stop" if finished else "length", ids.shape[1], len(new)
+
+
+def chat_message(generator, messages: list[dict], template_kwargs: dict,
+                 sampling: dict) -> tuple[dict, str, int, int]:
+    """(assistant message, finish_reason, prompt tokens, completion tokens) from `generator`'s render_chat and
+    complete. With a template that thinks (its generation prompt opens <think>, or the generation does) the
+    reasoning is split off into `reasoning_content`, as SGLang's and vLLM's reasoning parsers return it."""
+    prompt = generator.render_chat(messages, template_kwargs)
+    text, reason, n_in, n_out = generator.complete(prompt, **sampling)
+    message = {"role": "assistant", "content": text}
+    opened = prompt.rstrip().endswith(THINK_OPEN)
+    if opened or THINK_OPEN in text or THINK_CLOSE in text:
+        message["reasoning_content"], message["content"] = split_reasoning(text, opened=opened)
+    return message, reason, n_in, n_out
 
 
 def _sampling(body: dict) -> dict:
@@ -171,7 +173,7 @@ def make_handler(generator: Generator, touch):
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise ValueError("chat_template_kwargs must be an object")
-            message, reason, n_in, n_out = generator.chat(messages, kwargs, _sampling(body))
+            message, reason, n_in, n_out = chat_message(generator, messages, kwargs, _sampling(body))
             return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                     "model": generator.name,
                     "choices": [{"index": 0, "message": message, "finish_reason": reason}],
