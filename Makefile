@@ -136,9 +136,10 @@ test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed $(VENV)/.inst
 	$(ENGINES_VENV)/bin/python -m pytest -q -rA $(ENGINES_XDIST) -p no:cacheprovider \
 		-o "markers=vllm_fast: the CI slice" tests_engines \
 		--ignore=tests_engines/test_sglang.py --ignore=tests_engines/test_sglang_sources.py \
-		--ignore=tests_engines/test_transformers.py
+		--ignore=tests_engines/test_transformers.py --ignore=tests_engines/test_activation_emulation.py
 	$(SGLANG_PYTEST) -rA $(ENGINES_XDIST) tests_engines/test_sglang.py tests_engines/test_sglang_sources.py
-	QUARK_VENV=$(QUARK_VENV) $(TRANSFORMERS_PYTEST) -rA tests_engines/test_transformers.py
+	QUARK_VENV=$(QUARK_VENV) $(TRANSFORMERS_PYTEST) -rA tests_engines/test_transformers.py \
+		tests_engines/test_activation_emulation.py
 	$(ENGINES_VENV)/bin/python scripts/engine_matrix.py --out docs/engine-matrix.md
 	$(SGLANG_VENV)/bin/python scripts/engine_matrix.py --sglang --out docs/engine-matrix.md
 	QUARK_VENV=$(QUARK_VENV) $(PY) scripts/engine_matrix.py --transformers --out docs/engine-matrix.md

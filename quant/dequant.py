@@ -158,11 +158,13 @@ def _input_format(spec, where: str) -> ActivationFormat | None:
         return None
     dtype, qscheme = spec.get("dtype"), spec.get("qscheme")
     mode = spec.get("scale_calculation_mode") or "even"
-    if qscheme == "per_group" and spec.get("group_size") == 32 and dtype == "fp4":
-        return ActivationFormat("mxfp4", mode)
-    if qscheme == "per_group" and spec.get("group_size") == 32 and dtype == "fp8_e4m3" \
-            and spec.get("scale_format") == "e8m0":
-        return ActivationFormat("mxfp8", mode)
+    mx = {"fp4": ("mxfp4", mxfp4.SCALE_MODES), "fp8_e4m3": ("mxfp8", mxfp8.SCALE_MODES)}.get(dtype)
+    if mx and qscheme == "per_group" and spec.get("group_size") == 32 \
+            and (dtype == "fp4" or spec.get("scale_format") == "e8m0"):
+        if mode not in mx[1]:
+            raise QuantError(f"{where}: activation scale rule {mode!r} is not modelled by --activations emulate "
+                             "(use --activations bf16)")
+        return ActivationFormat(mx[0], mode)
     if dtype == "fp8_e4m3" and spec.get("is_dynamic") and qscheme in ("per_channel", "per_token"):
         return ActivationFormat("fp8-token")
     raise QuantError(f"{where}: activations {dtype} {qscheme} ({'dynamic' if spec.get('is_dynamic') else 'static'})"

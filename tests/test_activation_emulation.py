@@ -126,3 +126,7 @@ def test_fp8_groups_pad_a_partial_group_and_formats_not_modelled_are_refused():
     static = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}
     with pytest.raises(QuantError, match=r"fp8_e4m3 per_tensor \(static\) are not modelled .*--activations bf16"):
         _input_format(static, "quantization_config.global_quant_config")
+    odd_rule = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_calculation_mode": "stochastic"}
+    with pytest.raises(QuantError, match="activation scale rule 'stochastic' is not modelled"):
+        _input_format(odd_rule, "quantization_config.global_quant_config")
+    assert _input_format({**odd_rule, "scale_calculation_mode": None}, "x") == ActivationFormat("mxfp4", "even")
