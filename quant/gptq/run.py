@@ -754,16 +754,24 @@ def _solve_layer(stack, index: int, layer, jobs: list[TensorJob], hidden: list, 
                                                plan.scale_mode, settings, report))
                 costs.append(_group_cost(param, len(sel)))
         del collector
-        with _Phase(timing, "gptq_solve_s", ranks):
-            results = workers.run(tasks, costs)
-        for worker, (group_records, group_parts) in results:
-            for record in group_records.values():
-                if record["method"] == "gptq":
-                    record.update(worker=worker, device=workers.devices[worker])
-            records.update(group_records)
-            parts.update(group_parts)
-        del tasks, results
+        _run_solves(workers, tasks, costs, timing, ranks, records, parts)
+        del tasks
     return {"records": records, "parts": parts, "passes": len(passes)}
+
+
+def _run_solves(workers: Workers, tasks: list, costs: list[float], timing: Counter, ranks, records: dict,
+                parts: dict, rank: int | None = None) -> None:
+    """Run solve tasks (`_solve_group`) on `workers` into `records` and `parts`, each solved weight's record naming
+    its worker and device, and on several ranks its `rank`."""
+    with _Phase(timing, "gptq_solve_s", ranks):
+        results = workers.run(tasks, costs)
+    for worker, (group_records, group_parts) in results:
+        for record in group_records.values():
+            if record["method"] == "gptq":
+                record.update(**({} if rank is None else {"rank": rank}), worker=worker,
+                              device=workers.devices[worker])
+        records.update(group_records)
+        parts.update(group_parts)
 
 
 @dataclass(frozen=True)
@@ -933,15 +941,8 @@ def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: li
                                            plan.scale_mode, settings, report))
             costs.append(_group_cost(param, len(sel)))
         del collector
-        with _Phase(timing, "gptq_solve_s", ranks):
-            results = workers.run(tasks, costs)
-        for worker, (group_records, group_parts) in results:
-            for record in group_records.values():
-                if record["method"] == "gptq":
-                    record.update(rank=ranks.rank, worker=worker, device=workers.devices[worker])
-            mine_records.update(group_records)
-            mine_parts.update(group_parts)
-        del tasks, results
+        _run_solves(workers, tasks, costs, timing, ranks, mine_records, mine_parts, rank=ranks.rank)
+        del tasks
     del recorder
     for piece in ranks.all_gather({"records": mine_records, "parts": mine_parts}, "gathering the solved weights"):
         records.update(piece["records"])
