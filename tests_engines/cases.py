@@ -449,14 +449,30 @@ def prediction_tensors(path: Path) -> list[str]:
 
 
 _PLACE = re.compile(r"layers\.(\d+)\.(\w+)")
+# Blocks the engines build under another name than the checkpoint's (transformers' MiniMax-M2 conversion and vLLM
+# build block_sparse_moe as mlp: engines.yaml build_prefixes).
+_BLOCK_ALIASES = {"block_sparse_moe": "mlp"}
+
+
+def _place(name: str) -> tuple[str, str] | None:
+    m = _PLACE.search(name)
+    return (m.group(1), _BLOCK_ALIASES.get(m.group(2), m.group(2))) if m else None
+
+
+_TOP_LEVEL = re.compile(r"(?:^|\.)(lm_head|embed_tokens)(?:\.|$)")
 
 
 def same_place(engine_name: str, tensors: list[str]) -> bool:
-    """Whether the module vLLM failed on sits in the layer and block (self_attn, mlp, ...) of a tensor the
-    preflight names (vLLM's names are runtime names: experts.w13_weight for the experts' gate/up leaves)."""
-    hit = _PLACE.search(engine_name)
-    return hit is not None and any(m is not None and m.groups() == hit.groups()
-                                   for m in (_PLACE.search(t) for t in tensors))
+    """Whether the module the engine failed on sits in the layer and block (self_attn, mlp, ...) of a tensor the
+    preflight names (engines' names are runtime names: experts.w13_weight for the experts' gate/up leaves), or,
+    outside the decoder layers, is the same head or embedding (transformers' lm_head.weight_quantizer.scale and the
+    preflight's lm_head.weight, whatever the wrapper's prefix)."""
+    hit = _place(engine_name)
+    if hit is None:
+        top = _TOP_LEVEL.search(engine_name)
+        return top is not None and any((m := _TOP_LEVEL.search(t)) is not None and m.group(1) == top.group(1)
+                                       for t in tensors if not _PLACE.search(t))
+    return any(_place(t) == hit for t in tensors)
 
 
 _LEAF = re.compile(r"\.(w13_\w+|w2_\w+|weight|weight_scale|weight_scale_inv|input_scale|bias)$")
@@ -518,7 +534,7 @@ def transformers_logprobs(path: Path, prompts: list[list[int]], qdq_inputs: set[
     if model_class is None:  # a release spelling (KimiK25ForConditionalGeneration): the class of its model_type
         model_class = transformers.AutoModelForImageTextToText if "vision_config" in config \
             else transformers.AutoModelForCausalLM
-        if config.get("model_type") not in model_class._model_mapping._config_mapping:
+        if config.get("model_type") not in model_class._model_mapping._model_mapping:
             return _reference_in_main_venv(path, prompts, qdq_inputs)
     model = model_class.from_pretrained(path, dtype=torch.bfloat16)
     for name, module in model.named_modules():

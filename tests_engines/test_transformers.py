@@ -9,11 +9,13 @@ for `--engine transformers==5.23` must match what it does:
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests_engines.cases import token_ids, transformers_logprobs
-from tests_engines.transformers_cases import FAST, TOLERANCE, agrees, cases, judge, materialize, prediction, \
-    reference_qdq, run
+from tests_engines.transformers_cases import (FAST, TOLERANCE, TRANSFORMERS_PREFLIGHT_MISSES, agrees, cases, judge,
+                                             materialize, prediction, reference_qdq, run)
 
 
 @pytest.fixture(scope="session")
@@ -37,5 +39,10 @@ def test_transformers_agrees(case, work):
     if verdict["outcome"] == "loaded":
         # the quantization must be visible at this tolerance, or a misread weight could hide in it
         assert verdict["effect"] > 5 * TOLERANCE, verdict
+    recorded = TRANSFORMERS_PREFLIGHT_MISSES.get(case.toy)
+    if recorded is not None and case.scheme != "fp8-block":  # the outcome the preflight does not model, as recorded
+        outcome, where, why = recorded
+        assert verdict["outcome"] == outcome and re.search(where, verdict.get("where") or ""), (verdict, why)
+        return
     miss = agrees(verdict, prediction(export))
     assert miss is None, miss

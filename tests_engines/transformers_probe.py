@@ -24,6 +24,17 @@ import re
 import sys
 
 
+def _auto_class(transformers, path: str):
+    """AutoModelForCausalLM, as a user loads a language model (Qwen3.5's VL checkpoint builds its text model); a
+    wrapper that class has no model for (Kimi-K2.5's kimi_k25) loads as what transformers maps it to,
+    AutoModelForImageTextToText."""
+    model_type = json.loads(open(f"{path}/config.json").read()).get("model_type")
+    causal = transformers.AutoModelForCausalLM
+    if model_type in causal._model_mapping._model_mapping:
+        return causal
+    return transformers.AutoModelForImageTextToText
+
+
 _BRACES = re.compile(r"\{([^,}]+)[^}]*\}")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -71,8 +82,8 @@ def main() -> int:
     logging.getLogger("transformers").addHandler(handler)
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                                          output_loading_info=True)
+            model, info = _auto_class(transformers, path).from_pretrained(path, dtype=torch.bfloat16,
+                                                                         output_loading_info=True)
     except Exception as exc:  # the engine's outcome, reported rather than raised
         report = log.getvalue().splitlines()
         conversion = [l for l in report if l.startswith("Error:")]
