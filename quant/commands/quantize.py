@@ -62,51 +62,67 @@ def command(
     from quant.gptq.ranks import launched
 
     if ranks != 1 and not dry_run and not launched():
-        import sys
-
-        from quant.gptq.ranks import launch_local
-
-        if method != "gptq":
-            from quant.errors import QuantError
-
-            raise QuantError(f"--ranks {ranks}: ranks share GPTQ's work; --method {method} has none to share")
-        _one_device_per_rank(devices, workers)
-        code = launch_local(ranks, sys.argv)
-        if code:
-            raise typer.Exit(code)
+        _launch_ranks(ranks, method, devices, workers)
         return
-
     budget = parse_size(hessian_budget, "--hessian-budget")
     # GPTQ's settings, once: the dry run sizes them, the run solves with them (round to nearest has none).
     gptq = _gptq_settings(calib_data, calib_samples, calib_seq_len, calib_seed, damp, budget) \
         if dry_run or method == "gptq" else None
     if dry_run:
-        from quant.gptq.dry_run import predict
-
-        if launched() and os.environ.get("RANK", "0") != "0":
-            return  # under torchrun: rank 0 prints it
-
-        memory = parse_size(device_memory, "--device-memory") if device_memory else None
-        typer.echo(predict(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
-                           settings=gptq, device_memory=memory, ranks=ranks).text())
+        _dry_run(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers, gptq=gptq,
+                 device_memory=device_memory, ranks=ranks)
         return
+    _quantize(src, out, devices=devices, workers=workers, gptq=gptq, check_engines=check_engines,
+              max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
+              options=dict(scheme=scheme, recipe=recipe, scale_mode=scale_mode, progress=progress, method=method,
+                           overwrite=overwrite, stream=None if stream else False, look_ahead=look_ahead))
+
+
+def _launch_ranks(ranks: int, method: str, devices: str, workers: int) -> None:
+    """`--ranks N` outside torchrun: start N ranks of this same command on this machine and wait for them."""
+    import sys
+
+    from quant.gptq.ranks import launch_local
+
+    if method != "gptq":
+        from quant.errors import QuantError
+
+        raise QuantError(f"--ranks {ranks}: ranks share GPTQ's work; --method {method} has none to share")
+    _one_device_per_rank(devices, workers)
+    code = launch_local(ranks, sys.argv)
+    if code:
+        raise typer.Exit(code)
+
+
+def _dry_run(src: str, *, method: str, scheme: str, recipe, devices: str, workers: int, gptq, device_memory,
+             ranks: int) -> None:
+    from quant.gptq.dry_run import parse_size, predict
+    from quant.gptq.ranks import launched
+
+    if launched() and os.environ.get("RANK", "0") != "0":
+        return  # under torchrun: rank 0 prints it
+    memory = parse_size(device_memory, "--device-memory") if device_memory else None
+    typer.echo(predict(src, method=method, scheme=scheme, recipe=recipe, devices=devices, workers=workers,
+                       settings=gptq, device_memory=memory, ranks=ranks).text())
+
+
+def _quantize(src: str, out: Path, *, devices: str, workers: int, gptq, check_engines: str, max_disk,
+              options: dict) -> None:
+    """The run itself (on rank 0 when launched as several ranks), then its summary lines."""
+    from quant.gptq.ranks import launched
     from quant.pipeline import quantize_checkpoint
     from quant.process import reuse_freed_memory
 
     reuse_freed_memory()
-
     engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
     manifest = None
 
     def run(devices=devices, gptq=gptq):
         nonlocal manifest
         try:
-            manifest = quantize_checkpoint(src, out, scheme=scheme, recipe=recipe, scale_mode=scale_mode,
-                                           devices=devices, workers=workers, check_engines=engines,
-                                           progress=progress, method=method, gptq=gptq, overwrite=overwrite,
-                                           log=lambda m: typer.echo(m, err=True),
-                                           max_disk=parse_size(max_disk, "--max-disk") if max_disk else None,
-                                           stream=None if stream else False, look_ahead=look_ahead)
+            manifest = quantize_checkpoint(src, out, devices=devices, workers=workers, check_engines=engines,
+                                           gptq=gptq, log=lambda m: typer.echo(m, err=True), max_disk=max_disk,
+                                           **options)
         except OSError as e:  # a write that names no file (a full disk met mid-write): OUT is the path to name
             from quant.errors import naming
 

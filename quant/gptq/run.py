@@ -247,11 +247,22 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
             _solve_mtp(stack, mtp, mtp_jobs, local, hidden, plan, settings, store, digest, write, progress, workers,
                        log, timing, ranks)
     timing["gptq_comm_s"] = ranks.comm_s - comm0
+    _report_run(log, ranks, timing, len(stack), len(mtp), tokens.shape, time.perf_counter() - started,
+                ranks.comm_cpu_s - comm_cpu0)
+    ranks.solving = False
+    if store is None:
+        return None
+    return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
+
+
+def _report_run(log, ranks, timing: Counter, layers: int, mtp: int, shape, seconds: float, comm_cpu: float) -> None:
+    """The run's closing line; on several ranks, every rank's phases (the balance; scripts/bench_gptq_ranks.py reads
+    that line) and, with TIMING_ENV set, this rank's figures in a file of their own."""
     comm = (f"; {ranks.size} ranks, rank 0 sent {ranks.sent / 1e6:.1f} MB and received {ranks.received / 1e6:.1f} MB "
             f"in {timing['gptq_comm_s']:.1f} s of collectives" if ranks.size > 1 else "")
-    log(f"gptq: {len(stack)} decoder layers" + (f" + {len(mtp)} MTP layer{'s' * (len(mtp) > 1)}" if mtp else "")
-        + f" in {time.perf_counter() - started:.1f} s ({tokens.shape[0]} windows x {tokens.shape[1]} tokens){comm}")
-    if ranks.size > 1:  # every rank's phases, for the balance (scripts/bench_gptq_ranks.py reads this line)
+    log(f"gptq: {layers} decoder layers" + (f" + {mtp} MTP layer{'s' * (mtp > 1)}" if mtp else "")
+        + f" in {seconds:.1f} s ({shape[0]} windows x {shape[1]} tokens){comm}")
+    if ranks.size > 1:
         every = ranks.all_gather({**{k: timing[k] for k in PHASES}, "sent": ranks.sent, "received": ranks.received},
                                  "gathering the ranks' timings")
         log("gptq: per rank (0.." + f"{ranks.size - 1}): " + ", ".join(
@@ -261,13 +272,8 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
     if os.environ.get(TIMING_ENV):
         Path(f"{os.environ[TIMING_ENV]}.{ranks.rank}").write_text(json.dumps({
             "rank": ranks.rank, "ranks": ranks.size, "wall_s": {k: timing[k] for k in PHASES},
-            "cpu_s": {**{k: timing["cpu:" + k] for k in PHASES if "cpu:" + k in timing},
-                      "gptq_comm_s": ranks.comm_cpu_s - comm_cpu0},
+            "cpu_s": {**{k: timing["cpu:" + k] for k in PHASES if "cpu:" + k in timing}, "gptq_comm_s": comm_cpu},
             "sent": ranks.sent, "received": ranks.received}, sort_keys=True))
-    ranks.solving = False
-    if store is None:
-        return None
-    return SolvedWeights(store, len(stack), {k: timing[k] for k in PHASES})
 
 
 def _calibration_line(cal: CalibrationSettings, devices: list[str], ranks: int = 1) -> str:
@@ -864,6 +870,29 @@ class _Phase:
         return False
 
 
+def _unit_tasks(chunk: list, collector, layer, eligible: list[TensorJob], slots: dict, plan: Plan,
+                settings: GptqSettings, report) -> tuple[list, list]:
+    """The solves of this rank's units in one sweep, from the Hessians its collector summed, and their costs."""
+    tasks, costs = [], []
+    for u in chunk:
+        param = layer.get_parameter(u.key)
+        if u.experts is None:
+            hessians, n = collector.hessians.pop(u.key), collector.tokens[u.key]
+            jobs_here = [j for j in eligible if slots[j.output].key == u.key]
+            experts_list = None
+        else:
+            where = collector.expert_slots(u.key)
+            index = [where[e] for e in u.experts]
+            hessians, n = collector.hessians[u.key][index], collector.tokens[u.key][index]
+            experts_list = list(u.experts)
+            jobs_here = [j for j in eligible if slots[j.output].key == u.key and slots[j.output].expert in u.experts]
+        sel = list(range(n.shape[0]))
+        tasks.append(functools.partial(_solve_group, param, experts_list, sel, hessians, n, jobs_here, slots,
+                                       plan.scale_mode, settings, report))
+        costs.append(_group_cost(param, len(sel)))
+    return tasks, costs
+
+
 def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: list[str], passes: list,
                         records: dict, parts: dict, plan: Plan, settings: GptqSettings, report, workers: Workers,
                         run_pass, timing: Counter, ranks) -> dict:
@@ -922,24 +951,7 @@ def _solve_layer_ranked(layer, eligible: list[TensorJob], slots: dict, plain: li
                 got = ranks.deliver(payloads, src, receivers, "sending the calibration activations to their owners")
                 if got is not None and collector is not None:
                     collector.feed(got)
-        tasks, costs = [], []
-        for u in chunk:
-            param = layer.get_parameter(u.key)
-            if u.experts is None:
-                hessians, n = collector.hessians.pop(u.key), collector.tokens[u.key]
-                jobs_here = [j for j in eligible if slots[j.output].key == u.key]
-                experts_list = None
-            else:
-                where = collector.expert_slots(u.key)
-                index = [where[e] for e in u.experts]
-                hessians, n = collector.hessians[u.key][index], collector.tokens[u.key][index]
-                experts_list = list(u.experts)
-                jobs_here = [j for j in eligible
-                             if slots[j.output].key == u.key and slots[j.output].expert in u.experts]
-            sel = list(range(n.shape[0]))
-            tasks.append(functools.partial(_solve_group, param, experts_list, sel, hessians, n, jobs_here, slots,
-                                           plan.scale_mode, settings, report))
-            costs.append(_group_cost(param, len(sel)))
+        tasks, costs = _unit_tasks(chunk, collector, layer, eligible, slots, plan, settings, report)
         del collector
         _run_solves(workers, tasks, costs, timing, ranks, mine_records, mine_parts, rank=ranks.rank)
         del tasks
