@@ -41,6 +41,7 @@ def probe(tmp_path, monkeypatch):
     path = tmp_path / "probe.py"
     path.write_text(PROBE)
     monkeypatch.setattr(probe_runner, "FORK", True)
+    monkeypatch.setattr(probe_runner, "RESULTS", None)  # every call a child (make test-engines sets a results dir)
     yield path
     probe_runner._close_all()
 
