@@ -241,25 +241,61 @@ def _wrap_gate(module, fmt: ActivationFormat) -> None:
     module._apply_gate = lambda gate_up: qdq_activation(gate(gate_up), fmt)
 
 
-def emulate_activations(model, formats: dict[str, ActivationFormat], num_hidden_layers: int | None = None) -> dict:
+def _in_transformers_layer(name: str, spec: dict | None) -> str:
+    """Checkpoint module `name` as transformers names it within its decoder layer (the family's
+    `transformers_layer` data: MiniMax-M2's block_sparse_moe.experts.E.w1 is mlp.experts.E.gate_proj, a part of
+    transformers' fused experts; MiniMax-M3's mlp.gate_proj and mlp.up_proj are transformers' mlp.gate_up_proj,
+    whose input is theirs)."""
+    import re
+
+    found = re.match(r"(.*\blayers\.\d+\.)(.+)$", name) if spec else None
+    if found is None:
+        return name
+    head, rest = found.groups()
+    rest += "."  # the renames are prefixes of parameter keys ("self_attn.index_k_proj." -> "self_attn.indexer.k_proj.")
+    for ours, theirs in spec.get("renames", {}).items():
+        if rest.startswith(ours):
+            rest = theirs + rest[len(ours):]
+            break
+    rest = rest[:-1]
+    path, _, leaf = rest.rpartition(".")
+    if re.search(r"\.\d+$", path) and leaf in spec.get("expert_projs", {}):
+        return f"{head}{path}.{spec['expert_projs'][leaf]}"
+    for fused, parts in spec.get("fused_linears", {}).items():
+        if leaf in parts:
+            return f"{head}{path}.{fused}" if path else f"{head}{fused}"
+    return head + rest
+
+
+def emulate_activations(model, formats: dict[str, ActivationFormat], num_hidden_layers: int | None = None,
+                        layer_names: dict | None = None) -> dict:
     """Hook `model` (transformers, loaded from the dequantized copy) so each module in `formats` gets its input
     quantize-dequantized. nn.Linear modules get a forward pre-hook; routed experts that transformers fuses into one
     module (gate_up_proj / down_proj parameters) get their input (the gate_up input, the same for every expert)
     and their `_apply_gate` output (the down_proj input) quantize-dequantized. Modules of MTP layers (index at or
-    beyond `num_hidden_layers`), which transformers does not build, are skipped. Returns {format label: modules
-    hooked}; QuantError for a module that cannot be hooked, or experts that run transformers' eager loop."""
+    beyond `num_hidden_layers`), which transformers does not build, are skipped. `layer_names`: the family's
+    `transformers_layer` data, for the families whose decoder layer transformers names otherwise. Returns {format
+    label: modules hooked}; QuantError for a module that cannot be hooked, or experts that run transformers' eager
+    loop."""
     import re
 
     modules = dict(model.named_modules())
     hooked: dict[str, int] = {}
+    linears: dict[int, ActivationFormat] = {}
     fused: dict[str, dict[str, ActivationFormat]] = {}
     for name, fmt in formats.items():
         layer = re.search(r"layers\.(\d+)\.", name)
         if num_hidden_layers is not None and layer and int(layer.group(1)) >= num_hidden_layers:
             continue  # an MTP layer: not part of transformers' model
+        name = _in_transformers_layer(name, layer_names)
         found = next((modules[n] for n in _runtime_names(name) if n in modules), None)
         if isinstance(found, torch.nn.Linear):
-            found.register_forward_pre_hook(_qdq_input_hook(fmt), with_kwargs=True)
+            if linears.setdefault(id(found), fmt) != fmt:  # the parts of one fused linear
+                raise QuantError(f"{name}: its parts' activations are quantized differently; transformers runs them "
+                                 "as one linear (use --activations bf16)")
+            if not getattr(found, "_quant_qdq_hooked", False):  # a fused linear's input once, not once per part
+                found.register_forward_pre_hook(_qdq_input_hook(fmt), with_kwargs=True)
+                found._quant_qdq_hooked = True
             hooked[fmt.label] = hooked.get(fmt.label, 0) + 1
             continue
         expert = re.match(r"(.*)\.\d+\.(\w+)$", name)

@@ -59,3 +59,21 @@ def test_the_manifest_records_the_devices_that_ran(tmp_path):
 
     out = export(tmp_path)
     assert json.loads((out / "quant_manifest.json").read_text())["run"]["devices"] == ["cpu"]
+
+
+def test_the_accuracy_section_says_how_each_arm_computed_its_activations():
+    """A W4A4 candidate measured with BF16 activations reads better than it serves: the card says which mode ran."""
+    from quant.pipeline.model_card import accuracy_section
+
+    comparison = accuracy.compare(np.ones(50), np.ones(50), margin=0.02).to_json()
+    report = {"verdict": comparison["verdict"], "margin_points": 2.0,
+              "rows": [{"label": "GSM8K 5-shot", "primary": True, "comparison": comparison}],
+              "candidate": {"name": "cand", "activations": "emulate"},
+              "baseline": {"name": "glm5-fp8", "activations": "server"}}
+    section = accuracy_section(report, None)
+    assert ("Activations: candidate quantized in process as the export's scheme says (--activations emulate); "
+            "baseline as its serving engine computed them.") in section, section
+    report["candidate"]["activations"] = "bf16"
+    assert "candidate in BF16 in process" in accuracy_section(report, None)
+    del report["candidate"]["activations"], report["baseline"]["activations"]
+    assert "Activations" not in accuracy_section(report, None)  # a report from before the modes: nothing claimed

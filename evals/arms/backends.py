@@ -322,8 +322,11 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
     if formats:
         from quant.dequant import emulate_activations
 
+        from quant.families import family_for_config
+
         layers = (ckpt.config.get("text_config") or ckpt.config).get("num_hidden_layers")
-        hooked = emulate_activations(model, formats, layers)
+        family = family_for_config(ckpt.config, ckpt.root / "config.json")
+        hooked = emulate_activations(model, formats, layers, family.transformers_layer)
         mode = "emulate" if hooked else "bf16"
         if hooked:
             notes.append("activations emulated: each quantized linear's input quantize-dequantized as the scheme says ("

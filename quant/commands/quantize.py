@@ -147,13 +147,14 @@ def _run_ranked(run, devices: str, workers: int, gptq) -> None:
 
     from quant.errors import QuantError
     from quant.gptq.ranks import Ranks, run_command
+    from quant.gptq.run import solve_checkpoint
 
     if os.environ.get("RANK", "0") != "0" and (devices != "auto" or workers != 1):
         raise typer.Exit(QuantError.exit_code)  # rank 0 says why
     _one_device_per_rank(devices, workers)
     ranks = Ranks.from_env()
     mine = dataclasses.replace(gptq, ranks=ranks) if gptq is not None else None
-    run_command(ranks, lambda: run(devices=ranks.device, gptq=mine))
+    run_command(ranks, lambda: run(devices=ranks.device, gptq=mine), solve_checkpoint)
 
 
 def _one_device_per_rank(devices: str, workers: int) -> None:

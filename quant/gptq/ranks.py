@@ -281,11 +281,11 @@ def maybe_die(ranks: Ranks, layer: int) -> None:
 
 
 # -- the command's two roles --------------------------------------------------------------------------------
-def follow(ranks: Ranks) -> None:
+def follow(ranks: Ranks, solve_checkpoint) -> None:
     """A rank other than 0: wait for rank 0's work and do its share, until rank 0 says it is done. Rank 0 sends
-    ("solve", what `run.solve_checkpoint` needs) once its pipeline has planned a GPTQ run, then ("done",)."""
+    ("solve", what `run.solve_checkpoint` needs) once its pipeline has planned a GPTQ run, then ("done",). The
+    command hands `solve_checkpoint` in (run.py builds on this module, not the other way round)."""
     from quant.checkpoint import open_checkpoint
-    from quant.gptq.run import solve_checkpoint
     import transformers  # noqa: F401  (its import, seconds, overlaps rank 0's planning)
 
     while True:
@@ -327,17 +327,18 @@ def lead_done(ranks: Ranks) -> None:
         pass
 
 
-def run_command(ranks: Ranks, lead) -> None:
+def run_command(ranks: Ranks, lead, solve_checkpoint) -> None:
     """The quantize command on one of several ranks: rank 0 runs `lead()` (the pipeline, whose GPTQ solver hands
     the others the run: `lead_solve`), then releases them (`lead_done`; also when it fails before or after the
-    solve, so they never wait for a run that will not come). The others `follow`. A rank other than 0 that only
+    solve, so they never wait for a run that will not come). The others `follow` with `solve_checkpoint`
+    (run.solve_checkpoint). A rank other than 0 that only
     lost a peer exits 75 without a line (rank 0's line says it); any other failure of theirs names the rank. A
     rank 0 that fails in the middle of the solve just ends: the others lose it and stop."""
     import typer
 
     if ranks.rank != 0:
         try:
-            follow(ranks)
+            follow(ranks, solve_checkpoint)
         except RankLost:
             raise typer.Exit(RankLost.exit_code) from None
         except QuantError as e:

@@ -261,6 +261,12 @@ def _recovery(rec: dict | None) -> str:
     return f"{rec['ratio']:.1%} [{rec['ci_low']:.1%}, {rec['ci_high']:.1%}]"
 
 
+# How a `quant eval` arm computed its activations (the report's `activations`), as the card says it.
+ACTIVATION_MODES = {"emulate": "quantized in process as the export's scheme says (--activations emulate)",
+                    "bf16": "in BF16 in process (--activations bf16: weights quantized, activations not)",
+                    "server": "as its serving engine computed them"}
+
+
 def accuracy_section(report: dict, image: str | None) -> str:
     """The card's accuracy section from a `quant eval` report."""
     rows = ["| task | baseline | candidate | Δ (points) | 95% CI | recovery [95% CI] | verdict |",
@@ -288,6 +294,10 @@ def accuracy_section(report: dict, image: str | None) -> str:
                         f"{100 * a['rate_difference']:+.1f} | [{100 * a['rate_ci_low']:+.1f}, "
                         f"{100 * a['rate_ci_high']:+.1f}] | {a['baseline_length']:.2f} → {a['candidate_length']:.2f} "
                         f"| {a['verdict']} |")
+    modes = [(arm, report.get(arm, {}).get("activations")) for arm in ("candidate", "baseline")]
+    if any(mode for _, mode in modes):
+        text += ["", "Activations: " + "; ".join(f"{arm} {ACTIVATION_MODES.get(mode, mode)}" for arm, mode in modes
+                                                 if mode) + "."]
     if image:
         text += ["", f"![paired comparison]({image})"]
     return "\n".join(text)
