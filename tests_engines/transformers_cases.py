@@ -59,13 +59,15 @@ SPELLINGS = {toy: ONE_SPELLING[toy] for toy in TOYS if toy in ONE_SPELLING}
 # Real transformers outcomes the preflight does not predict yet, asserted as recorded so that modelling one fails the
 # expectation and the entry goes: toy -> (outcome, the place transformers names (regex), why).
 # Kimi-K2.5: Quark's runtime in transformers matches `exclude` against the names transformers builds, and its
-# kimi_k25 conversion (transformers 5.23 conversion_mapping.py:596-640: vision_tower.encoder -> model.vision_tower,
-# blocks -> layers, mlp.fc0/fc1 -> fc1/fc2, wo -> attn.proj, wqkv split into q/k/v) renames every vision-tower module,
-# so the export's checkpoint-spelled vision entries exclude none of them: the vision linears are built MXFP4 and their
-# scales are missing. The preflight's transformers model has no Kimi-K2.5 mapper (engines.yaml), so it predicts a pass
+# kimi_k25 conversion (transformers 5.23 conversion_mapping.py:596-640: language_model.model -> model.language_model,
+# vision_tower.encoder -> model.vision_tower, blocks -> layers, mlp.fc0/fc1 -> fc1/fc2, wo -> attn.proj, wqkv split
+# into q/k/v, mm_projector.proj.0/2 -> model.mm_projector.in_proj/out_proj, language_model.lm_head -> lm_head) renames
+# every module, so the export's checkpoint-spelled entries exclude none of them: the excluded linears (the dense
+# MLP, attention, the projector, the vision tower) are built MXFP4 and their scales are missing; which one the load
+# report names first varies from run to run, so the place is any module that conversion renames. The preflight's transformers model has no Kimi-K2.5 mapper (engines.yaml), so it predicts a pass
 # (or names only the language model). Block FP8 loads (FineGrainedFP8 dequantizes). Found adding kimi-k2.5 here.
 TRANSFORMERS_PREFLIGHT_MISSES = {
-    "kimi-k2.5": ("load-error", r"^model\.vision_tower\.layers\.\d+\.",
+    "kimi-k2.5": ("load-error", r"^(model\.(vision_tower|language_model|mm_projector)\.|lm_head\.)",
                   "transformers renames the vision tower (kimi_k25 conversion); the export's vision excludes name the "
                   "checkpoint's modules"),
 }
