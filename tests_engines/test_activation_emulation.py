@@ -49,12 +49,19 @@ def ours(export: Path, work: Path, activations: str, prompts) -> tuple[list[list
     return teacher_forced(model, prompts), model.quant_activations
 
 
-def test_emulate_matches_amd_quark_for_w4a4(exports, tmp_path):
+def both_modes(export: Path, work: Path):
+    """amd-quark's log-probabilities of `export` (it must load), ours with --activations emulate (and the mode that
+    ran), ours with --activations bf16."""
     prompts = token_ids(TOY)
-    quark = run(exports["w_mxfp4_a_mxfp4"], prompts)
+    quark = run(export, prompts)
     assert quark["outcome"] == "loaded", quark
-    emulated, mode = ours(exports["w_mxfp4_a_mxfp4"], tmp_path / "emulate", "emulate", prompts)
-    plain, _ = ours(exports["w_mxfp4_a_mxfp4"], tmp_path / "bf16", "bf16", prompts)
+    emulated, mode = ours(export, work / "emulate", "emulate", prompts)
+    plain, _ = ours(export, work / "bf16", "bf16", prompts)
+    return quark, emulated, mode, plain
+
+
+def test_emulate_matches_amd_quark_for_w4a4(exports, tmp_path):
+    quark, emulated, mode, plain = both_modes(exports["w_mxfp4_a_mxfp4"], tmp_path)
     assert mode == "emulate"
     delta = max_abs_diff(emulated, quark["logprobs"])
     without = max_abs_diff(plain, quark["logprobs"])
@@ -64,11 +71,7 @@ def test_emulate_matches_amd_quark_for_w4a4(exports, tmp_path):
 
 
 def test_emulate_leaves_a_weight_only_export_unchanged(exports, tmp_path):
-    prompts = token_ids(TOY)
-    quark = run(exports["w_mxfp4"], prompts)
-    assert quark["outcome"] == "loaded", quark
-    emulated, mode = ours(exports["w_mxfp4"], tmp_path / "emulate", "emulate", prompts)
-    plain, _ = ours(exports["w_mxfp4"], tmp_path / "bf16", "bf16", prompts)
+    quark, emulated, mode, plain = both_modes(exports["w_mxfp4"], tmp_path)
     assert mode == "bf16" and emulated == plain
     delta = max_abs_diff(emulated, quark["logprobs"])
     print(f"w_mxfp4: max |Δ log p| vs amd-quark: {delta:.2e}")
