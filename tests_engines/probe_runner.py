@@ -16,6 +16,7 @@ tiers observed instead of running every probe a second time; anything that diffe
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -96,10 +97,16 @@ def _is_dir(arg: str) -> bool:
         return False
 
 
+@functools.cache
+def _code_digest() -> str:
+    """The tier's own code (this directory's modules), once per process: a changed line is another input."""
+    return ",".join(f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+                    for p in sorted(Path(__file__).parent.glob("*.py")))
+
+
 def _result_file(python: str, probe: Path, argv: list[str], env: dict) -> Path:
     digest = hashlib.sha256()
-    code = sorted(Path(__file__).parent.glob("*.py"))
-    parts = [python, str(probe)] + [f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in code]
+    parts = [python, str(probe), _code_digest()]
     parts += [f"dir:{_tree_digest(Path(a))}" if _is_dir(a) else a for a in argv]
     parts += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(SETTINGS)]
     for part in parts:
