@@ -57,6 +57,8 @@ class Errors:
 class BuildPrefix:
     match: str = required("regex on the checkpoint module name")
     replace: str = required("its replacement: the name the engine builds the module under")
+    into: list[str] = rule([], "the module is built as several, one per output chunk, each under the name with the "
+                               "match replaced by one of these (transformers' Chunk converters); [] = one module")
     source: str = rule("", "where the rename was read")
 
 

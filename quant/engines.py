@@ -214,18 +214,32 @@ def runtime_name(module: str, mapper: dict[str, str]) -> str:
     return dotted[:-1]
 
 
-def build_prefixes(rules: EngineRules, config: dict) -> tuple[tuple[str, str], ...]:
-    """The engine's (regex, replacement) rules for modules this architecture builds under a quant-config prefix
-    other than their checkpoint path (engines.yaml `build_prefixes`; () = none). Never applied to `exclude`."""
-    return tuple((r.match, r.replace) for r in rules.build_prefixes.get(architecture(config)) or [])
+def build_prefixes(rules: EngineRules, config: dict) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """The engine's (regex, replacement, split replacements) rules for modules this architecture builds under a
+    quant-config name other than their checkpoint path (engines.yaml `build_prefixes`; () = none). Never applied
+    to `exclude`."""
+    return tuple((r.match, r.replace, tuple(r.into)) for r in rules.build_prefixes.get(architecture(config)) or [])
 
 
-def module_runtime_name(module: str, mapper: dict[str, str], prefixes: tuple[tuple[str, str], ...] = ()) -> str:
-    """The name the engine looks `module` up by: its name mapper, then the build-prefix renames."""
-    name = runtime_name(module, mapper)
-    for pattern, replacement in prefixes:
-        name = re.sub(pattern, replacement, name, count=1)
-    return name
+def module_runtime_names(module: str, mapper: dict[str, str],
+                         prefixes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()) -> list[str]:
+    """The names the engine looks `module` up by: its name mapper, then the build-prefix renames in order; a rule
+    with split replacements (`into`) makes one module of each (transformers builds Kimi's fused vision wqkv as
+    attn.q_proj, attn.k_proj and attn.v_proj)."""
+    names = [runtime_name(module, mapper)]
+    for pattern, replacement, into in prefixes:
+        if into and any(re.search(pattern, n) for n in names):
+            names = [re.sub(pattern, part, n, count=1) for n in names for part in into]
+        else:
+            names = [re.sub(pattern, replacement, n, count=1) for n in names]
+    return names
+
+
+def module_runtime_name(module: str, mapper: dict[str, str],
+                        prefixes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()) -> str | list[str]:
+    """`module_runtime_names`, a single name where the engine builds one module."""
+    names = module_runtime_names(module, mapper, prefixes)
+    return names[0] if len(names) == 1 else names
 
 
 def mtp_namespace(rules: EngineRules, config: dict) -> MtpNamespace | None:
@@ -278,9 +292,9 @@ def wrapper_aliases(module: str, config: dict) -> list[str]:
     build prefixes: vLLM's MiniMax-M2 model.layers.N.mlp.* for the checkpoint's block_sparse_moe.*)."""
     out = []
     for mapper, prefixes in _renamers(architecture(config)):
-        alias = module_runtime_name(module, dict(mapper), prefixes)
-        if alias != module and alias not in out:
-            out.append(alias)
+        for alias in module_runtime_names(module, dict(mapper), prefixes):
+            if alias != module and alias not in out:
+                out.append(alias)
     return out
 
 

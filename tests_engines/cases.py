@@ -177,6 +177,16 @@ VLLM_PREFLIGHT_MISSES: dict[str, tuple[str, str]] = {
 }
 
 
+def _checkpoint_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            keys += list(f.keys())
+    return keys
+
+
 def _shard(path: Path) -> Path:
     return next(path.glob("*.safetensors"))
 
@@ -263,7 +273,7 @@ VLLM_BROKEN: dict[str, Expected] = {
 #   vllm        the names vLLM 0.32 builds: Qwen3.5's hf_to_vllm_mapper prefixes (models/qwen3_vl.py:1969-1975).
 #   re          `re:` patterns on the checkpoint names, one per module kind, the layer index generalised where every
 #               layer's module is listed (layer_quant_config takes fnmatch globs: `*` for the index).
-SPELLINGS = ("checkpoint", "text-only", "sglang", "vllm", "re")
+SPELLINGS = ("checkpoint", "text-only", "sglang", "vllm", "transformers", "re")
 ONE_SPELLING_RECIPE = "spelling-mix"  # tests_engines/recipes/spelling-mix.yaml
 # Per toy, the spellings that differ from the checkpoint's (an identical rewrite would repeat a case).
 ONE_SPELLING = {"qwen3-moe": ("checkpoint", "re"),
@@ -318,6 +328,33 @@ def _spell(module: str, toy: str, spelling: str, mtp_index: int | None) -> str |
             return ("model." if any(s in sub for s in NEXTN_SPEC) else "model.decoder.") + sub
         return module
     return module
+
+
+def _transformers_spelling(config: dict, modules) -> Callable[[str], list[str]]:
+    """The names transformers builds each checkpoint module of `modules` under, computed by transformers' own
+    checkpoint conversion (conversion_mapping.py for the config's model_type, core_model_loading.rename_source_key,
+    fed the keys in sorted order as its loader does: a GroupWeightRename acts only once its guard key was seen), not
+    by our engine model; a Chunk converter (Kimi's vision wqkv) gives one name per target."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_checkpoint_conversion_mapping(config["model_type"]) or []
+    if not transforms:
+        return lambda module: [module]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    built: dict[str, list[str]] = {}
+    for module in sorted(set(modules)):
+        key, pattern = rename_source_key(module + ".weight", renamings, converters)
+        key = key.removesuffix(".weight")
+        targets = next(c for c in converters if pattern in c.source_patterns).target_patterns if pattern else []
+        if pattern is None:
+            built[module] = [key]
+        elif len(targets) == 1:  # a merge (experts): not one module of the checkpoint's
+            built[module] = [module]
+        else:
+            built[module] = [key.replace(targets[0], t) for t in targets]
+    return lambda module: built.get(module, [module])
 
 
 def _generalised(modules: list[str], every: set[str], glob: bool) -> list[str]:
@@ -375,11 +412,12 @@ def one_spelling(export: Path, out: Path, toy: str, spelling: str) -> None:
             for key in _generalised([m for m, s in secondary.items() if s == scheme], every, glob=True):
                 lqc[key] = configs[scheme]
     else:
-        exclude = list(dict.fromkeys(n for n in (_spell(m, toy, spelling, mtp_index) for m in kept) if n))
+        spell = _transformers_spelling(config, every) if spelling == "transformers" else (
+            lambda m: [n] if (n := _spell(m, toy, spelling, mtp_index)) else [])
+        exclude = list(dict.fromkeys(n for m in kept for n in spell(m)))
         lqc = {}
         for module, scheme in secondary.items():
-            name = _spell(module, toy, spelling, mtp_index)
-            if name:
+            for name in spell(module):
                 lqc[name] = configs[scheme]
     q["exclude"], q["layer_quant_config"] = exclude, dict(sorted(lqc.items()))
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -537,8 +575,11 @@ def transformers_logprobs(path: Path, prompts: list[list[int]], qdq_inputs: set[
         if config.get("model_type") not in model_class._model_mapping._model_mapping:
             return _reference_in_main_venv(path, prompts, qdq_inputs)
     model = model_class.from_pretrained(path, dtype=torch.bfloat16)
+    # the names transformers builds them under (Kimi-K2.5's conversion renames every module)
+    built = _transformers_spelling(config, [k.removesuffix(".weight") for k in _checkpoint_keys(path)])
+    qdq_runtime = {name for module in qdq_inputs for name in built(module)}
     for name, module in model.named_modules():
-        if name in qdq_inputs and isinstance(module, torch.nn.Linear):
+        if name in qdq_runtime and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(_mxfp4_input_qdq)
     return teacher_forced(model, prompts)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,26 +58,20 @@ SPELLING_RECIPE = "spelling-linear"
 SPELLINGS = {toy: ONE_SPELLING[toy] for toy in TOYS if toy in ONE_SPELLING}
 
 # Real transformers outcomes the preflight does not predict yet, asserted as recorded so that modelling one fails the
-# expectation and the entry goes: toy -> (outcome, the place transformers names (regex), why).
-# Kimi-K2.5: Quark's runtime in transformers matches `exclude` against the names transformers builds, and its
-# kimi_k25 conversion (transformers 5.23 conversion_mapping.py:596-640: language_model.model -> model.language_model,
-# vision_tower.encoder -> model.vision_tower, blocks -> layers, mlp.fc0/fc1 -> fc1/fc2, wo -> attn.proj, wqkv split
-# into q/k/v, mm_projector.proj.0/2 -> model.mm_projector.in_proj/out_proj, language_model.lm_head -> lm_head) renames
-# every module, so the export's checkpoint-spelled entries exclude none of them: the excluded linears (the dense
-# MLP, attention, the projector, the vision tower) are built MXFP4 and their scales are missing; which one the load
-# report names first varies from run to run, so the place is any module that conversion renames. The preflight's transformers model has no Kimi-K2.5 mapper (engines.yaml), so it predicts a pass
-# (or names only the language model). Block FP8 loads (FineGrainedFP8 dequantizes). Found adding kimi-k2.5 here.
-TRANSFORMERS_PREFLIGHT_MISSES = {
-    "kimi-k2.5": ("load-error", r"^(model\.(vision_tower|language_model|mm_projector)\.|lm_head\.)",
-                  "transformers renames the vision tower (kimi_k25 conversion); the export's vision excludes name the "
-                  "checkpoint's modules"),
-}
+# expectation and the entry goes: toy -> (outcome, the place transformers names (regex), why). None now: Kimi-K2.5's
+# kimi_k25 conversion renames every module and Quark matches `exclude` against those names, so the export's
+# checkpoint-spelled entries excluded none of them (the recorded miss until engines.yaml modelled the renames as
+# transformers build_prefixes, with the wqkv split, and the quantizer wrote exclude entries under those names).
+TRANSFORMERS_PREFLIGHT_MISSES: dict[str, tuple[str, str, str]] = {}
+# Kimi-K2.5 also in the names transformers builds (computed by transformers' own conversion: cases.py
+# _transformers_spelling), the form an export made for a transformers runtime carries.
+TRANSFORMERS_SPELLINGS = {"kimi-k2.5": ("transformers",)}
 
 
 def cases() -> list[Case]:
     return ([Case(toy, scheme, recipe) for toy in TOYS for scheme, recipe in EXPORTS]
             + [Case(toy, "w_mxfp4_a_mxfp4", SPELLING_RECIPE, s) for toy, spellings in SPELLINGS.items()
-               for s in spellings])
+               for s in spellings + TRANSFORMERS_SPELLINGS.get(toy, ())])
 
 
 def materialize(case: Case, root: Path) -> tuple[Path, Path, Path]:
@@ -139,6 +134,9 @@ def judge(case: Case, result: dict, reference_logprobs, bf16_logprobs) -> dict:
     return verdict
 
 
+_BUILT = re.compile(r" builds (\S+) (?:as|and)")
+
+
 def agrees(verdict: dict, findings: list) -> str | None:
     """None when the preflight's prediction matches the engine's outcome (and names the place it fails), else why
     not."""
@@ -147,8 +145,11 @@ def agrees(verdict: dict, findings: list) -> str | None:
     if not findings:
         return f"{verdict['outcome']} ({verdict['error']}), but the preflight predicts a pass"
     where = verdict.get("where")
-    if where and not same_place(where, [f.tensor for f in findings]):
-        return f"transformers fails on {where}; the preflight names {[f.tensor for f in findings][:3]}"
+    # the checkpoint tensors, and the modules the preflight says transformers builds from them (Kimi-K2.5's
+    # conversion renames every module: vision_tower.encoder.blocks.0.wqkv is built as model.vision_tower.layers.0.*)
+    named = [f.tensor for f in findings] + [m.group(1) for f in findings if (m := _BUILT.search(f.message))]
+    if where and not same_place(where, named):
+        return f"transformers fails on {where}; the preflight names {named[:3]}"
     return None
 
 

@@ -71,11 +71,11 @@ class Unit:
     missing_shards: list[str] = field(default_factory=list)
 
 
-def build_units(modules: dict[str, Module], runtime_name: Callable[[str], str | None],
+def build_units(modules: dict[str, Module], runtime_name: Callable[[str], str | list[str] | None],
                 packed: dict[str, list[str]], group_experts: bool,
                 is_mtp: Callable[[str], bool]) -> list[Unit]:
     """Units for every linear module; `runtime_name` maps a checkpoint module to the engine's name (None:
-    the engine does not build it)."""
+    the engine does not build it; a list: the engine builds it as several modules, one unit each)."""
     shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
     units: list[Unit] = []
     moe: dict[str, Unit] = {}
@@ -85,6 +85,9 @@ def build_units(modules: dict[str, Module], runtime_name: Callable[[str], str | 
             continue
         runtime = runtime_name(name)
         if runtime is None:
+            continue
+        if isinstance(runtime, list):
+            units.extend(Unit(part, "linear", [name], [part], mtp=is_mtp(name)) for part in runtime)
             continue
         coarse = expert_coarse(runtime) if group_experts else None
         if coarse:

@@ -146,7 +146,7 @@ def _any_of(patterns: list[str]) -> re.Pattern | None:
 
 def _identity_units(modules: dict[str, Module], packed: dict, group_experts: bool, mtp: bool,
                     cache: dict, mapper: dict[str, str] | None = None,
-                    prefixes: tuple[tuple[str, str], ...] = ()) -> list[Unit]:
+                    prefixes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()) -> list[Unit]:
     """Units under checkpoint names (or the engine's prefix-mapped names); engines sharing a packed mapping
     share them (a 120k-tensor checkpoint is grouped once per engine, not once per release)."""
     mapper = mapper or {}
