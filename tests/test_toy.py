@@ -131,6 +131,47 @@ def test_qwen35_stores_fused_3d_experts_and_both_attention_kinds(bf16_toys):
     assert config["layer_types"] == ["linear_attention", "full_attention"]
 
 
+def test_qwen4_exp_stores_the_release_layout(bf16_toys):
+    """Qwen3.8-Flash-Next (qwen4_exp) as released: the Qwen3.5 wrapper's names, per-expert experts and each PLE
+    n-gram table as split_ngram_parts row shards (transformers 5.24 conversion_mapping.py "qwen4_exp_text"), the
+    I64 hash buffers, hyper-connections instead of a final norm, the QSA indexer on full-attention layers only, and
+    the MTP head under the names SGLang 0.5.23's Qwen4ExpForCausalLMMTP loads (qwen4_exp_mtp.py)."""
+    checkpoint = open_checkpoint(bf16_toys["qwen4-exp"])
+    config, tensors = checkpoint.config, checkpoint.tensors
+    text = config["text_config"]
+    h, hc = text["hidden_size"], text["hc_count"]
+    assert config["model_type"] == "qwen4_exp" and config["architectures"] == ["Qwen4ExpForConditionalGeneration"]
+    assert text["layer_types"] == ["linear_attention", "full_attention"]  # the release's spelling
+    assert text["mtp_num_hidden_layers"] == 1 and text["ple_layer_ids"] == [1]
+    lm = "model.language_model."
+    table = f"{lm}layers.0.ple.ple_embedding."
+    shards = [n for n in tensors if n.startswith(table + "ngram_embedding.")]
+    assert shards == [f"{table}ngram_embedding.shard_{j}.weight" for j in range(text["split_ngram_parts"])]
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
+    assert {tensors[s].shape for s in shards} == {(512 // len(shards), text["ple_embed_dim"] // heads)}
+    for buffer in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"):
+        assert tensors[table + buffer].dtype == "I64"
+    assert not any(".ple." in n for n in tensors if n.startswith(f"{lm}layers.1."))  # PLE on layer 0 only
+    for layer in range(text["num_hidden_layers"]):
+        for hcname in ("attn_hyper_connection", "mlp_hyper_connection"):
+            assert tensors[f"{lm}layers.{layer}.{hcname}.block_inject_weight.weight"].shape == (hc, hc * h)
+        assert f"{lm}layers.{layer}.mlp.experts.7.down_proj.weight" in tensors
+        assert f"{lm}layers.{layer}.input_layernorm.weight" not in tensors
+    assert f"{lm}layers.1.self_attn.indexer.index_qk_proj.weight" in tensors
+    assert not any(".indexer." in n for n in tensors if n.startswith(f"{lm}layers.0."))
+    assert f"{lm}hyper_connection_mixer.input_mix_weight_down.weight" in tensors and f"{lm}norm.weight" not in tensors
+    assert not any("gate_up_proj" in n for n in tensors)
+    glue = {n for n in tensors if n.startswith("mtp.") and not n.startswith("mtp.layers.0.")}
+    assert glue == {"mtp.fc_embedding.weight", "mtp.fc_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
+                    "mtp.pre_fc_norm_hidden.weight", "mtp.hyper_connection_mixer.hc_norm.weight",
+                    "mtp.hyper_connection_mixer.input_mix_weight_down.weight",
+                    "mtp.hyper_connection_mixer.input_mix_weight_up.weight"}
+    assert tensors["mtp.pre_fc_norm_hidden.weight"].shape == (hc * h,)
+    assert "mtp.layers.0.self_attn.indexer.index_qk_proj.weight" in tensors
+    assert not any(".ple." in n for n in tensors if n.startswith("mtp."))
+    assert {t.dtype for n, t in tensors.items() if "ngram_heads" not in n and "multipliers" not in n} == {"BF16"}
+
+
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name):
     from quant.sources.microscaled import recognise, scale_tensors

@@ -186,6 +186,13 @@ def _leaf_sources(ckpt, module_names, leaf):
             present = [p for p in parts if p in ckpt]
             if present:
                 return present
+        if last == "ngram_embedding":  # Qwen4-Exp's PLE table, stored as split_ngram_parts row shards (SGLang
+            # qwen4_exp.py load_qwen4_exp_ple_shard places shard j at row j * ceil(rows / parts): their concatenation)
+            shards = []
+            while f"{module}.shard_{len(shards)}.{leaf}" in ckpt:
+                shards.append(f"{module}.shard_{len(shards)}.{leaf}")
+            if shards:
+                return shards
     return None
 
 
@@ -248,7 +255,8 @@ def candidate_modules(module, draft, mtp_index):
     # MiniMax-M3 (SGLang 0.5.23) builds its MoE as layers.N.mlp: the checkpoint's layers.N.block_sparse_moe
     out += [m.replace(".mlp.", ".block_sparse_moe.", 1) for m in list(out) if ".mlp." in m]
     out += [m[: -len(".mlp")] + ".block_sparse_moe" for m in list(out) if m.endswith(".mlp")]
-    m = re.match(r"(.*\.layers\.\d+)\.(qkv_proj|o_proj|q_norm|k_norm|q_proj|k_proj|v_proj)$", module)
+    # (Qwen4-Exp's QSA indexer too: checkpoint layers.{i}.self_attn.indexer.*, SGLang layers.{i}.indexer.*)
+    m = re.match(r"(.*\.layers\.\d+)\.(qkv_proj|o_proj|q_norm|k_norm|q_proj|k_proj|v_proj|indexer\.\w+)$", module)
     if m:
         out += [f"{c}" for c in candidate_modules(f"{m.group(1)}.self_attn.{m.group(2)}", draft, mtp_index)]
     return out
