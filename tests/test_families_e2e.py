@@ -27,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("toy")
 REPO = Path(__file__).resolve().parents[1]
 CALIB = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
 FAST = GptqSettings(CalibrationSettings(str(CALIB), samples=4, seq_len=32), batch=4)
-FAMILIES = ["deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7"]
+FAMILIES = ["deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp"]
 MTP_UNPUBLISHED = {"minimax-m2"}
 # The vision-language wrappers: toy -> (family, the wrapper's transformers class, its text model's prefix)
 WRAPPERS = {"kimi-k2.5": ("kimi_k25", "Kimi_K25ForConditionalGeneration", "language_model.model."),
@@ -249,3 +249,30 @@ def test_vl_toys_carry_the_release_config(toy_factory):
             "vision_segment_max_frames"} <= set(m3["vision_config"])
     # the preflight still sizes the indexer, from sparse_attention_config (families/adapters.py)
     assert config_shapes(m3)("language_model.model.layers.1.self_attn.index_q_proj") == (2 * 64, 160)
+
+
+def test_qwen4_exp_layers_one_at_a_time_compute_the_whole_models_hidden_states(toy_factory, one_torch_thread):
+    """GPTQ's decoder stack of Qwen4-Exp (issue #31): the layers it runs one at a time take the hyper-connection
+    streams transformers widens the embedding into, with the kwargs the model passes (the PLE token ids among them),
+    and read the PLE n-gram table from the checkpoint's row shards (ngram_embedding.shard_{j}.weight, transformers'
+    Concatenate(dim=0) converter); through the model's final hyper_connection_mixer they give exactly the hidden
+    states of the model transformers loads from the checkpoint. A shard in the wrong place would not."""
+    import torch
+    import transformers
+
+    from quant.model_exec.layers import DecoderStack, row_shards
+
+    src = toy_factory("qwen4-exp")
+    ckpt = open_checkpoint(src)
+    table = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+    assert len(row_shards(ckpt.tensors, table)) == 4 and table not in ckpt.tensors
+    stack = DecoderStack(src, ckpt, ["hidden_states"], "cpu", torch.float32)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    hidden, carry = stack.capture(tokens, 2), [{}]
+    for index in range(len(stack)):
+        hidden, carry = stack.forward(index, stack.load_layer(index), hidden, carry)
+    with torch.no_grad():
+        ours = stack.text.hyper_connection_mixer(hidden[0])
+        full = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        theirs = full.model(input_ids=tokens, use_cache=False).last_hidden_state
+    assert torch.equal(ours, theirs), float((ours - theirs).abs().max())

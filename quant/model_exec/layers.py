@@ -125,6 +125,18 @@ class _Recorder(torch.nn.Module):
         return (hidden_states, *(kwargs.get(name) for name in self.returns[1:]))
 
 
+def row_shards(tensors, name: str) -> list[str]:
+    """The checkpoint's row shards of transformers' parameter `name` (`<module>.weight` stored as
+    `<module>.shard_0.weight`, `.shard_1.weight`, ...: transformers' Concatenate(dim=0) checkpoint converter, e.g.
+    Qwen4-Exp's PLE n-gram tables, conversion_mapping.py "qwen4_exp_text"), in order; [] when it is not sharded."""
+    if not name.endswith(".weight"):
+        return []
+    stem, shards = name[: -len(".weight")], []
+    while f"{stem}.shard_{len(shards)}.weight" in tensors:
+        shards.append(f"{stem}.shard_{len(shards)}.weight")
+    return shards
+
+
 def _unsupported(ckpt: Checkpoint, why: str) -> QuantError:
     from quant.families import family_for_config
 
@@ -196,7 +208,7 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
     for index, layer in enumerate(model.get_decoder().layers):
         for key, _ in list(layer.named_parameters()) + list(layer.named_buffers()):  # what load_layer reads
             name = f"{prefix}layers.{index}.{names.checkpoint(key)}"
-            if name in ckpt.tensors:
+            if name in ckpt.tensors or row_shards(ckpt.tensors, name):
                 continue
             parts = names.fused_parts(key)
             if parts and all(f"{prefix}layers.{index}.{part}" in ckpt.tensors for part in parts):
@@ -328,6 +340,8 @@ class DecoderStack:
                     value = self.read(name)
                 elif parts and all(prefix + part in self.ckpt.tensors for part in parts):
                     value = torch.cat([self.read(prefix + part) for part in parts])
+                elif row_shards(self.ckpt.tensors, name):
+                    value = torch.cat([self.read(shard) for shard in row_shards(self.ckpt.tensors, name)])
                 elif key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
                     value = self._stack_experts(prefix, self.names.checkpoint(key), tuple(param.shape))
                 else:
