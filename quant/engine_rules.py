@@ -190,6 +190,8 @@ class EngineRules:
         {}, "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
             "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
     maps_exclude: bool = rule(False, "exclude is rewritten with the name mapper before matching")
+    exclude_prefix_aliases: list[str] = rule(
+        [], "prefixes the quant config also strips from each exclude entry it maps, keeping both spellings")
     maps_layer_quant_config: bool = rule(
         False, "layer_quant_config keys are rewritten with the name mapper before matching")
     build_prefixes: dict[str, list[BuildPrefix]] = rule(
@@ -210,6 +212,9 @@ class EngineRules:
     layer_types_length: str | None = rule(
         None, "what the engine raises reading a config.json (or its text_config) whose layer_types list has another "
               "length than num_hidden_layers (none: not checked)")
+    config_registry: list[str] = rule(
+        [], "model types whose config.json the engine parses with a config class of its own, not transformers' "
+            "AutoConfig (a model type neither knows: the engine cannot read config.json)")
     loader_dequantizes: dict[str, list[str]] = rule(
         {}, "regex of an unquantized module -> stored formats the loader dequantizes into it")
     row_parallel: list[str] = rule([], "regexes of row-parallel modules (TP splits their input)")

@@ -35,7 +35,8 @@ TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
 MANIFEST_KEYS = ("quantization_config", "norm_perturbation", "families")
 TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
             "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb", "config_json_renames", "renames",
-            "fp8_block", "native", "release_files")
+            "fp8_block", "native", "release_files", "layout", "release_format",
+            "release_ignore")
 TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type")
 TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config")
 TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
@@ -78,7 +79,7 @@ class MtpLayout:
 @dataclass(frozen=True)
 class ToyFamily:
     name: str
-    config_class: str
+    config_class: str | None  # None: a layout toy (quant/toy_layout.py), no transformers class
     model_class: str | None  # transformers class when not AutoModelForCausalLM (vision-language wrappers)
     text_config_key: str | None  # "text_config" for wrappers: the language model's keys live there
     text_prefix: str  # tensor-name prefix of the language model ("model." or "model.language_model.")
@@ -95,6 +96,9 @@ class ToyFamily:
     native: dict | None = None  # a release that ships microscaled (DeepSeek-V4): toys.yaml `native`
     release_files: dict | None = None  # JSON side files the release ships (file name -> content), e.g. Kimi-K2.5's
     #                                    preprocessor_config.json, which vLLM reads even for a text-only run
+    layout: dict | None = None  # every tensor of a family transformers has no class for (quant/toy_layout.py)
+    release_format: str | None = None  # the release's storage (a source format) the toy is written in by default
+    release_ignore: tuple[str, ...] = ()  # the release's own ignore list for it (else the format's, per module)
 
 
 @cache
@@ -136,7 +140,7 @@ def toy_family(name: str) -> ToyFamily:
             raise QuantError(f"{TOYS_MANIFEST}: {name}: unknown MTP init {kind!r} (use one of {MTP_INIT_KINDS})")
     return ToyFamily(
         name=name,
-        config_class=spec["config_class"],
+        config_class=spec.get("config_class"),
         model_class=spec.get("model_class"),
         text_config_key=spec.get("text_config_key"),
         text_prefix=spec.get("text_prefix", "model."),
@@ -165,6 +169,9 @@ def toy_family(name: str) -> ToyFamily:
         renames=tuple((re.compile(p), r) for p, r in (spec.get("renames") or {}).items()),
         native=dict(spec["native"]) if spec.get("native") else None,
         release_files=dict(spec.get("release_files") or {}),
+        layout=dict(spec["layout"]) if spec.get("layout") else None,
+        release_format=spec.get("release_format"),
+        release_ignore=tuple(spec.get("release_ignore") or ()),
     )
 
 
@@ -242,6 +249,9 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
                overrides: dict, source_format: str | None = None) -> None:
     import torch
 
+    if family.layout:
+        return _write_layout_toy(family, directory, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
+                                 overrides=overrides, source_format=source_format)
     config, n_main, n_mtp = _model_config(family, overrides)
     fused = family.fused_experts
     if fp8_block and family.fp8.fused_experts is not None:
@@ -266,6 +276,39 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     if source_format:
         tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, source_format)
 
+    write_safetensors(tensors, directory, max_shard_size)
+    (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    _write_generation_config(directory, config_json)
+    save_toy_tokenizer(directory)
+    for name, content in (family.release_files or {}).items():
+        (directory / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
+                      overrides: dict, source_format: str | None) -> None:
+    """A toy of a family transformers has no class for: tensors from its layout (quant/toy_layout.py), config.json
+    the release's, stored as the release stores it (`release_format`, a source format) unless `source_format` names
+    another."""
+    import torch
+
+    from quant.toy_layout import layout_checkpoint
+
+    if fp8_block:
+        raise QuantError(f"toy {family.name}: no block-FP8 release of this family (its release is "
+                         f"{family.release_format or 'BF16'})")
+    config = json.loads(json.dumps(family.config))
+    text = _text_keys(family, config)
+    if int(overrides.get("num_nextn_predict_layers", text.get("num_nextn_predict_layers", 0)) or 0):
+        raise QuantError(f"toy {family.name}: no MTP layout for this family (num_nextn_predict_layers must be 0)")
+    text.update({"vocab_size": VOCAB_SIZE, **_tokenizer_ids(), **{k: v for k, v in text.items() if k == "vocab_size"},
+                 **overrides})
+    tensors, config_json = layout_checkpoint(family.layout, config, family.text_config_key, seed)
+    _perturb(tensors, family.perturb, torch.Generator().manual_seed(seed + 1))
+    fmt = source_format or family.release_format
+    if fmt:
+        tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, fmt)
+        if fmt == family.release_format and family.release_ignore:
+            config_json["quantization_config"]["ignore"] = list(family.release_ignore)
     write_safetensors(tensors, directory, max_shard_size)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     _write_generation_config(directory, config_json)

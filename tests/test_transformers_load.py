@@ -19,7 +19,7 @@ import transformers
 from quant.checkpoint import open_checkpoint, text_config
 from quant.dequant import dequantize_checkpoint
 from quant.pipeline import quantize_checkpoint
-from quant.toy import TOY_NAMES, build_toy
+from quant.toy import TOY_NAMES, build_toy, toy_family
 
 pytestmark = pytest.mark.xdist_group("toy")
 
@@ -54,19 +54,24 @@ def strict_load(path: Path) -> dict:
             "mismatched": [k for k, *_ in info["mismatched_keys"]]}
 
 
+# Toys of families transformers has no class for (toys.yaml `layout`: Kimi-K3) cannot load here; tests/test_toy.py
+# asserts that transformers still lacks each one, and the SGLang tier loads them.
+TRANSFORMERS_TOYS = tuple(name for name in TOY_NAMES if toy_family(name).config_class)
+
+
 @pytest.fixture(scope="module")
 def toys(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("toys")
-    return {name: build_toy(name, root / name) for name in TOY_NAMES}
+    return {name: build_toy(name, root / name) for name in TRANSFORMERS_TOYS}
 
 
-@pytest.mark.parametrize("name", TOY_NAMES)
+@pytest.mark.parametrize("name", TRANSFORMERS_TOYS)
 def test_every_toy_loads_strictly(toys, name):
     assert strict_load(toys[name]) == {"missing": [], "unexpected": [], "mismatched": []}
 
 
 @pytest.mark.parametrize("scheme,recipe", EXPORTS)
-@pytest.mark.parametrize("name", TOY_NAMES)
+@pytest.mark.parametrize("name", TRANSFORMERS_TOYS)
 def test_every_dequantized_export_loads_strictly(toys, tmp_path, name, scheme, recipe):
     export = tmp_path / "q"
     quantize_checkpoint(toys[name], export, scheme=scheme, recipe=recipe, check_engines=None, log=lambda m: None)

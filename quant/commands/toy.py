@@ -36,7 +36,9 @@ def command(
 
     checkpoint = open_checkpoint(path)
     size = sum(info.nbytes for info in checkpoint.tensors.values())
-    variant = source_format or ("block-FP8" if fp8_block else "BF16")
+    from quant.toy import toy_family
+
+    variant = source_format or ("block-FP8" if fp8_block else toy_family(name).release_format or "BF16")
     typer.echo(f"{name} ({variant}, seed {seed}) -> {path}: {len(checkpoint.tensors)} tensors, "
                f"{len(checkpoint.files)} shard(s), {size / 1e6:.2f} MB")
 

@@ -27,4 +27,19 @@ def minimax_m3_sparse_attention(config: dict) -> dict:
     return {**config, "text_config": {**text, **flat}} if text is inner else {**config, **flat}
 
 
-ADAPTERS: dict[str, Callable[[dict], dict]] = {"minimax_m3_sparse_attention": minimax_m3_sparse_attention}
+def kimi_linear_attention(config: dict) -> dict:
+    """Kimi-Linear / Kimi-K3 size their KDA layers in text_config.linear_attn_config (num_heads, head_dim,
+    short_conv_kernel_size: SGLang 0.5.23 configs/kimi_linear.py, models/kimi_k3.py KimiK3DeltaAttention); the shape
+    formulas read them as kda_num_heads, kda_head_dim, kda_short_conv_kernel_size. Keys the config already has win."""
+    inner = config.get("text_config")
+    text = inner if isinstance(inner, dict) else config
+    kda = text.get("linear_attn_config")
+    if not isinstance(kda, dict):
+        return config
+    flat = {f"kda_{key}": kda[key] for key in ("num_heads", "head_dim", "short_conv_kernel_size")
+            if key in kda and f"kda_{key}" not in text}
+    return {**config, "text_config": {**text, **flat}} if text is inner else {**config, **flat}
+
+
+ADAPTERS: dict[str, Callable[[dict], dict]] = {"minimax_m3_sparse_attention": minimax_m3_sparse_attention,
+                                                "kimi_linear_attention": kimi_linear_attention}

@@ -82,6 +82,9 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     target_exclude, target_lqc = exclude, lqc
     if mapper and rules.maps_exclude:
         target_exclude = [e if e.startswith("re:") else engines.runtime_name(e, mapper) for e in exclude]
+        for strip in rules.exclude_prefix_aliases:  # the mapped entry and its copy without the prefix
+            target_exclude = list(dict.fromkeys(x for e in target_exclude
+                                                for x in (e, e.removeprefix(strip) if e.startswith(strip) else e)))
     if mapper and rules.maps_layer_quant_config:
         target_lqc = {engines.runtime_name(k, mapper): v for k, v in lqc.items()}
     contexts = [BuildContext(

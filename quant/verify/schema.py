@@ -106,7 +106,7 @@ def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
     format: a layer_types list (top level or text_config) of another length than num_hidden_layers
     (engines.yaml layer_types_length; intel/auto-round#1984 wrote one)."""
     error = profile.rules.layer_types_length
-    out: list[Finding] = []
+    out: list[Finding] = _unparsed_model_type(config, profile)
     for where, cfg in (("config.json:", config), ("config.json:text_config.", config.get("text_config"))):
         if not error or not isinstance(cfg, dict):
             continue
@@ -119,6 +119,27 @@ def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
                 f"write one layer_types entry per decoder layer ({layers}; MTP layers are not listed)",
                 rule="#31 layer_types length"))
     return out
+
+
+def _unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
+    """A model_type transformers' AutoConfig does not know (and no auto_map points at remote code) that the engine
+    parses with a config class of its own in some releases (engines.yaml config_registry) but not in this one."""
+    from quant.verify.shapes import engine_registered, known_model_types
+
+    model_type, known = config.get("model_type"), known_model_types()
+    auto_map = config.get("auto_map")
+    if known is None or not isinstance(model_type, str) or model_type in known or \
+            (isinstance(auto_map, dict) and "AutoConfig" in auto_map):
+        return []
+    registered = engine_registered(model_type)
+    if not registered or profile.label in registered:
+        return []  # no release registers it: consistency_findings reports it for every engine
+    return [_finding(profile, "config.json:model_type",
+                     f"model_type {model_type!r} has no config class in {profile.title} {profile.release} (it is "
+                     f"registered by {', '.join(registered)}; transformers' AutoConfig does not know it): reading "
+                     "config.json raises before any weight is read",
+                     f"serve it with a release that registers it ({', '.join(registered)})",
+                     rule="#31 engine config registry")]
 
 
 def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:

@@ -121,6 +121,21 @@ def known_model_types() -> frozenset[str] | None:
     return frozenset(names) | {"gpt-sw3"}
 
 
+@functools.lru_cache(maxsize=None)
+def engine_registered(model_type: str) -> tuple[str, ...]:
+    """The engine releases (labels such as "sglang==0.5.23") that parse this model_type with a config class of
+    their own (engines.yaml config_registry), in the data's order."""
+    from quant.engines import engine_data, select_profiles
+
+    labels = []
+    for engine, section in engine_data()["engines"].items():
+        for release in section.get("releases") or {}:
+            profile = select_profiles([f"{engine}=={release}"])[0]
+            if model_type in profile.rules.config_registry:
+                labels.append(profile.label)
+    return tuple(labels)
+
+
 def _transformers_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -152,7 +167,8 @@ def consistency_findings(ckpt, shape_of=None) -> list:
     known = known_model_types()
     auto_map = config.get("auto_map")
     remote = isinstance(auto_map, dict) and "AutoConfig" in auto_map
-    if known is not None and isinstance(model_type, str) and model_type not in known and not remote:
+    if known is not None and isinstance(model_type, str) and model_type not in known and not remote \
+            and not engine_registered(model_type):  # engine releases parsing it themselves: verify/schema.py
         out.append(Finding("error", "all", (), "config.json:model_type",
                            f"model_type {model_type!r} is not one transformers {_transformers_version()} knows: "
                            "AutoConfig (which every engine builds the config with) raises "
