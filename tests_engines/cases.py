@@ -679,7 +679,7 @@ SGLANG_FAST = {("glm5", "w_mxfp4_a_mxfp4", "experts-only"), ("deepseek-v3", "w_m
 # experts-only; its MTP layer quantized like the main layers, so the NextN draft is built and loaded too) and,
 # for the families that publish MTP weights (DeepSeek-V3.2 at model.layers.61, GLM-4.7 at model.layers.92; the
 # toys' at num_hidden_layers), the export whose MTP layer stays whole in BF16.
-SGLANG_NEW_FAMILIES = ("deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp")
+SGLANG_NEW_FAMILIES = ("deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp", "kimi-k3")
 # Qwen4-Exp (Qwen3.8-Flash-Next, issue #31) publishes its MTP head under mtp.*: SGLang 0.5.23 builds it as
 # Qwen4ExpForCausalLMMTP, quantized like the main layers or whole in BF16 (engines.yaml mtp_namespace).
 SGLANG_MTP_FAMILIES = ("deepseek-v3.2", "glm4.7", "qwen4-exp")
@@ -701,6 +701,13 @@ SGLANG_CANNOT_BUILD: dict[tuple[str, str], dict] = {
         "setup": "model type `minimax_m3_vl` but Transformers does not recognize this architecture",
         "reason": "0.5.12 has no MiniMax-M3 (no models/minimax_m3*.py) and the transformers 5.6 it pins has no "
                   "minimax_m3_vl config: ServerArgs fails while parsing config.json"},
+    # Kimi-K3 (issue #31): 0.5.12 has no models/kimi_k3.py and no configs/kimi_k3.py, and the transformers 5.6 it pins
+    # has no kimi_k3 config (run 2026-11-26: ServerArgs raised this while parsing config.json). The kimi-k3 toy is
+    # the release's storage (compressed-tensors MXFP4 experts), so its "bf16" case is the release as shipped.
+    ("kimi-k3", "0.5.12"): {
+        "setup": "model type `kimi_k3` but Transformers does not recognize this architecture",
+        "reason": "0.5.12 has no Kimi-K3 (no models/kimi_k3.py, no configs/kimi_k3.py) and the transformers 5.6 it "
+                  "pins has no kimi_k3 config: ServerArgs fails while parsing config.json"},
     ("qwen4-exp", "0.5.12"): {
         "setup": "model type `qwen4_exp` but Transformers does not recognize this architecture",
         "reason": "0.5.12 has no Qwen4-Exp (no models/qwen4_exp*.py, no configs/qwen4_exp.py) and the transformers 5.6 "

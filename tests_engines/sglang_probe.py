@@ -35,6 +35,9 @@ SGLang is not patched. What the shim (`install_shim`) replaces, and nothing else
     get_device_capability` (QuarkConfig's scheme check and the loader's capability check assert on it; DSA
     server-argument resolution reads it). ServerArgs says device "cuda" so SGLang takes its GPU code paths
     (on "cpu" it picks CPU-only rope/attention classes), while every tensor is allocated on the CPU.
+  - `torch.cuda.Stream` on a torch without CUDA: an inert stand-in (any use of it raises). SGLang 0.5.23's Kimi-K3
+    creates three side streams while building its language model (models/kimi_k3.py:2761, on every non-HIP
+    platform), which a CPU torch refuses ("torch.cuda.Stream requires CUDA support"); they are used in forward only.
   - Distributed state for world size 1 (gloo), as SGLang's own layer tests set it up (sglang.test.
     layer_ut_utils.init_single_process_dist for 0.5.23; ModelRunner.init_torch_distributed's calls for 0.5.12).
 `SGLANG_USE_CPU_ENGINE` stays unset: it switches the loaders to a branch that pads and narrows mismatched tensors
@@ -98,11 +101,23 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class _InertStream:
+    """A CUDA stream that can be created but not used (the shim's stand-in on a torch without CUDA)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"the SGLang probe's inert CUDA stream has no {name} (no kernels on CPU)")
+
+
 def install_shim():
     sys.meta_path.insert(0, _StubFinder())
     import torch
 
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    if not torch.cuda.is_available():
+        torch.cuda.Stream = _InertStream
     import sglang.srt.utils.common as common
 
     common.get_device_capability = lambda device_id=0: (9, 0)
@@ -139,7 +154,10 @@ def init_distributed(server_args, release):
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
          "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
          "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"],
-         "index_qkv_proj": ["index_q_proj", "index_k_proj"]}  # MiniMax-M3 (minimax_m3_vl.py packed_modules_mapping)
+         "index_qkv_proj": ["index_q_proj", "index_k_proj"],
+         # Kimi-K3 (kimi_k3.py KimiK3ForConditionalGeneration.packed_modules_mapping, 0.5.23 :3450-3465)
+         "fused_qkvg_proj": ["q_proj", "k_proj", "v_proj", "g_proj"],
+         "qkv_conv1d": ["q_conv1d", "k_conv1d", "v_conv1d"]}  # MiniMax-M3 (minimax_m3_vl.py packed_modules_mapping)
 # Per-expert checkpoint leaves of a FusedMoE's w13 (gate, up) and w2 (down): Qwen/DeepSeek/GLM/Kimi name them
 # gate_proj / up_proj / down_proj, MiniMax-M2/M3 w1 / w3 / w2 (FusedMoE.make_expert_params_mapping in their models).
 EXPERT_LEAVES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -196,6 +214,12 @@ def _leaf_sources(ckpt, module_names, leaf):
     return None
 
 
+def _stored_leaves(suffix):
+    """Checkpoint leaves an expert parameter leaf may be loaded from: compressed-tensors MXFP4 stores `weight_packed`,
+    which SGLang 0.5.23's Kimi-K3 loader renames to `weight` for Mxfp4MoEMethod (models/kimi_k3.py:3207-3210)."""
+    return (suffix, "weight_packed") if suffix == "weight" else (suffix,)
+
+
 def expert_sources(ckpt, module_names, leaf):
     """FusedMoE parameters: w13_<x> [E, 2I, ...] = per expert cat(gate, up); w2_<x> = per expert down. Returns
     (rows of source names, stacked) where stacked means one row per expert."""
@@ -204,13 +228,13 @@ def expert_sources(ckpt, module_names, leaf):
         return None, False
     which, suffix = m.groups()
     for module in module_names:
-        for gate, up, down in EXPERT_LEAVES:
+        for (gate, up, down), stored in [(leaves, s) for leaves in EXPERT_LEAVES for s in _stored_leaves(suffix)]:
             rows = []
             for e in range(4096):
                 if which == "w13":
-                    parts = [f"{module}.{e}.{p}.{suffix}" for p in (gate, up)]
+                    parts = [f"{module}.{e}.{p}.{stored}" for p in (gate, up)]
                 else:
-                    parts = [f"{module}.{e}.{down}.{suffix}"]
+                    parts = [f"{module}.{e}.{down}.{stored}"]
                 if not all(p in ckpt for p in parts):
                     break
                 rows.append(parts)
@@ -335,7 +359,7 @@ def _all_sentinel_value(value):
     return torch.tensor(False)
 
 
-def compare(param, value, padded=False):
+def compare(param, value, padded=False, name_leaf=""):
     """Share of elements that differ (1.0 when the shapes differ)."""
     import torch
 
@@ -343,6 +367,10 @@ def compare(param, value, padded=False):
     if (held.dim() == value.dim() == 2 and held.shape[1] == value.shape[1] and held.shape[0] > value.shape[0]
             and padded):
         held = held[: value.shape[0]]  # vocabulary rows padded by VocabParallelEmbedding / ParallelLMHead
+    if name_leaf == "A_log" and held.dim() == 4 and value.dim() == 1 and value.numel() > held.numel():
+        # Kimi-K3 stores A_log padded to head_dim; SGLang 0.5.23's _a_log_weight_loader keeps its first num_heads
+        # entries (models/kimi_k3.py:1732-1752)
+        value = value[: held.numel()]
     if tuple(held.shape) != tuple(value.shape) and held.numel() == value.numel() and \
             [d for d in held.shape if d != 1] == [d for d in value.shape if d != 1]:
         value = value.reshape(held.shape)  # singleton axes (conv1d weights)
@@ -502,7 +530,8 @@ def run_model(ckpt_path, ckpt, draft, reference, mtp_index):
         if bool(is_sentinel(param).all()) and value.numel() and not bool(_all_sentinel_value(value)):
             unwritten.append(name)
             continue
-        share = compare(param, value, padded=name.endswith(("embed_tokens.weight", "lm_head.weight")))
+        share = compare(param, value, padded=name.endswith(("embed_tokens.weight", "lm_head.weight")),
+                        name_leaf=name.rpartition(".")[2])
         if share:
             mismatched.append({"param": name, "sources": srcs, "share": round(share, 4),
                                "held": [list(param.shape), str(param.dtype)],
