@@ -26,14 +26,17 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".output
 
 def dequantize_module(weight: torch.Tensor, scales: dict[str, torch.Tensor], name: str,
                       dtype: torch.dtype) -> torch.Tensor:
-    """One module's weight from its stored tensors (`scales`: suffix -> tensor)."""
+    """One module's weight from its stored tensors (`scales`: suffix -> tensor): a quantized one decoded to `dtype`,
+    an unquantized one as stored."""
     if "weight_scale_inv" in scales:
         return fp8.dequantize_fp8_block(weight, scales["weight_scale_inv"], dtype=dtype)
     scale = scales.get("weight_scale")
     if scale is None:
         if weight.dtype in (torch.uint8, torch.float8_e4m3fn):
             raise QuantError(f"tensor {name} is {weight.dtype} but has no weight_scale")
-        return weight.to(dtype)
+        # An unquantized weight is copied as stored: an F32 router or convolution (GLM-5.3-Flash's mlp.gate,
+        # q/k/v_conv1d) cast to BF16 here would no longer be what the checkpoint means.
+        return weight
     if weight.dtype == torch.uint8:
         return mxfp4.dequantize_mxfp4(weight, scale, dtype=dtype)
     if weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.uint8:  # MXFP8: E8M0 bytes per 32 inputs
@@ -59,7 +62,8 @@ def dequantize_state(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torc
 
 
 def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write a plain copy of `src` in `dtype` (default BF16): same tensor names, no quantization_config."""
+    """Write a plain copy of `src`: quantized weights decoded to `dtype` (default BF16), every other tensor as stored;
+    same tensor names, no quantization_config."""
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
     ckpt.require_intact()

@@ -172,9 +172,9 @@ def sglang_matrix(work: Path, only: set[str] | None = None, out: Path | None = N
 def transformers_matrix(work: Path) -> str:
     """The transformers section: transformers 5.23 + amd-quark 0.13 loading every tier export (run from .venv; the
     probe runs in .venv-quark)."""
-    from tests_engines.cases import token_ids, transformers_logprobs
+    from tests_engines.cases import token_ids
     from tests_engines.transformers_cases import (RELEASE, TOLERANCE, agrees, cases, judge, materialize, prediction,
-                                                  reference_qdq, run)
+                                                  reference_qdq, run, tier_reference_logprobs)
 
     rows, versions = [], ""
     for case in cases():
@@ -183,8 +183,8 @@ def transformers_matrix(work: Path) -> str:
         prompts = token_ids(toy)
         result = run(export, prompts)
         versions = f"transformers {result['transformers']} + amd-quark {result['amd-quark']}"
-        ref = transformers_logprobs(reference, prompts, reference_qdq(export)) if "logprobs" in result else None
-        verdict = judge(case, result, ref, transformers_logprobs(toy, prompts) if ref is not None else None)
+        ref = tier_reference_logprobs(reference, prompts, reference_qdq(export)) if "logprobs" in result else None
+        verdict = judge(case, result, ref, tier_reference_logprobs(toy, prompts) if ref is not None else None)
         findings = prediction(export)
         miss = agrees(verdict, findings)
         outcome = verdict["outcome"] + (f": {verdict['error']}" if verdict["error"] else "")

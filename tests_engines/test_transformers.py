@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from tests_engines.cases import token_ids, transformers_logprobs
+from tests_engines.cases import token_ids
 from tests_engines.transformers_cases import (FAST, TOLERANCE, TRANSFORMERS_PREFLIGHT_MISSES, agrees, cases, judge,
-                                             materialize, prediction, reference_qdq, run)
+                                             materialize, prediction, reference_qdq, run, tier_reference_logprobs)
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +33,8 @@ def test_transformers_agrees(case, work):
     export, toy, reference = materialize(case, work)
     prompts = token_ids(toy)
     result = run(export, prompts)
-    ref = transformers_logprobs(reference, prompts, reference_qdq(export)) if "logprobs" in result else None
-    bf16 = transformers_logprobs(toy, prompts) if ref is not None else None
+    ref = tier_reference_logprobs(reference, prompts, reference_qdq(export)) if "logprobs" in result else None
+    bf16 = tier_reference_logprobs(toy, prompts) if ref is not None else None
     verdict = judge(case, result, ref, bf16)
     if verdict["outcome"] == "loaded":
         # the quantization must be visible at this tolerance, or a misread weight could hide in it
