@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from quant.errors import QuantError, UnreadableCheckpoint
 from quant.families import text_config
+from quant.families.shapes import LM_LAYER
 
 if TYPE_CHECKING:
     import torch
@@ -231,13 +232,14 @@ def build_checkpoint(root, meta, config: dict, index: dict | None, files: list[s
 # ------------------------------------------------------------------- config.json values (not a valid checkpoint)
 # Checked when a checkpoint is opened: the "not a valid checkpoint" half of quant/validate.py (exit 2).
 
-# key -> smallest allowed value; checked in the config and in its text_config (VL wrappers).
+# key -> smallest allowed value; checked in the config and in its text_config (VL wrappers). A RoPE dimension of 0
+# is a NoPE model (GLM-5.3-Flash: qk_rope_head_dim 0, and transformers' Glm5NextTextConfig sets head_dim to it).
 COUNTS = {
     "num_hidden_layers": 1, "hidden_size": 1, "vocab_size": 1, "num_attention_heads": 1,
-    "num_key_value_heads": 1, "head_dim": 1, "intermediate_size": 1, "moe_intermediate_size": 1,
+    "num_key_value_heads": 1, "head_dim": 0, "intermediate_size": 1, "moe_intermediate_size": 1,
     "shared_expert_intermediate_size": 1, "n_routed_experts": 1, "num_experts": 1, "num_local_experts": 1,
     "num_experts_per_tok": 1, "n_shared_experts": 0, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
-    "q_lora_rank": 1, "kv_lora_rank": 1, "qk_rope_head_dim": 1, "qk_nope_head_dim": 1, "v_head_dim": 1,
+    "q_lora_rank": 1, "kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 1, "v_head_dim": 1,
     "index_n_heads": 1, "index_head_dim": 1, "num_nextn_predict_layers": 0, "mtp_num_hidden_layers": 0,
 }
 NULLABLE = {"q_lora_rank", "head_dim", "intermediate_size", "n_shared_experts", "first_k_dense_replace", "n_group",
@@ -245,9 +247,6 @@ NULLABLE = {"q_lora_rank", "head_dim", "intermediate_size", "n_shared_experts", 
 MTP_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 TENSOR_SPECS = ("input_tensors", "output_tensors", "weight", "bias")
-# A decoder layer of the language model: model.layers.N (and the VL wrapper's model.language_model.layers.N,
-# the runtime language_model.model.layers.N); not a vision tower's layers, not mtp.layers.N.
-LM_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 SHOWN = 5  # examples named in a message
 
 

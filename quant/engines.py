@@ -22,7 +22,9 @@ from quant.paths import MANIFESTS_DIR
 
 ENGINES_FILE = MANIFESTS_DIR / "engines.yaml"
 ENGINE_NAMES = ("sglang", "vllm", "transformers")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A decoder layer's module (model.layers.N.*, a VL wrapper's model.language_model.layers.N.* or
+# language_model.model.layers.N.*): (layer prefix, index, module within the layer).
+_LAYER = re.compile(r"^((?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+))\.(.+)$")
 _EXPERT_LEAF = re.compile(r"^mlp\.experts\.\d+\.")
 
 
@@ -132,14 +134,20 @@ def mtp_layers(config: dict) -> range:
 
 def layer_index(module: str) -> int | None:
     m = _LAYER.match(module)
-    return int(m.group(1)) if m else None
+    return int(m.group(2)) if m else None
+
+
+def layer_prefix(module: str) -> str | None:
+    """The checkpoint prefix of `module`'s decoder layer (model.layers.4, model.language_model.layers.4), or None."""
+    m = _LAYER.match(module)
+    return m.group(1) if m else None
 
 
 def split_mtp(module: str, config: dict) -> tuple[int, str] | None:
     """(layer index, sub-module name) when `module` lies in a declared MTP layer, else None."""
     m = _LAYER.match(module)
-    if m and int(m.group(1)) in mtp_layers(config):
-        return int(m.group(1)), m.group(2)
+    if m and int(m.group(2)) in mtp_layers(config):
+        return int(m.group(2)), m.group(3)
     return None
 
 
@@ -387,13 +395,18 @@ def map_sglang_mtp_checkpoint_name(name: str, layer_prefix: str) -> str:
     return map_nextn_checkpoint_name(sglang_mtp_rule(), name, layer_prefix)
 
 
-def apply_substr_mapper(names: list[str], mapper: dict[str, str]) -> list[str]:
+def apply_substr_mapper(names: list[str], mapper: dict[str, str], n: int | None = None) -> list[str]:
     """SGLang/vLLM WeightsMapper.orig_to_new_substr applied to a name list (QuarkConfig.apply_weight_name_mapper):
-    every key found anywhere in a name is replaced once; names are replaced, not duplicated."""
+    the longest key found in a name is replaced once (WeightsMapper._map_name, sglang models/utils.py:71-80);
+    names are replaced, not duplicated. "{N}" in a key is the MTP layer's index `n` (a draft class whose mapper is
+    built from num_hidden_layers: Glm5NextForConditionalGenerationNextN.get_hf_to_sglang_mapper)."""
+    rules = sorted(((old.replace("{N}", str(n)), new) for old, new in mapper.items()),
+                   key=lambda rule: len(rule[0]), reverse=True)
     out = []
     for name in names:
-        for old, new in mapper.items():
+        for old, new in rules:
             if old in name:
                 name = name.replace(old, new, 1)
+                break
         out.append(name)
     return list(dict.fromkeys(out))

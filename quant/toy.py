@@ -37,7 +37,8 @@ TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "co
             "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb", "config_json_renames", "renames",
             "fp8_block", "native", "release_files", "layout", "release_format",
             "release_ignore")
-TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type")
+TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type", "mlp_layer_type",
+                "drop")
 TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config")
 TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
                 "quantization_config")
@@ -74,6 +75,8 @@ class MtpLayout:
     extras: dict[str, str]
     fused_experts: bool | None  # None: as the main layers
     layer_type: str | None  # layer_types entry of the decoder layer built for the MTP block
+    mlp_layer_type: str = "moe"  # its mlp_layer_types entry, where the config has that list
+    drop: tuple[re.Pattern, ...] = ()  # block tensors the release's MTP layer lacks (GLM-5.3-Flash: no mHC)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,8 @@ def toy_family(name: str) -> ToyFamily:
             extras=dict(mtp.get("extras", {})),
             fused_experts=mtp.get("fused_experts"),
             layer_type=mtp.get("layer_type"),
+            mlp_layer_type=mtp.get("mlp_layer_type", "moe"),
+            drop=tuple(re.compile(p) for p in mtp.get("drop", [])),
         ) if mtp else None,
         f32_tensors=tuple(re.compile(p) for p in spec.get("f32_tensors", [])),
         perturb=dict(spec.get("perturb", {})),
@@ -347,8 +352,8 @@ def _model_config(family: ToyFamily, overrides: dict):
     text["num_hidden_layers"] = n_main + n_mtp
     if n_mtp and family.mtp.layer_type and isinstance(text.get("layer_types"), list):
         text["layer_types"] = list(text["layer_types"]) + [family.mtp.layer_type] * n_mtp
-        if isinstance(text.get("mlp_layer_types"), list):  # DeepSeek-V4: the MTP block is a routed-MoE block
-            text["mlp_layer_types"] = list(text["mlp_layer_types"]) + ["moe"] * n_mtp
+        if isinstance(text.get("mlp_layer_types"), list):  # the MTP block is a routed-MoE block
+            text["mlp_layer_types"] = list(text["mlp_layer_types"]) + [family.mtp.mlp_layer_type] * n_mtp
     if not family.text_config_key and "num_mtp_layers" in _config_parameters(family.config_class):
         # DeepseekV3Config aliases num_mtp_layers to num_nextn_predict_layers and defaults it to 1.
         kwargs["num_mtp_layers"] = n_mtp
@@ -396,7 +401,8 @@ def _transformers_checkpoint(family: ToyFamily, config, *, seed: int, fused_expe
     for k in range(n_mtp):
         built = f"{text}layers.{n_main + k}."
         target = family.mtp.layer_prefix.format(text=text, n=n_main + k, k=k)
-        block = {target + name[len(built):]: value for name, value in mtp_source.items() if name.startswith(built)}
+        block = {target + name[len(built):]: value for name, value in mtp_source.items() if name.startswith(built)
+                 and not any(p.search(name[len(built):]) for p in family.mtp.drop)}
         for name in [n for n in tensors if n.startswith(built)]:
             del tensors[name]
         tensors.update(block)

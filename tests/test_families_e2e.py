@@ -27,8 +27,14 @@ pytestmark = pytest.mark.xdist_group("toy")
 REPO = Path(__file__).resolve().parents[1]
 CALIB = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
 FAST = GptqSettings(CalibrationSettings(str(CALIB), samples=4, seq_len=32), batch=4)
-FAMILIES = ["deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp"]
+FAMILIES = ["deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp", "glm5-next"]
 MTP_UNPUBLISHED = {"minimax-m2"}
+# Families whose published MTP block transformers has no layer class for (family data mtp_draft.unsupported): the
+# in-process draft is refused in one line.
+MTP_UNBUILDABLE = {"glm5-next"}
+# Families transformers has no causal LM for, and whose family data names no text model: --method gptq is refused in
+# one line before any work (GLM-5.3-Flash: Glm5NextTextConfig has no causal LM in transformers 5.24).
+GPTQ_UNSUPPORTED = {"glm5-next"}
 # The vision-language wrappers: toy -> (family, the wrapper's transformers class, its text model's prefix)
 WRAPPERS = {"kimi-k2.5": ("kimi_k25", "Kimi_K25ForConditionalGeneration", "language_model.model."),
             "minimax-m3": ("minimax_m3_vl", "MiniMaxM3SparseForConditionalGeneration", "language_model.model.")}
@@ -58,10 +64,20 @@ def test_family_chain_toy_quantize_verify_eval_gptq(toy, toy_factory, tmp_path, 
         with pytest.raises(QuantError, match="publishes no MTP weights") as e:
             run_eval(rtn, tmp_path / "eval-mtp", True)
         assert "\n" not in str(e.value) and "--no-mtp" in str(e.value)
-    result = run_eval(rtn, tmp_path / "eval", toy not in MTP_UNPUBLISHED)
+    if toy in MTP_UNBUILDABLE:
+        with pytest.raises(QuantError, match="MTP draft cannot be run in process") as e:
+            run_eval(rtn, tmp_path / "eval-mtp", True)
+        assert "\n" not in str(e.value) and "--no-mtp" in str(e.value)
+    with_mtp = toy not in MTP_UNPUBLISHED | MTP_UNBUILDABLE
+    result = run_eval(rtn, tmp_path / "eval", with_mtp)
     assert result["rows"] and (tmp_path / "eval" / "report.json").is_file()
 
     out = tmp_path / "gptq"
+    if toy in GPTQ_UNSUPPORTED:
+        with pytest.raises(QuantError, match="--method gptq does not support") as e:
+            quantize_checkpoint(src, out, recipe="all-linear", method="gptq", gptq=FAST, log=_quiet)
+        assert "\n" not in str(e.value) and "--method rtn" in str(e.value) and not out.exists()
+        return
     manifest = quantize_checkpoint(src, out, recipe="all-linear", method="gptq", gptq=FAST, log=_quiet)
     methods = [r["method"]["method"] for r in manifest["tensors"].values() if r["action"] == "quantize"]
     assert methods.count("gptq") >= 4, methods
@@ -88,7 +104,7 @@ def test_family_chain_toy_quantize_verify_eval_gptq(toy, toy_factory, tmp_path, 
         prefix = WRAPPERS[toy][2]
         assert solved and all(n.startswith(prefix + "layers.") for n in solved)
         assert all(r["action"] == "copy" for n, r in manifest["tensors"].items() if not n.startswith("language_model."))
-    result = run_eval(out, tmp_path / "eval-gptq", toy not in MTP_UNPUBLISHED)
+    result = run_eval(out, tmp_path / "eval-gptq", with_mtp)
     assert result["rows"]
 
 

@@ -79,6 +79,41 @@ def test_glm5_layout_has_indexer_and_mtp_without_embed_or_head_copies(bf16_toys)
     assert not any(name.startswith(f"model.layers.{n + 1}.") for name in tensors)
 
 
+def test_glm5_next_layout_as_released_and_a_strict_transformers_load(bf16_toys):
+    """GLM-5.3-Flash: KDA layers, an MLA (NoPE) + DSA-indexer layer, mHC, and an MTP layer shaped like SGLang's
+    NextN draft (no mHC); transformers 5.24 loads every weight it has a parameter for and nothing is missing."""
+    import transformers
+
+    path = bf16_toys["glm5-next"]
+    checkpoint = open_checkpoint(path)
+    config, tensors = checkpoint.config, checkpoint.tensors
+    text = config["text_config"]
+    n, hidden = text["num_hidden_layers"], text["hidden_size"]
+    assert config["model_type"] == "glm5_next" and text["num_nextn_predict_layers"] == 1 and text["mhc"]
+    assert text["qk_rope_head_dim"] == 0 and text["head_dim"] == 0  # NoPE MLA
+    assert all(len(text[k]) == n for k in ("layer_types", "mlp_layer_types", "indexer_types"))
+    kda, mla, mtp = "model.language_model.layers.0.", f"model.language_model.layers.{n - 1}.", \
+        f"model.language_model.layers.{n}."
+    for leaf in ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj"):
+        assert tensors[f"{kda}self_attn.{leaf}.weight"].dtype == "BF16"
+    for leaf in ("q_conv1d.weight", "A_log", "dt_bias"):
+        assert tensors[f"{kda}self_attn.{leaf}"].dtype == "F32"
+    assert tensors[f"{kda}hc_attn_fn"].dtype == "BF16" and tensors[f"{kda}hc_ffn_base"].dtype == "F32"
+    # the MLA layer's kv_a_proj_with_mqa holds no RoPE rows (kv_lora_rank only)
+    assert tensors[f"{mla}self_attn.kv_a_proj_with_mqa.weight"].shape == (text["kv_lora_rank"], hidden)
+    assert tensors[f"{mla}self_attn.indexer.index_kpool_compress_ape"].dtype == "F32"
+    assert tensors[f"{mla}mlp.gate.weight"].dtype == "F32"
+    for leaf in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                 "self_attn.indexer.wk.weight", "mlp.experts.0.down_proj.weight"):
+        assert mtp + leaf in tensors
+    assert not any(name.startswith(mtp + "hc_") for name in tensors)
+    assert any(name.startswith("model.visual.blocks.0.") for name in tensors) and "lm_head.weight" in tensors
+    model, info = transformers.Glm5NextForConditionalGeneration.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert all(k.startswith(mtp) for k in info["unexpected_keys"])  # the MTP layer, which transformers does not build
+    assert not info["mismatched_keys"]
+
+
 def test_deepseek_v3_mtp_layer_copies_embedding_and_head(bf16_toys):
     path = bf16_toys["deepseek-v3"]
     config, tensors = config_of(path), read_all(path)
@@ -191,8 +226,10 @@ def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name
     outputs = {s[-2] for s in linear.values() if s[-2] != vocab}  # not the head: vocab is never a tile count
     assert any(d % 128 for d in inputs) and any(d >= 128 for d in inputs)
     assert any(d % 128 for d in outputs)
-    # The byte tokenizer's ids; the VL wrappers (Qwen3.5, Kimi-K2.5, MiniMax-M3) add four image/video ids above them.
-    assert vocab == VOCAB_SIZE + (4 if toy_family(name).text_config_key else 0)
+    # The byte tokenizer's ids; the VL wrappers add their image/video ids above them (four for Qwen3.5, Kimi-K2.5 and
+    # MiniMax-M3; six for GLM-5.3-Flash: image/video, and the start/end of each).
+    media = {"glm5-next": 6}.get(name, 4) if toy_family(name).text_config_key else 0
+    assert vocab == VOCAB_SIZE + media
 
 
 # ---------------------------------------------------------------------------------------------------- FP8 source

@@ -39,7 +39,9 @@ def strict_load(path: Path) -> dict:
     text = text_config(config)
     n = int(text["num_hidden_layers"])
     mtp_layers = range(n, n + int(text.get("num_nextn_predict_layers") or 0))
-    toy_mtp = re.compile(rf"^model\.layers\.({'|'.join(map(str, mtp_layers))})\.") if len(mtp_layers) else None
+    # model.layers.N, or the wrapper's model.language_model.layers.N (GLM-5.3-Flash)
+    toy_mtp = re.compile(rf"^model\.(?:language_model\.)?layers\.({'|'.join(map(str, mtp_layers))})\.") \
+        if len(mtp_layers) else None
 
     def ignored(key: str) -> bool:
         if any(p.search(key) for p in declared):

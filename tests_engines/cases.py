@@ -679,10 +679,12 @@ SGLANG_FAST = {("glm5", "w_mxfp4_a_mxfp4", "experts-only"), ("deepseek-v3", "w_m
 # experts-only; its MTP layer quantized like the main layers, so the NextN draft is built and loaded too) and,
 # for the families that publish MTP weights (DeepSeek-V3.2 at model.layers.61, GLM-4.7 at model.layers.92; the
 # toys' at num_hidden_layers), the export whose MTP layer stays whole in BF16.
-SGLANG_NEW_FAMILIES = ("deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp", "kimi-k3")
+SGLANG_NEW_FAMILIES = ("deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp", "kimi-k3",
+                       "glm5-next")
 # Qwen4-Exp (Qwen3.8-Flash-Next, issue #31) publishes its MTP head under mtp.*: SGLang 0.5.23 builds it as
 # Qwen4ExpForCausalLMMTP, quantized like the main layers or whole in BF16 (engines.yaml mtp_namespace).
-SGLANG_MTP_FAMILIES = ("deepseek-v3.2", "glm4.7", "qwen4-exp")
+# GLM-5.3-Flash (glm5-next) at model.language_model.layers.{N}: SGLang 0.5.23's Glm5NextForConditionalGenerationNextN.
+SGLANG_MTP_FAMILIES = ("deepseek-v3.2", "glm4.7", "qwen4-exp", "glm5-next")
 # None of them is in the fast slice: it already takes 325 s (11 tests, commit 8ae23f8) and one case per new family
 # adds ten probe runs (~20 s each here), past the ~6 minute budget. The GLM-4.7 qkv_proj rule the tier found is
 # guarded in the unit suite instead (tests/test_sglang_unexpanded_fused.py).
@@ -708,6 +710,10 @@ SGLANG_CANNOT_BUILD: dict[tuple[str, str], dict] = {
         "setup": "model type `kimi_k3` but Transformers does not recognize this architecture",
         "reason": "0.5.12 has no Kimi-K3 (no models/kimi_k3.py, no configs/kimi_k3.py) and the transformers 5.6 it "
                   "pins has no kimi_k3 config: ServerArgs fails while parsing config.json"},
+    ("glm5-next", "0.5.12"): {
+        "setup": "model type `glm5_next` but Transformers does not recognize this architecture",
+        "reason": "0.5.12 has no GLM-5.3-Flash (no models/glm5_next*.py, no configs/glm5_next.py) and the transformers "
+                  "5.6 it pins has no glm5_next config: ServerArgs fails while parsing config.json (run 2026-11-26)"},
     ("qwen4-exp", "0.5.12"): {
         "setup": "model type `qwen4_exp` but Transformers does not recognize this architecture",
         "reason": "0.5.12 has no Qwen4-Exp (no models/qwen4_exp*.py, no configs/qwen4_exp.py) and the transformers 5.6 "

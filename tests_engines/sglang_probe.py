@@ -157,7 +157,13 @@ FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj
          "index_qkv_proj": ["index_q_proj", "index_k_proj"],
          # Kimi-K3 (kimi_k3.py KimiK3ForConditionalGeneration.packed_modules_mapping, 0.5.23 :3450-3465)
          "fused_qkvg_proj": ["q_proj", "k_proj", "v_proj", "g_proj"],
-         "qkv_conv1d": ["q_conv1d", "k_conv1d", "v_conv1d"]}  # MiniMax-M3 (minimax_m3_vl.py packed_modules_mapping)
+         "qkv_conv1d": ["q_conv1d", "k_conv1d", "v_conv1d"],  # MiniMax-M3 (minimax_m3_vl.py packed_modules_mapping)
+         # GLM-5.3-Flash's BF16 KDA projections (glm5_next.py Glm5NextLinearAttention._PACKED_MODULES_MAPPING
+         # :344-355; fused_fg_b_proj is a ColumnParallelBatchedLinear holding f_b and g_b as [2, out, in])
+         "fused_qkvbfg_a_proj": ["q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj"],
+         "fused_bfg_a_proj": ["b_proj", "f_a_proj", "g_a_proj"], "fused_fg_b_proj": ["f_b_proj", "g_b_proj"]}
+# Fused modules holding their shards stacked ([shards, out, in]) rather than concatenated along the rows.
+STACKED = {"fused_fg_b_proj"}
 # Per-expert checkpoint leaves of a FusedMoE's w13 (gate, up) and w2 (down): Qwen/DeepSeek/GLM/Kimi name them
 # gate_proj / up_proj / down_proj, MiniMax-M2/M3 w1 / w3 / w2 (FusedMoE.make_expert_params_mapping in their models).
 EXPERT_LEAVES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -262,10 +268,11 @@ def candidate_modules(module, draft, mtp_index):
     out = [module]
     if draft:
         n = mtp_index
-        if module.startswith("model.decoder."):
-            out.append(f"model.layers.{n}." + module[len("model.decoder."):])
-        if module.startswith("model.") and not module.startswith("model.layers."):
-            out.append(f"model.layers.{n}." + module[len("model."):])
+        for layer in (f"model.layers.{n}.", f"model.language_model.layers.{n}."):  # GLM-5.3-Flash: the wrapper's
+            if module.startswith("model.decoder."):
+                out.append(layer + module[len("model.decoder."):])
+            if module.startswith("model.") and not module.startswith("model.layers."):
+                out.append(layer + module[len("model."):])
         out.append(module.replace("model.layers.0.", f"model.layers.{n}.", 1))
         if module.startswith("model."):
             out.append("mtp." + module[len("model."):])
@@ -276,6 +283,8 @@ def candidate_modules(module, draft, mtp_index):
                        ("model.", "language_model.model."), ("lm_head", "language_model.lm_head")):
         if module.startswith(prefix):
             out.append(ck + module[len(prefix):])
+    # GLM-5.3-Flash's vision attention: the mapper's suffix rule .attn.qkv -> .attn.qkv_proj (glm5_next.py:1239)
+    out += [m[: -len("_proj")] for m in list(out) if m.startswith("model.visual.") and m.endswith(".attn.qkv_proj")]
     # MiniMax-M3 (SGLang 0.5.23) builds its MoE as layers.N.mlp: the checkpoint's layers.N.block_sparse_moe
     out += [m.replace(".mlp.", ".block_sparse_moe.", 1) for m in list(out) if ".mlp." in m]
     out += [m[: -len(".mlp")] + ".block_sparse_moe" for m in list(out) if m.endswith(".mlp")]
@@ -314,6 +323,8 @@ def expected(ckpt, name, draft, mtp_index):
     if not srcs:
         return None, None
     tensors = [ckpt.get(s) for s in srcs]
+    if module.rpartition(".")[2] in STACKED:
+        return torch.stack(tensors), srcs
     value = torch.cat(tensors, 0) if len(tensors) > 1 else tensors[0]
     return value, srcs
 

@@ -21,11 +21,12 @@ from tests_engines.cases import (ONE_SPELLING, TIER_OVERRIDES, activation_quanti
 ROOT = Path(__file__).resolve().parent.parent
 QUARK_VENV = Path(os.environ.get("QUARK_VENV", ROOT / ".venv-quark"))
 PROBE = Path(__file__).with_name("transformers_probe.py")
+REFERENCE_PROBE = Path(__file__).with_name("reference_probe.py")
 RELEASE = "transformers==5.23"
 RECIPES = Path(__file__).with_name("recipes")
-# Every family transformers 5.23 builds (MiniMax-M3's minimax_m3_vl arrived in 5.24: the SGLang and vLLM tiers
+# Every family transformers 5.23 builds (GLM-5.3-Flash included; MiniMax-M3's minimax_m3_vl arrived in 5.24: the SGLang and vLLM tiers
 # cover it).
-TOYS = ("qwen3-moe", "deepseek-v3", "glm5", "qwen3.5", "glm4.7", "deepseek-v3.2", "kimi-k2.5", "minimax-m2")
+TOYS = ("qwen3-moe", "deepseek-v3", "glm5", "qwen3.5", "glm4.7", "deepseek-v3.2", "kimi-k2.5", "minimax-m2", "glm5-next")
 # (scheme, recipe): the vLLM tier's four export kinds, plus every linear but the routed experts in MXFP4 (the only
 # Quark export transformers can load: it builds routed experts as fused BF16 parameters, engines.yaml)
 EXPORTS = (("w_mxfp4_a_mxfp4", "experts-only"), ("w_mxfp4_a_mxfp4", "all-linear"), ("w_mxfp4", "experts-only"),
@@ -117,6 +118,18 @@ def run(path: Path, prompts: list[list[int]], timeout: int = 600) -> dict:
     if result["outcome"] == "setup-error":
         raise RuntimeError(result["error"])
     return result
+
+
+def tier_reference_logprobs(path: Path, prompts: list[list[int]], qdq_inputs=frozenset(), timeout: int = 600) -> list:
+    """transformers_logprobs computed by the tier's own transformers (tests_engines/reference_probe.py in
+    .venv-quark), so the reference runs the same model code as the engine side."""
+    python = QUARK_VENV / "bin" / "python"
+    proc = run_probe(str(python), REFERENCE_PROBE, [str(path), json.dumps(prompts), json.dumps(sorted(qdq_inputs))],
+                     {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"transformers reference for {path} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])["logprobs"]
 
 
 def judge(case: Case, result: dict, reference_logprobs, bf16_logprobs) -> dict:

@@ -34,7 +34,7 @@ FAMILY_KEYS = ("family", "inherit", "model_types", "required_config", "mtp", "fu
                "transformers_layer", "bf16_under_schemes")
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
-                  "zero_embedding_at_position_0", "decoder_config")
+                  "zero_embedding_at_position_0", "decoder_config", "unsupported")
 DECODER_LAYER_KEYS = ("returns", "carry_bytes_per_token", "workspace_bytes_per_token")
 MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
@@ -183,11 +183,14 @@ def _load_family_file(path: Path) -> Family:
     shapes = []
     for pattern, formula in (data.get("shapes") or {}).items():
         if isinstance(formula, dict):
-            formula = {k: tuple(d) for k, d in formula.items()}
+            # {model_type: dims, default: dims, layer_types: {layer type: dims}}: a module name that several
+            # layer kinds share (GLM-5.3-Flash's self_attn.o_proj, KDA or MLA) is sized by its layer's type
+            formula = {k: ({t: tuple(v) for t, v in d.items()} if k == "layer_types" else tuple(d))
+                       for k, d in formula.items()}
         elif isinstance(formula, list):
             formula = tuple(formula)
-        else:
-            raise BadData(f"{where}: shapes[{pattern!r}] must be a list of dimensions or {{model_type: list}}")
+        elif formula is not None:  # null: modules the text config does not size (a vision tower's)
+            raise BadData(f"{where}: shapes[{pattern!r}] must be a list of dimensions, {{model_type: list}} or null")
         shapes.append((_compile(pattern, f"{where}: shapes"), formula))
     recipes = {}  # a release recipe describes one published release: never inherited
     for name, spec in (data.get("release_recipes") or {}).items():
@@ -208,7 +211,8 @@ def _load_family_file(path: Path) -> Family:
         fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
         mtp_draft=data.get("mtp_draft", parent.mtp_draft if parent else None),
         # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
-        # (quant/families/shapes.py picks the config's model_type, else "default").
+        # (quant/families/shapes.py picks the config's model_type, else "default"; a `layer_types` entry picks by
+        # the text config's layer_types entry of the module's layer).
         shapes=shapes + (parent.shapes if parent else []),
         layer_returns=list((data.get("decoder_layer") or {}).get("returns")
                            or (parent.layer_returns if parent else ["hidden_states"])),

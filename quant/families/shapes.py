@@ -14,6 +14,10 @@ from typing import Callable
 from quant.errors import QuantError
 from quant.families import family_for_config, model_types, text_config
 
+# A decoder layer of the language model: model.layers.N (and the VL wrapper's model.language_model.layers.N,
+# the runtime language_model.model.layers.N); not a vision tower's layers, not mtp.layers.N.
+LM_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
+
 ShapeOf = Callable[[str], "tuple[int, int] | None"]
 
 
@@ -40,8 +44,9 @@ def evaluate(expression, values: dict[str, int]) -> int | None:
     return result if isinstance(result, int) and result > 0 else None
 
 
-def shape_rules(config: dict) -> list[tuple[re.Pattern, tuple]]:
-    """(pattern, formula) of the config's family, each formula resolved for the config's model_type."""
+def shape_rules(config: dict) -> list[tuple[re.Pattern, tuple, dict]]:
+    """(pattern, formula, {layer type: formula}) of the config's family, each formula resolved for the config's
+    model_type; the per-layer-type formulas override it for modules of layers of those types."""
     try:
         family = family_for_config(config)
     except QuantError:
@@ -49,22 +54,36 @@ def shape_rules(config: dict) -> list[tuple[re.Pattern, tuple]]:
     rules = []
     types = list(reversed(model_types(config)))  # the text model's type first, then the wrapper's
     for pattern, formula in family.shapes:
+        by_layer: dict = {}
+        if formula is None:  # no expectation for these modules: the text config does not size them
+            rules.append((pattern, None, by_layer))
+            continue
         if isinstance(formula, dict):
+            by_layer = formula.get("layer_types") or {}
             formula = next((formula[t] for t in types if t in formula), formula.get("default"))
             if formula is None:
                 continue
-        rules.append((pattern, tuple(formula)))
+        rules.append((pattern, tuple(formula), by_layer))
     return rules
 
 
 def _resolver(config: dict, dims: int | None) -> Callable[[str], tuple | None]:
-    rules = [(p, f) for p, f in shape_rules(config) if dims is None or len(f) == dims]
+    rules = [r for r in shape_rules(config) if r[1] is None or dims is None or len(r[1]) == dims]
     values = _numbers(config)
+    layer_types = text_config(config).get("layer_types")
+    layer_types = layer_types if isinstance(layer_types, list) else []
     cache: dict[tuple, tuple | None] = {}
 
     def shape_of(name: str) -> tuple | None:
-        for pattern, formula in rules:
+        for pattern, formula, by_layer in rules:
             if pattern.search(name):
+                if formula is None:
+                    return None
+                if by_layer:
+                    layer = LM_LAYER.match(name)
+                    index = int(layer.group(1)) if layer else -1
+                    if 0 <= index < len(layer_types) and layer_types[index] in by_layer:
+                        formula = by_layer[layer_types[index]]
                 if formula not in cache:
                     dims_ = tuple(evaluate(e, values) for e in formula)
                     cache[formula] = None if None in dims_ else dims_

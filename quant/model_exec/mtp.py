@@ -60,6 +60,9 @@ def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
     spec = family.mtp_draft
     if not spec:
         return []
+    if spec.get("unsupported"):  # the family publishes MTP layers whose block transformers cannot build
+        raise QuantError(f"the {family.name} MTP draft cannot be run in process ({spec['unsupported']}); "
+                         "run without MTP (--no-mtp)")
     text = text_config(config)
     count_key = spec.get("count_key") or (family.mtp or {}).get("count_key")
     count = text.get(count_key) or 0 if count_key else 0

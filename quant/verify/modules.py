@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from quant.checkpoint import Checkpoint, TensorInfo
+from quant.families.shapes import LM_LAYER  # model.layers.N. and the VL wrappers' language-model layers
 
-
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -43,7 +41,7 @@ def inventory(ckpt: Checkpoint) -> dict[str, Module]:
             continue
         mod = modules.get(prefix)
         if mod is None:
-            m = _LAYER.match(prefix)
+            m = LM_LAYER.match(prefix)
             mod = modules[prefix] = Module(prefix, layer=int(m.group(1)) if m else None)
         mod.params[suffix] = info
     return modules

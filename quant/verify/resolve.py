@@ -175,14 +175,14 @@ def _nextn_draft(profile: Profile, config: dict, mtp_modules: dict[str, Module],
         return engines.nextn_name(rule, mtp[1]) if mtp and mtp[0] == n else None
 
     units = build_units(mtp_modules, runtime, packed, True, lambda _: True)
-    entries = engines.apply_substr_mapper(_exclude_list(config), cls.exclude_mapper)
+    entries = engines.apply_substr_mapper(_exclude_list(config), cls.exclude_mapper, n)
     lqc = dict(_lqc(config))
     note = f"{cls_name}"
     if cls.exclude_mapper:
         note += f" maps exclude with {cls.exclude_mapper}"
     quantized, reason = True, ""
     if cls.whole_layer_exclude:
-        mapped_prefix = engines.apply_substr_mapper([prefix], cls.exclude_mapper)[0]
+        mapped_prefix = engines.apply_substr_mapper([prefix], cls.exclude_mapper, n)[0]
         if ExcludeMatcher(entries, profile.rules.exclude_match).matches(mapped_prefix):
             quantized = False
             reason = f"an exclude entry matches {mapped_prefix}, so {cls_name} builds the whole draft unquantized"
