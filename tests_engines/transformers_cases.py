@@ -66,7 +66,7 @@ SPELLINGS = {toy: ONE_SPELLING[toy] for toy in TOYS if toy in ONE_SPELLING}
 TRANSFORMERS_PREFLIGHT_MISSES: dict[str, tuple[str, str, str]] = {}
 # Kimi-K2.5 also in the names transformers builds (computed by transformers' own conversion: cases.py
 # _transformers_spelling), the form an export made for a transformers runtime carries.
-TRANSFORMERS_SPELLINGS = {"kimi-k2.5": ("transformers",)}
+TRANSFORMERS_SPELLINGS = {"kimi-k2.5": ("transformers",), "glm5-next": ("transformers",)}
 
 
 def cases() -> list[Case]:

@@ -66,7 +66,7 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     rules = profile.rules
     packed = rules.packed_modules_mapping
     group_experts = True  # per-leaf engines split the groups again while resolving (_leaf_groups)
-    never = _any_of(rules.never_quantized)
+    never = _any_of(rules.never_quantized + rules.never_quantized_by_architecture.get(engines.architecture(config), []))
     mtp_range = engines.mtp_layers(config)
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
     namespace = _mtp_namespace_prefix(config)
@@ -177,6 +177,8 @@ def _nextn_draft(profile: Profile, config: dict, mtp_modules: dict[str, Module],
     units = build_units(mtp_modules, runtime, packed, True, lambda _: True)
     entries = engines.apply_substr_mapper(_exclude_list(config), cls.exclude_mapper, n)
     lqc = dict(_lqc(config))
+    if profile.rules.maps_layer_quant_config:  # the draft class's mapper rewrites the keys too (apply_dict)
+        lqc = {engines.apply_substr_mapper([k], cls.exclude_mapper, n)[0]: v for k, v in lqc.items()}
     note = f"{cls_name}"
     if cls.exclude_mapper:
         note += f" maps exclude with {cls.exclude_mapper}"
