@@ -87,8 +87,9 @@ class Family:
     # MTP modules the config declares but the release does not publish: {count_keys: [...], reason: ...}
     mtp_unpublished: dict | None = None
     # How GPTQ builds the decoder layers with transformers (quant/model_exec/layers.py builds them from config.json and
-    # loads them tensor by tensor): `text_model`, the transformers causal-LM class built from the text config of a
-    # wrapper AutoModelForCausalLM has no model for (None: AutoModelForCausalLM on config.json); and where the
+    # loads them tensor by tensor): `text_model`, the transformers class built for a wrapper AutoModelForCausalLM has
+    # no model for, from its text config (a causal LM) or from the whole config when that is the class's own (the
+    # wrapper, whose get_decoder() is the text model) (None: AutoModelForCausalLM on config.json); and where the
     # layer keeps a checkpoint tensor when the names differ: `renames` {checkpoint prefix: transformers prefix}
     # within a layer (first match wins), `expert_projs` {checkpoint expert leaf: gate_proj | up_proj | down_proj},
     # `fused_linears` {transformers linear: [checkpoint linears whose rows it concatenates, in order]}

@@ -306,7 +306,7 @@ def plan_mtp(root: Path, config: dict, family, recipe, scheme, settings, dtype, 
     from quant.model_exec.mtp import draft_config
 
     spec = family.mtp_draft
-    if not spec or family.unpublished_mtp(config):
+    if not spec or spec.get("unsupported") or family.unpublished_mtp(config):  # no draft: its weights are RTN
         return []
     text = text_config(config)
     count_key = spec.get("count_key") or (family.mtp or {}).get("count_key")
@@ -369,6 +369,7 @@ class MemoryModel:
     batch: int = 0  # calibration windows per forward
     plans: list[LayerPlan] = field(default_factory=list)
     mtp_plans: list[MtpPlan] = field(default_factory=list)
+    mtp_unsolvable: str = ""  # why the family's MTP block cannot be run in process (its weights are then RTN)
     acts: int = 0  # the calibration activations (samples x seq_len x hidden)
     carry: int = 0  # what each layer carries to the next beside them, for every window
     workspace: int = 0  # the largest transient of one layer forward over one batch
@@ -507,6 +508,7 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxf
     model = MemoryModel(config_path=root / "config.json", family=family.name,
                         decoder_layers=cfg.get("num_hidden_layers"), mtp=family.mtp_layers(config), scheme=scheme,
                         recipe=recipe_obj.name, mtp_layer=recipe_obj.mtp_layer, method=method,
+                        mtp_unsolvable=(family.mtp_draft or {}).get("unsupported", ""),
                         devices=_device_list(devices, workers), ranks=ranks)
     if method == "rtn":
         return model
@@ -688,6 +690,8 @@ def _mtp_note(model: MemoryModel) -> str:
     if mtp_plans:
         return (f"solved after them, fed as the engines run the draft ({solved_mtp} more "
                 f"pass{'es' * (solved_mtp != 1)}, {sum(m.plan.weights for m in mtp_plans)} weights)")
+    if model.mtp_unsolvable:
+        return f"rounded to nearest, not solved: no in-process MTP draft ({model.mtp_unsolvable})"
     return "nothing to solve there (the recipe keeps its weights BF16, or the release publishes none)"
 
 

@@ -41,10 +41,13 @@ def mtp_layers(ckpt) -> list[MtpLayerRef]:
     from quant.families import family_for_config
     from quant.model_exec.mtp import draft_layers
 
+    family = family_for_config(ckpt.config)
+    if (family.mtp_draft or {}).get("unsupported"):  # a block transformers cannot build: RTN (SolvedWeights says why)
+        return []
     try:
         layers = draft_layers(ckpt.config, ckpt.tensors)
     except QuantError:
-        if family_for_config(ckpt.config).unpublished_mtp(ckpt.config, ckpt.tensors):
+        if family.unpublished_mtp(ckpt.config, ckpt.tensors):
             return []
         raise
     return [MtpLayerRef(k, names) for k, names in enumerate(layers)]

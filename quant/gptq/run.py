@@ -165,7 +165,8 @@ class SolvedWeights:
         if record is None:
             layer = layer_of(job)
             why = ("outside the decoder layers" if layer is None else
-                   "MTP/NextN layer: the family data has no MTP draft (mtp_draft) to run it on calibration data"
+                   "MTP/NextN layer: no in-process MTP draft to run it on calibration data (family data mtp_draft: "
+                   "none, or a block transformers cannot build)"
                    if layer >= self.decoder_layers else "no record of this layer")
             return None, {"method": "rtn", "why": why}
         if record["method"] != "gptq":

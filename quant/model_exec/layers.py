@@ -180,10 +180,15 @@ def config_model(root: Path, dtype: torch.dtype = torch.float32, unsupported=Non
         if cls is None:
             raise unsupported(f"{no_model}, and transformers {transformers.__version__} has no {name} (the family's "
                               f"transformers_layer.text_model)")
-        if text is config or not isinstance(text, cls.config_class):
+        if isinstance(config, cls.config_class):
+            # the wrapper itself (GLM-5.3-Flash: no causal LM of its text config exists); its get_decoder() is the
+            # text model, and the vision tower, built on the meta device, is never materialised or run
+            build = cls._from_config
+        elif text is config or not isinstance(text, cls.config_class):
             raise unsupported(f"{no_model}, and its text config ({type(text).__name__}) is not the "
                               f"{cls.config_class.__name__} that {name} (transformers_layer.text_model) builds from")
-        config, build = text, cls._from_config
+        else:
+            config, build = text, cls._from_config
     try:
         with torch.device("meta"):
             return build(config, dtype=dtype)
