@@ -148,6 +148,7 @@ def judge(case: Case, result: dict, reference_logprobs, bf16_logprobs) -> dict:
 
 
 _BUILT = re.compile(r" builds (\S+) (?:as|and)")
+_PARAM = re.compile(r"\.(?:weight|bias|input|output)(?:_quantizer)?(?:\.\w+)?$")  # x.weight_quantizer.scale -> x
 
 
 def agrees(verdict: dict, findings: list) -> str | None:
@@ -161,7 +162,10 @@ def agrees(verdict: dict, findings: list) -> str | None:
     # the checkpoint tensors, and the modules the preflight says transformers builds from them (Kimi-K2.5's
     # conversion renames every module: vision_tower.encoder.blocks.0.wqkv is built as model.vision_tower.layers.0.*)
     named = [f.tensor for f in findings] + [m.group(1) for f in findings if (m := _BUILT.search(f.message))]
-    if where and not same_place(where, named):
+    # the module itself (a vision tower's: model.visual.blocks.0.mlp.down_proj, which has no decoder-layer place),
+    # else its decoder layer and block
+    module = _PARAM.sub("", where or "")
+    if where and module not in {n.removesuffix(".weight") for n in named} and not same_place(where, named):
         return f"transformers fails on {where}; the preflight names {named[:3]}"
     return None
 
