@@ -281,12 +281,7 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     if source_format:
         tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, source_format)
 
-    write_safetensors(tensors, directory, max_shard_size)
-    (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-    _write_generation_config(directory, config_json)
-    save_toy_tokenizer(directory)
-    for name, content in (family.release_files or {}).items():
-        (directory / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    _write_files(family, directory, tensors, config_json, max_shard_size)
 
 
 def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
@@ -314,6 +309,12 @@ def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, ma
         tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, fmt)
         if fmt == family.release_format and family.release_ignore:
             config_json["quantization_config"]["ignore"] = list(family.release_ignore)
+    _write_files(family, directory, tensors, config_json, max_shard_size)
+
+
+def _write_files(family: ToyFamily, directory: Path, tensors: dict, config_json: dict,
+                 max_shard_size: int | None) -> None:
+    """A toy's files: the shards, config.json, generation config, tokenizer and the release's side files."""
     write_safetensors(tensors, directory, max_shard_size)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     _write_generation_config(directory, config_json)
