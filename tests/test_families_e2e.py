@@ -44,6 +44,15 @@ def _quiet(_message):
     pass
 
 
+def _layers_one_at_a_time(stack, tokens):
+    """What GPTQ's decoder stack computes: the first layer's inputs captured, then every layer loaded and run alone."""
+    hidden = stack.capture(tokens, 2)
+    carry = [{} for _ in hidden]
+    for index in range(len(stack)):
+        hidden, carry = stack.forward(index, stack.load_layer(index), hidden, carry)
+    return hidden
+
+
 @pytest.mark.parametrize("toy", FAMILIES)
 def test_family_chain_toy_quantize_verify_eval_gptq(toy, toy_factory, tmp_path, one_torch_thread):
     from evals.compare import EvalRequest, evaluate
@@ -148,10 +157,7 @@ def test_wrapper_text_layers_one_at_a_time_compute_the_whole_models_hidden_state
     stack = DecoderStack(src, open_checkpoint(src), load_family(family).layer_returns, "cpu", torch.float32)
     assert not any("vision" in n for n, _ in stack.text.named_parameters())
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    hidden = stack.capture(tokens, 2)
-    carry = [{} for _ in hidden]
-    for index in range(len(stack)):
-        hidden, carry = stack.forward(index, stack.load_layer(index), hidden, carry)
+    hidden = _layers_one_at_a_time(stack, tokens)
     with torch.no_grad():
         streams = hidden[0]  # GLM-5.3-Flash carries mHC streams [B, S, hc_mult, H] that its hc_head averages
         ours = stack.text.norm(stack.text.hc_head(streams) if hasattr(stack.text, "hc_head") else streams)
@@ -293,10 +299,7 @@ def test_qwen4_exp_layers_one_at_a_time_compute_the_whole_models_hidden_states(t
     assert len(row_shards(ckpt.tensors, table)) == 4 and table not in ckpt.tensors
     stack = DecoderStack(src, ckpt, ["hidden_states"], "cpu", torch.float32)
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    hidden = stack.capture(tokens, 2)
-    carry = [{} for _ in hidden]
-    for index in range(len(stack)):
-        hidden, carry = stack.forward(index, stack.load_layer(index), hidden, carry)
+    hidden = _layers_one_at_a_time(stack, tokens)
     with torch.no_grad():
         ours = stack.text.hyper_connection_mixer(hidden[0])
         full = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
