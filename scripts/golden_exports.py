@@ -48,6 +48,10 @@ VOLATILE = ("version",)
 # hash. The owner file (quant.ownership: the source path and the files written) and the progress records (the
 # manifest's records again) are not.
 HASHED_DOT_FILES = (".quant-complete",)
+# The ATen CPU capability the GPTQ goldens were recorded with (ATEN_CPU_CAPABILITY, set before torch loads, here and
+# by tests/conftest.py): GPTQ's layer forward reduces in an ISA-dependent order, so its exports differ between AVX2
+# and AVX-512 machines; round-to-nearest exports are the same bytes on every ISA (tests/test_numerics_isa.py).
+GPTQ_ISA = "avx2"
 GPTQ_TOYS = ("qwen3-moe", "glm5")  # GPTQ cases: one per family kind (plain MoE; DeepSeek-style with MTP)
 BROKEN_TOY = "glm5"
 
@@ -57,7 +61,16 @@ def _environment() -> None:
     os.environ.setdefault("QUANT_CACHE_DIR", tempfile.mkdtemp(prefix="quant-golden-cache-"))
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")
+    if os.path.exists("/proc/cpuinfo") and " avx2" in open("/proc/cpuinfo").read():
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", GPTQ_ISA)
 
+
+def gptq_comparable() -> bool:
+    """Whether this process computes GPTQ on the ISA its goldens were recorded with (else only RTN cases compare:
+    an aarch64 machine, or ATEN_CPU_CAPABILITY set otherwise)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability().lower() == GPTQ_ISA
 
 def _planning():
     """(builtin_recipes, MXFP4_SCHEMES, SCHEMES), from quant.planning, or quant.pipeline before issue #29 moved
@@ -334,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         cases = subset(cases)
     if args.only:
         cases = [c for c in cases if args.only in c["id"]]
+    if not gptq_comparable():
+        if args.record:
+            parser.error(f"--record needs ATen's {GPTQ_ISA} kernels (the GPTQ goldens' ISA); this machine runs "
+                         f"another: record on an x86_64 machine")
+        print(f"note: GPTQ cases not compared (recorded on {GPTQ_ISA}, this process computes on another ISA)")
+        cases = [c for c in cases if c["method"] != "gptq"]
     with tempfile.TemporaryDirectory(prefix="golden-exports-") as tmp:
         result = compute(cases, Path(tmp), broken=not args.only)
     if args.record:

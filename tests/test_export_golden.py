@@ -31,6 +31,8 @@ def test_the_subset_covers_every_toy_scheme_recipe_source_and_method():
 @pytest.mark.parametrize("toy", TOYS)
 def test_exports_are_the_golden_bytes(toy, tmp_path):
     cases = [c for c in SUBSET if c["toy"] == toy]
+    if not golden_exports.gptq_comparable():  # GPTQ's bytes are the recorded ISA's (scripts/golden_exports.py)
+        cases = [c for c in cases if c["method"] != "gptq"]
     computed = golden_exports.compute(cases, tmp_path, broken=False, log=lambda m: None)
     assert golden_exports.differences(GOLDEN, computed) == []
     assert any("files" in r for r in computed["exports"].values())  # not every case of the toy refused
