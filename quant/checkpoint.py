@@ -10,6 +10,8 @@ and a `SourceReader` reads it (the quantize pipeline's shards, the decoder layer
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -419,6 +421,17 @@ class SourceReader:
     def __init__(self, ckpt: Checkpoint, device: str):
         self.ckpt, self.device, self.handles = ckpt, device, {}
         self.served: dict[str, int] = {}
+        self.digest = None  # a hashlib object: while set, every tensor's name and stored bytes as read feed it
+
+    @contextlib.contextmanager
+    def hashing(self):
+        """The sha256 of what is read inside the block (each tensor's name and its bytes as stored, in order):
+        yields a callable giving the hex digest once the block is done."""
+        self.digest = hashlib.sha256()
+        try:
+            yield self.digest.hexdigest
+        finally:
+            self.digest = None
 
     def handle(self, file: str):
         if self.served.get(file, 0) >= self.REMAP_BYTES:
@@ -442,6 +455,11 @@ class SourceReader:
             raise QuantError(f"{self.ckpt.shard_path(file)}: cannot read tensor {name} "
                              f"({str(e).splitlines()[0]})") from None
         self.served[file] = self.served.get(file, 0) + t.nbytes
+        if self.digest is not None:
+            import torch
+
+            self.digest.update(f"{file}:{name}:{expert}:{rows}:{t.dtype}:{list(t.shape)}\0".encode())
+            self.digest.update(t.contiguous().view(-1).view(torch.uint8).numpy())
         return t.to(self.device)
 
     def load(self, src: Source) -> torch.Tensor:

@@ -236,3 +236,45 @@ def test_gptq_reports_progress_before_and_within_layers(toy_factory, tmp_path, m
     first = gptq.index(next(m for m in gptq if m.startswith("gptq: layer 1/2 ")))
     assert any("weights done (experts" in m for m in gptq[2:first]), gptq  # within the first layer
     assert "run ETA" in gptq[first]  # the finished first layer's line: the rest of the run
+
+
+def test_gptq_resume_reuses_no_layer_solved_from_other_bytes(toy_factory, tmp_path, monkeypatch, one_torch_thread):
+    """Bytes, not names: a GPTQ run killed in layer 1, its source's layer-0 weights edited in place (header and
+    modification time kept), resumed: layer 0 is solved again from the new bytes (every later layer's inputs change
+    with it) and the export equals an uninterrupted run on the edited source."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import quant.gptq.run as run
+
+    src = tmp_path / "src"
+    shutil.copytree(toy_factory("qwen3-moe"), src)
+    solve = run._solve_layer
+
+    def killed_in_layer_1(stack, index, *args, **kwargs):
+        if index == 1:
+            raise KeyboardInterrupt
+        return solve(stack, index, *args, **kwargs)
+
+    monkeypatch.setattr(run, "_solve_layer", killed_in_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
+                            check_engines=None, log=lambda m: None)
+    monkeypatch.setattr(run, "_solve_layer", solve)
+    shard = next(p for p in sorted(src.glob("*.safetensors"))
+                 if any(".layers.0.mlp.experts.0." in n for n in load_file(p)))
+    st = shard.stat()
+    tensors = load_file(shard)
+    name = next(n for n in sorted(tensors) if ".layers.0.mlp.experts.0.down_proj.weight" in n)
+    tensors[name] = (tensors[name].float() * -3.0).to(tensors[name].dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    logs = []
+    resumed = quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
+                                  check_engines=None, log=logs.append)
+    assert not any("(resumed)" in m for m in logs), logs
+    fresh = quantize_checkpoint(src, tmp_path / "fresh", recipe="all-linear", method="gptq", gptq=FAST,
+                                check_engines=None, log=lambda m: None)
+    assert resumed["output"]["shards"] == fresh["output"]["shards"]

@@ -436,3 +436,38 @@ def test_os_errors_are_one_line(sharded, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: ") and str(blocker) in proc.stderr
+
+
+def _edit_in_place(shard: Path) -> None:
+    """Change one weight's values of a source shard, its header and modification time kept (as `cp -p`, rsync or
+    tar leave a rewritten file)."""
+    from safetensors import safe_open
+
+    st = shard.stat()
+    with safe_open(str(shard), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(shard)
+    name = next(n for n, t in sorted(tensors.items()) if n.endswith("proj.weight") and t.dim() == 2)
+    tensors[name] = (tensors[name].float() * -3.0).to(tensors[name].dtype)
+    save_file(tensors, shard, metadata=metadata)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_source_edited_after_the_run_is_read_again_by_its_bytes(sharded, tmp_path):
+    """Bytes, not names: a finished export re-run after a source shard was edited in place (mtime kept) redoes the
+    shards that read it; the export and its manifest are what the edited source gives from scratch."""
+    src = tmp_path / "src"
+    shutil.copytree(sharded, src)
+    out = tmp_path / "out"
+    quantize_checkpoint(src, out, check_engines=None)
+    victim = sorted(src.glob("model-*.safetensors"))[1]
+    _edit_in_place(victim)
+    logs = []
+    manifest = quantize_checkpoint(src, out, check_engines=None, log=logs.append)
+    assert any("made again" in m and victim.name in m for m in logs), logs
+    from quant.files import sha256_file
+
+    assert manifest["source"]["shards"][victim.name]["sha256"] == sha256_file(victim)
+    fresh = tmp_path / "fresh"
+    quantize_checkpoint(src, fresh, check_engines=None)
+    assert tree_hashes(out) == tree_hashes(fresh)

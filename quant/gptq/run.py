@@ -186,6 +186,22 @@ def _layer_digest(plan_digest: str, index: int | str) -> str:
     return hashlib.sha256(f"{plan_digest}:{index}".encode()).hexdigest()
 
 
+def _chained(key: str, read: str) -> str:
+    """The content key of the next layer's solution: the key of everything before it (settings, calibration
+    tokens, the text model's own weights and every earlier layer) and the sha256 of the bytes its load read. A
+    layer's inputs are made by every layer before it, so an edit anywhere upstream makes every later solution
+    stale."""
+    return hashlib.sha256(f"{key}:{read}".encode()).hexdigest()
+
+
+def _run_key(digest: str, tokens, stack) -> str:
+    """The start of the chain: the plan digest, the calibration tokens' bytes and what the text model's own
+    weights (embedding, final norm) read."""
+    h = hashlib.sha256(f"{digest}:{stack.identity['text']}:{list(tokens.shape)}:".encode())
+    h.update(tokens.contiguous().view(-1).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devices: str | list[str],
                      settings: GptqSettings, layer_returns: list[str], digest: str, write, log=print,
                      ranks=None) -> SolvedWeights | None:
@@ -236,8 +252,8 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
     work.update({len(stack) + ref.k: _work(ckpt, mtp_jobs[ref.k]) for ref in mtp})
     progress = Progress(log, work, len(stack))
     timing: Counter = Counter()
-    layers = _DecoderLayers(stack, ckpt, plan, settings, store, digest, write, progress, workers, timing, log,
-                            started, ranks)
+    layers = _DecoderLayers(stack, ckpt, plan, settings, store, _run_key(digest, tokens, stack), write, progress,
+                            workers, timing, log, started, ranks)
     with torch.no_grad(), workers:
         hidden = stack.capture(local, settings.batch) if local.shape[0] else []
         carry: list[dict] = [{} for _ in hidden]
@@ -245,8 +261,8 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
         for index in range(len(stack)):
             hidden, carry = layers.run(index, by_layer.get(index, []), hidden, carry)
         if mtp:
-            _solve_mtp(stack, mtp, mtp_jobs, local, hidden, plan, settings, store, digest, write, progress, workers,
-                       log, timing, ranks)
+            _solve_mtp(stack, mtp, mtp_jobs, local, hidden, plan, settings, store, layers.digest, write, progress,
+                       workers, log, timing, ranks)
     timing["gptq_comm_s"] = ranks.comm_s - comm0
     _report_run(log, ranks, timing, len(stack), len(mtp), tokens.shape, time.perf_counter() - started,
                 ranks.comm_cpu_s - comm_cpu0)
@@ -305,7 +321,7 @@ class _DecoderLayers:
     plan: Plan
     settings: GptqSettings
     store: Path
-    digest: str
+    digest: str                # the content key of what the next layer's solution is made from (_chained)
     write: object
     progress: "Progress"
     workers: "Workers"
@@ -322,6 +338,7 @@ class _DecoderLayers:
         maybe_die(self.ranks, index)
         t0 = time.perf_counter()
         layer = stack.load_layer(index)
+        self.digest = _chained(self.digest, stack.identity[index])
         timing["gptq_load_s"] += time.perf_counter() - t0
         solved, resumed = self._solution(index, layer, jobs, hidden, carry)
         with _Phase(timing, "gptq_apply_s", self.ranks):
@@ -384,7 +401,9 @@ def _solve_mtp(stack, mtp: list, mtp_jobs: dict, tokens, hidden: list, plan: Pla
     timing["gptq_forward_s"] += time.perf_counter() - t0
     for ref in mtp:
         t0 = time.perf_counter()
-        block = MtpBlock(stack, ref.names)
+        with stack.reader.hashing() as read:
+            block = MtpBlock(stack, ref.names)
+        digest = _chained(digest, read())
         timing["gptq_load_s"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         jobs = mtp_jobs[ref.k]

@@ -254,9 +254,12 @@ class DecoderStack:
         self.layers = list(self.text.layers)
         self.text.layers = torch.nn.ModuleList(_Recorder(i, returns, self) for i in range(len(self.layers)))
         materialize(self.text, device)
-        with torch.no_grad():
+        with torch.no_grad(), self.reader.hashing() as digest:
             for key, param in self.text.named_parameters():
                 param.copy_(self.read(self.prefix + key))
+        # What each load read, by content (the sha256 of the tensors' stored bytes): a resumed GPTQ run reuses a
+        # layer's solution only when everything it was made from is the same bytes (quant.gptq.run).
+        self.identity: dict = {"text": digest()}
         self.first_inputs: list[torch.Tensor] = []
         self.kwargs: dict[int, dict[int, dict]] = {}  # layer -> batch size -> kwargs
 
@@ -334,7 +337,14 @@ class DecoderStack:
         return Slot(rest)  # unreachable: rest is one of the parts
 
     def load_layer(self, index: int) -> torch.nn.Module:
-        """Decoder layer `index` with its source weights (block-FP8 dequantized), in the compute dtype."""
+        """Decoder layer `index` with its source weights (block-FP8 dequantized), in the compute dtype; the sha256
+        of the bytes read goes to `identity[index]`."""
+        with self.reader.hashing() as digest:
+            layer = self._load_layer(index)
+        self.identity[index] = digest()
+        return layer
+
+    def _load_layer(self, index: int) -> torch.nn.Module:
         layer = self.layers[index].to_empty(device=self.device)
         prefix = f"{self.prefix}layers.{index}."
         with torch.no_grad():

@@ -31,7 +31,7 @@ from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, REC
                                    side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
-from quant.pipeline.source_files import (HubChanges, HubFiles, LocalFiles, check_disk, side_file_names,
+from quant.pipeline.source_files import (HubChanges, HubFiles, LocalChanges, LocalFiles, check_disk, side_file_names,
                                          source_reference, streamed_reference)
 from quant.pipeline.solver import SolveRequest, WeightSolver
 from quant.planning.plan import Plan, ShardJob, make_plan
@@ -291,8 +291,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
             return LocalFiles(ckpt, src_path, todo, len(device_list))
         return HubFiles(ckpt, output.root, todo, len(device_list), max_disk, look_ahead, log)
 
-    def changed(output: Output):  # a Hub source: finished shards whose source files changed there since
-        return HubChanges(ckpt, output.root, plan.shards).stale if hub is not None else None
+    def changed(output: Output, finished: dict):  # finished shards whose source files' bytes changed since
+        if hub is not None:
+            return HubChanges(ckpt, output.root, plan.shards).stale
+        return LocalChanges(ckpt, plan.shards, finished, len(device_list)).stale
 
     with Output(out, identity, src_path, overwrite, names) as output:
         return _quantize_into(output, plan, files, source_ref, device_list, check_engines, progress, log,
@@ -340,8 +342,8 @@ def _open_source(src, hub):
 def _quantize_into(output: Output, plan: Plan, open_files, source_ref: str, device_list: list[str],
                    check_engines, progress: bool, log, calibrated=None, changed=None) -> dict:
     """The run itself, under the output lock: resume what is done, quantize the rest, stage, check, publish.
-    `changed(output)`: a predicate (shard, its finished result) for a shard to redo though finished (its source
-    changed on the Hub), or None."""
+    `changed(output, finished)`: a predicate (shard, its finished result) for a shard to redo though finished
+    (a source file it read has other bytes now), asked when an earlier run finished some shards."""
     out, digest = output.root, plan.digest()
     earlier_card = kept_card_parts(out)
     stale = output.begin()
@@ -349,10 +351,12 @@ def _quantize_into(output: Output, plan: Plan, open_files, source_ref: str, devi
         log(f"removed {len(stale)} temporary file(s) an interrupted run left: {', '.join(stale[:3])}")
     results: dict[str, ShardResult] = {}
     todo, redo = [], []
-    outdated = changed(output) if changed is not None else None
+    finished = {s.file: completed(out, s, digest, hash_file=output.sha256) for s in plan.shards}
+    finished = {f: r for f, r in finished.items() if r is not None}
+    outdated = changed(output, finished)
     for shard in plan.shards:
-        done = completed(out, shard, digest, hash_file=output.sha256)
-        if done and outdated is not None and outdated(shard, done):
+        done = finished.get(shard.file)
+        if done and outdated(shard, done):
             redo.append(shard.file)
             done = None
         if done:
@@ -360,8 +364,8 @@ def _quantize_into(output: Output, plan: Plan, open_files, source_ref: str, devi
         else:
             todo.append(shard)
     if redo:
-        log(f"the Hub repository changed since the earlier run: {len(redo)} finished shard(s) read source files "
-            f"that changed there and are made again ({', '.join(redo[:3])})")
+        log(f"the source changed since the earlier run: {len(redo)} finished shard(s) read source files whose "
+            f"bytes differ now and are made again ({', '.join(redo[:3])})")
     if results:
         log(f"resuming: {len(results)} of {len(plan.shards)} shards already complete and verified")
 

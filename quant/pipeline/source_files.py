@@ -131,6 +131,27 @@ class HubChanges:
         return own or bool(self.use.needs[self.index[shard.file]] & self.changed)
 
 
+class LocalChanges:
+    """What changed in a local source since an earlier run into OUT finished some shards (a shard edited after a
+    kill or after the run, its modification time kept or not): `stale(shard, result)` says a finished shard read a
+    source file whose bytes are not the ones it was made from, so it is redone. Every file the finished shards
+    read is hashed again (on `workers` threads); what they read then is each finished shard's record of its own
+    source file's sha256. A file a finished shard read beside its own (scales held in another shard) counts as
+    changed unless a finished shard recorded that file's sha256 and it still matches."""
+
+    def __init__(self, ckpt: Checkpoint, shards: list[ShardJob], finished: dict[str, ShardResult], workers: int):
+        self.use, self.index = SourceUse.of(shards), {s.file: i for i, s in enumerate(shards)}
+        files = sorted(set().union(*[self.use.needs[self.index[f]] for f in finished]) if finished else set())
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            self.now = dict(zip(files, pool.map(lambda f: sha256_file(ckpt.shard_path(f)), files)))
+        self.then = {r.source_file: r.source_sha256 for r in finished.values()}
+
+    def stale(self, shard: ShardJob, result: ShardResult) -> bool:
+        if self.now.get(result.source_file) != result.source_sha256:
+            return True
+        return any(self.now.get(f) != self.then.get(f) for f in self.use.needs[self.index[shard.file]])
+
+
 def streamed_reference(src, stream: bool | None) -> HubRef | None:
     """The Hub repository a run streams from: SRC names one (not a local path) and streaming is not turned off."""
     if stream is False or Path(src).is_dir():
