@@ -106,16 +106,17 @@ def _config_dir(src: str) -> tuple[Path, dict]:
         if not config_path.is_file():
             raise QuantError(f"{path}: no config.json")
     else:
-        from quant.planning.source import HUB_ID
+        from quant.hub import hub_reference
 
-        if not HUB_ID.match(str(src)) or path.exists():
-            raise QuantError(f"{src}: not a directory with a config.json, nor a Hugging Face hub id")
+        ref = hub_reference(src)
+        if ref is None:
+            raise QuantError(f"{src}: not a directory with a config.json, nor a Hub repository ORG/NAME[@REVISION]")
         if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True"):
             raise QuantError(f"{src}: not a local directory, and the Hugging Face hub is offline")
         from huggingface_hub import hf_hub_download
 
         try:
-            config_path = Path(hf_hub_download(str(src), "config.json"))
+            config_path = Path(hf_hub_download(ref.repo_id, "config.json", revision=ref.revision))
         except Exception as e:
             raise QuantError(f"{src}: cannot fetch config.json ({str(e).splitlines()[0][:160]})") from None
         path = config_path.parent

@@ -38,7 +38,8 @@ from quant.planning.plan import Plan, ShardJob, make_plan
 from quant.planning.recipes import family_for_config, load_recipe
 from quant.numerics import SCALE_MODES
 from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
-from quant.planning.source import resolve_source
+from quant.hub import hub_reference
+from quant.pipeline.snapshot import cached_source
 from quant.process import auto_devices, cpu_threads, frozen_imports, set_threads, visible_accelerators
 
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
@@ -255,13 +256,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     check_engines = _check_arguments(scheme, method, gptq, scale_mode, check_engines, workers)
     hub = streamed_reference(src, stream)
     if hub is not None and method == "gptq":
-        if max_disk is not None or stream:
+        if stream:
             raise QuantError(f"--method gptq calibrates every layer from the whole source: it cannot stream "
-                             f"{hub.label} within --max-disk (drop --max-disk to download it first)")
+                             f"{hub.label} (drop --stream: it is downloaded first, within --max-disk)")
         hub = None
     if look_ahead < 0:
         raise QuantError(f"--look-ahead {look_ahead}: must be 0 or more")
-    src_path, source_ref, ckpt = _open_source(src, hub)
+    src_path, source_ref, ckpt = _open_source(src, hub, max_disk, log)
     out = Path(out)
     Output(out, source=src_path, overwrite=overwrite).check()  # the root, the source, a foreign directory...
     device_list = parse_devices(devices, workers)
@@ -328,11 +329,18 @@ def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engi
     return check_engines
 
 
-def _open_source(src, hub):
+def _open_source(src, hub, max_disk: int | None, log):
     """(the local source directory or None, the reference the manifest records, the checkpoint to plan from): a
-    streamed Hub source is read where it is (config, index and shard headers, quant.hub)."""
+    streamed Hub source is read where it is (config, index and shard headers, quant.hub); one not streamed is
+    downloaded into the HF cache first, every file checked against the Hub's sha256 (quant.pipeline.snapshot)."""
     if hub is None:
-        src_path, source_ref = resolve_source(src)
+        if Path(src).is_dir():
+            src_path, source_ref = Path(src), str(Path(src).resolve())
+        else:
+            ref = hub_reference(src)
+            if ref is None:
+                raise QuantError(f"{src}: not a checkpoint directory, nor a Hub repository ORG/NAME[@REVISION]")
+            src_path, source_ref = cached_source(ref, max_disk, log)
         return src_path, source_ref, open_checkpoint(src_path)
     from quant.hub import open_hub_checkpoint
 
