@@ -139,6 +139,18 @@ def test_rank_0_killed_is_named_by_the_launcher(toy_factory, tmp_path):
     assert "Traceback" not in killed.stderr
 
 
+def test_a_rank_killed_under_torchrun_leaves_a_line_from_each_rank_stopped(toy_factory, tmp_path):
+    """Under torchrun, rank 1 of 2 killed (SIGKILL): rank 0 is not ended silently by torchrun's SIGTERM; it says
+    why in one `error:` line and exits 75, and torchrun (whose own failure report follows) exits 1."""
+    killed = _quantize(toy_factory("glm5"), tmp_path / "out", CASES["glm5"], 2, QUANT_GPTQ_KILL="1:1")
+    assert killed.returncode == 1, killed.stderr[-3000:]  # torchrun's own exit code after a failed rank
+    errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("run the same command again to resume" in e for e in errors), killed.stderr[-3000:]
+    assert "GPTQ rank 0 of 2" in " ".join(errors)
+    assert "exitcode  : 75" in killed.stderr and "SIGTERM" not in killed.stderr.split("Failures:")[-1].split(
+        "Root Cause")[0], killed.stderr[-3000:]
+
+
 # -- the parts, in process -----------------------------------------------------------------------------------
 def test_shares_cover_the_batches_in_order_and_owners_are_deterministic():
     from quant.gptq.ranks import Ranks

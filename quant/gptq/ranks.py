@@ -327,6 +327,38 @@ def lead_done(ranks: Ranks) -> None:
         pass
 
 
+# Set by `--ranks`' own launcher (launch_local), which names a lost rank itself in one line.
+LOCAL_LAUNCHER_ENV = "QUANT_RANKS_LAUNCHER"
+
+
+def say_when_stopped(ranks: Ranks) -> None:
+    """Under torchrun: when one rank fails or is killed, torchrun's agent stops every other rank with SIGTERM, which
+    would end them without a word (torchrun then prints its own failure report and exits 1). Each rank stopped so
+    says it in one `error:` line and exits 75 (RankLost: the finished layers are kept, the same command resumes).
+    The line is written from a thread woken by the signal's wakeup fd, so it comes also while the main thread waits
+    inside a collective (a Python signal handler runs only once the main thread is back in the interpreter)."""
+    import sys
+    import threading
+
+    if os.environ.get(LOCAL_LAUNCHER_ENV) or threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the wakeup fd is written only for a signal with a handler
+    signal.set_wakeup_fd(write)
+
+    def watch() -> None:
+        while signal.SIGTERM not in os.read(read, 64):
+            pass
+        sys.stderr.write(f"error: GPTQ rank {ranks.rank} of {ranks.size}: stopped by the launcher (SIGTERM: another "
+                         f"rank failed or was killed); the layers solved so far are kept in OUT/.quant-gptq/: run "
+                         f"the same command again to resume\n")
+        sys.stderr.flush()
+        os._exit(RankLost.exit_code)
+
+    threading.Thread(target=watch, name="quant-sigterm", daemon=True).start()
+
+
 def run_command(ranks: Ranks, lead, solve_checkpoint) -> None:
     """The quantize command on one of several ranks: rank 0 runs `lead()` (the pipeline, whose GPTQ solver hands
     the others the run: `lead_solve`), then releases them (`lead_done`; also when it fails before or after the
@@ -336,6 +368,7 @@ def run_command(ranks: Ranks, lead, solve_checkpoint) -> None:
     rank 0 that fails in the middle of the solve just ends: the others lose it and stop."""
     import typer
 
+    say_when_stopped(ranks)
     if ranks.rank != 0:
         try:
             follow(ranks, solve_checkpoint)
@@ -383,6 +416,7 @@ def launch_local(count: int, argv: list[str]) -> int:
             args.append(a)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=f"quant-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    os.environ[LOCAL_LAUNCHER_ENV] = "1"  # the ranks leave naming a lost one to this launcher
     try:
         elastic_launch(config, sys.executable)("-m", "quant", *args)
     except ChildFailedError as e:
