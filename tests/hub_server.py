@@ -25,7 +25,8 @@ Uploads (read from huggingface_hub 2.x: hf_api.create_repo, upload_folder / crea
 _commit_api._fetch_upload_modes / _send_commit, lfs.post_lfs_batch_info / lfs_upload; the Hub's Xet storage is not
 modelled, so a client with hf_xet must run with HF_HUB_DISABLE_XET=1):
 
-  POST /api/repos/create                                {name, organization, visibility}: 200 {url}, 409 if it
+  POST /api/repos/create                                {name, organization, visibility}: 200 {url} (the new
+                                                        repository holds the Hub's `.gitattributes`), 409 if it
                                                         exists; 401 without a token
   POST /api/validate-yaml                               a README's front matter: 200, or 400 with errors
   POST /api/models/{repo}/preupload/{rev}               per file: uploadMode (lfs for LFS_SUFFIXES), shouldIgnore,
@@ -39,7 +40,8 @@ modelled, so a client with hf_xet must run with HF_HUB_DISABLE_XET=1):
                                                         land in the repository's folder, a new commit sha
 Writes need a token (401), one of the repository's `writers` when it names some (403). `hold_puts_after(n)` lets n
 more LFS uploads through and holds the next ones (a push to kill mid-way) until `release_puts()`; `refuse_puts()`
-answers them 403.
+answers them 403; `refuse_commits_adding(path)` answers 500 to a commit adding `path` (a push cut off between its
+commits).
 
 Errors carry the Hub's X-Error-Code: RepoNotFound (401 without a token, 404 with one: the Hub does not tell a
 private repository from a missing one), RevisionNotFound (404), EntryNotFound (404, with X-Repo-Commit),
@@ -65,6 +67,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt")
+GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES)  # a new repo's
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -129,6 +132,7 @@ class HubServer:
         self._puts_left: int | None = None  # LFS uploads let through before the next ones are held
         self.puts_released = threading.Event()
         self.puts_refused = False
+        self.commits_refused: str | None = None  # a commit adding this path is answered 500
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def add_repo(self, repo_id: str, folder: Path, revisions=("main",), gated=False, private=False,
@@ -167,12 +171,16 @@ class HubServer:
         shutil.rmtree(self.upload_root, ignore_errors=True)
 
     # ---- uploads -----------------------------------------------------------------------------------------------
-    def create_repo(self, repo_id: str, private: bool = False, writers=()) -> Repo:
-        """An empty repository pushes land in (what POST /api/repos/create makes)."""
+    def create_repo(self, repo_id: str, private: bool = False, writers=(), gitattributes: bool = False) -> Repo:
+        """An empty repository pushes land in (what POST /api/repos/create makes: with the Hub's `.gitattributes`
+        when `gitattributes`)."""
         folder = self.upload_root / "repos" / repo_id
         folder.mkdir(parents=True, exist_ok=True)
         repo = self.add_repo(repo_id, folder, private=private, content_sha=True)
         repo.writers = set(writers)
+        if gitattributes:
+            (folder / ".gitattributes").write_text(GITATTRIBUTES)
+            repo.files = {".gitattributes": folder / ".gitattributes", **repo.files}
         return repo
 
     def hold_puts_after(self, n: int) -> None:
@@ -189,6 +197,10 @@ class HubServer:
     def refuse_puts(self, refused: bool = True) -> None:
         """Answer every LFS upload 403 (the storage refusing the signed URL)."""
         self.puts_refused = refused
+
+    def refuse_commits_adding(self, path: str | None) -> None:
+        """Answer 500 to every commit that adds `path` (None: none), as a push cut off between its commits."""
+        self.commits_refused = path
 
     def _put_gate(self) -> None:
         with self.lock:
@@ -517,7 +529,8 @@ class _Handler(BaseHTTPRequestHandler):
         if repo_id in self.hub.repos:
             self._json(409, {"error": "You already created this model repo", "url": url})
             return
-        self.hub.create_repo(repo_id, private=payload.get("visibility") == "private").tokens.add(self._token())
+        self.hub.create_repo(repo_id, private=payload.get("visibility") == "private",
+                             gitattributes=True).tokens.add(self._token())
         self._json(200, {"url": url, "name": repo_id})
 
     def _validate_yaml(self, payload: dict) -> None:
@@ -568,6 +581,9 @@ class _Handler(BaseHTTPRequestHandler):
         missing = [v["path"] for k, v in ops if k == "lfsFile" and self.hub.blob_of(repo, v["oid"]) is None]
         if missing:
             self._error(422, "BadRequest", f"LFS pointer for {missing[0]} has no uploaded object")
+            return
+        if self.hub.commits_refused in [v["path"] for k, v in ops if k != "deletedFile"]:
+            self._error(500, "InternalError", "Internal Error - We're working hard to fix this as soon as possible!")
             return
         sha = self.hub.apply_commit(repo, header["summary"], ops)
         self._json(200, {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{sha}", "commitOid": sha,

@@ -1,14 +1,19 @@
 """`quant push EXPORT ORG/NAME` against tests/hub_server.py with huggingface_hub's real upload client (in a
 subprocess, HF_HUB_DISABLE_XET=1: the server speaks the Hub's LFS upload protocol, not its Xet storage): the
-published files land byte for byte, config.json in the last commit, never the tool's scratch or a user's file; the
-card's base_model is the source's hub id (an @REVISION source too, which the Hub's YAML check would refuse); a
-preflight failure, a changed or unfinished export, a target with a revision and a token without write access each
-refuse in one line with nothing uploaded; a push killed mid-upload commits nothing and the same command resumes,
-sending only the blobs the Hub lacks."""
+published files land byte for byte with the push's record (`.quant-push.json`), config.json in the last commit,
+never the tool's scratch or a user's file; the card's base_model is the source's hub id (an @REVISION source too,
+which the Hub's YAML check would refuse); a preflight failure, a changed or unfinished export, a target with a
+revision and a token without write access each refuse in one line with nothing uploaded; a push killed mid-upload
+commits nothing and the same command resumes, sending only the blobs the Hub lacks; one cut off between its two
+commits resumes too, and so does one whose record landed before the card it replaces. A push never deletes or
+replaces a file it did not write: a repository holding a user's files, a file edited on the Hub since the push,
+another export's push, or the export's own source is refused in one line (exit 2) with every remote file as it was
+and no write request sent."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -20,9 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hub_server import HubServer
+from hub_server import GITATTRIBUTES, HubServer
 
 REPO = Path(__file__).resolve().parent.parent
+RECORD = ".quant-push.json"
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +95,37 @@ def blobs(export: Path) -> set[str]:
             if n.endswith(".safetensors")}
 
 
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def assert_landed(world, repo_id: str, export: Path) -> None:
+    """The repository holds the export's published files byte for byte, the Hub's `.gitattributes` as it made it,
+    and the push's record naming the export's shards and each file sent; config.json came last."""
     repo = world["server"].repos[repo_id]
     names = published(export)
-    assert sorted(repo.files) == names
+    assert sorted(set(repo.files) - {".gitattributes"}) == sorted([*names, RECORD])
     for name in names:
         assert repo.files[name].read_bytes() == (export / name).read_bytes(), name
+    if ".gitattributes" in repo.files:
+        assert repo.files[".gitattributes"].read_text() == GITATTRIBUTES
+    record = json.loads(repo.files[RECORD].read_text())
+    assert record["shards"] == {n: sha256(export / n) for n in names if n.endswith(".safetensors")}
+    assert {n: e["sha256"] for n, e in record["files"].items()} == {n: sha256(export / n) for n in names}
     assert repo.commits[-1][2] == ["config.json"]  # config.json only once everything else is there
     assert "config.json" not in repo.commits[-2][2]
+
+
+def snapshot(repo) -> dict[str, bytes]:
+    """Every file the server's repository holds, with its bytes."""
+    return {name: path.read_bytes() for name, path in repo.files.items()}
+
+
+def assert_untouched(server, repo_id: str, before: dict[str, bytes], commits: int) -> None:
+    """A refused push: no write request of any kind (create, YAML check, preupload, LFS, commit), every file of the
+    repository as it was."""
+    assert writes(server) == []
+    assert snapshot(server.repos[repo_id]) == before and len(server.repos[repo_id].commits) == commits
 
 
 def test_push_lands_byte_identical(world):
@@ -123,24 +152,170 @@ def test_push_lands_byte_identical(world):
     commits = len(server.repos["org/pushed"].commits)
     code, out, err = push(world, export, "org/pushed")
     assert code == 0 and "nothing to push" in out, err
-    assert uploads(server) == [] and len(server.repos["org/pushed"].commits) == commits
+    assert writes(server) == [] and len(server.repos["org/pushed"].commits) == commits
 
 
-def test_push_over_an_earlier_export(world):
-    """The same repository pushed an export of 17 shards, then one of 8 (other names): the second push's first
-    commit deletes the earlier config.json, its last adds the new one and deletes the shards it does not have; the
-    repository holds exactly the second export."""
+def test_push_over_another_exports_push_refused(world):
+    """A repository holding an earlier push of another export (8 shards of other names than 17): refused in one
+    line naming the repository and the record of that push, no write request, every remote file as it was; without
+    that record (files uploaded by hand) it is refused as well, naming the first file the export does not have
+    with those bytes."""
     server = world["server"]
     assert push(world, world["export"], "org/twice", "--private")[0] == 0
     assert server.repos["org/twice"].private  # created private
-    code, _, err = push(world, world["coarse"], "org/twice")
+    repo = server.repos["org/twice"]
+    before, commits = snapshot(repo), len(repo.commits)
+    server.reset()
+    line = one_line(*push(world, world["coarse"], "org/twice"), 2)
+    assert "org/twice" in line and RECORD in line and "another export" in line and "nothing was uploaded" in line
+    assert_untouched(server, "org/twice", before, commits)
+
+    (repo.folder / RECORD).unlink()
+    del repo.files[RECORD]
+    before = snapshot(repo)
+    coarse = world["coarse"]
+    first = next(n for n in sorted(before) if n != ".gitattributes"
+                 and not ((coarse / n).is_file() and (coarse / n).read_bytes() == before[n]))
+    server.reset()
+    line = one_line(*push(world, coarse, "org/twice"), 2)
+    assert f"org/twice: not pushed, nothing was uploaded: it holds {first}," in line
+    assert_untouched(server, "org/twice", before, commits)
+
+
+def user_repo(server, tmp: Path, repo_id: str, files: dict[str, bytes]):
+    folder = tmp / repo_id.replace("/", "--")
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return server.add_repo(repo_id, folder, content_sha=True)
+
+
+@pytest.mark.parametrize("case", ["own-files", "foreign-weights", "export-and-a-file", "own-card"])
+def test_users_repository_refused(world, tmp_path, case):
+    """A repository holding files its owner wrote: their README.md, config.json and weights; weights of another
+    name only (which the push would delete as an earlier export's); the export byte for byte plus a file of theirs;
+    the export with their own model card. Each is refused in one line naming the repository and the first foreign
+    file, exit 2, no write request, every remote file byte-identical."""
+    export, server = world["export"], world["server"]
+    theirs = {"README.md": b"---\nlicense: mit\n---\n# My model\n", "config.json": b'{"model_type": "mine"}\n',
+              "model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + b"\x01" * 64}
+    ours = {n: (export / n).read_bytes() for n in published(export)}
+    files, first = {
+        "own-files": (theirs, "README.md"),
+        "foreign-weights": ({"weights-00001-of-00001.safetensors": theirs["model.safetensors"]},
+                            "weights-00001-of-00001.safetensors"),
+        "export-and-a-file": ({**ours, "LICENSE": b"MIT License\n"}, "LICENSE"),
+        "own-card": ({**ours, "README.md": theirs["README.md"]}, "README.md"),
+    }[case]
+    repo_id = f"user/{case}"
+    repo = user_repo(server, tmp_path, repo_id, files)
+    before = snapshot(repo)
+    assert before == files
+    server.reset()
+    line = one_line(*push(world, export, repo_id), 2)
+    assert line.startswith(f"error: {repo_id}: not pushed, nothing was uploaded: it holds {first}, ")
+    assert_untouched(server, repo_id, before, 0)
+
+
+def test_push_to_its_source_refused(world):
+    """The export quantized from org/src@v1 pushed to org/src (any case): refused in one line naming it as the
+    source, before any request; the source's files as they were."""
+    export, server = world["export"], world["server"]
+    before = snapshot(server.repos["org/src"])
+    server.reset()
+    for target in ("org/src", "ORG/Src"):
+        line = one_line(*push(world, export, target), 2)
+        assert f"{target}: not pushed, nothing was uploaded" in line and "quantized from" in line
+        assert "hf://org/src" in line
+    assert server.stats.requests == 0
+    assert snapshot(server.repos["org/src"]) == before and server.repos["org/src"].commits == []
+
+
+def test_source_in_the_hub_cache_refused(tmp_path):
+    """An export quantized from a directory of huggingface_hub's cache (models--ORG--NAME/snapshots/REV) names
+    ORG/NAME as its source: a push there is refused; a local source of another layout names none."""
+    from quant.errors import QuantError
+    from quant.hub import HubRef
+    from quant.pipeline.push import Export, refuse_source, source_repo
+
+    export = Export(tmp_path, {})
+    for ref, repo in (("/root/.cache/huggingface/hub/models--Org--Name.v2/snapshots/0123abc", "Org/Name.v2"),
+                      ("hf://org/name@refs/pr/3", "org/name"), ("/data/models--x/snapshots", None),
+                      ("/data/org/name", None)):
+        (tmp_path / "quant_manifest.json").write_text(json.dumps({"source": {"checkpoint": ref}}))
+        assert source_repo(export) == repo, ref
+    (tmp_path / "quant_manifest.json").write_text(json.dumps({"source": {"checkpoint": "/hf/models--Org--Name/"
+                                                                                       "snapshots/r"}}))
+    with pytest.raises(QuantError, match="quantized from"):
+        refuse_source(export, HubRef("org/name"))
+    refuse_source(export, HubRef("org/other"))
+
+
+def test_push_into_an_empty_repository(world):
+    """A repository that exists but holds only the Hub's `.gitattributes` is pushed into, that file kept."""
+    server = world["server"]
+    server.create_repo("org/empty", gitattributes=True)
+    code, _, err = push(world, world["export"], "org/empty")
     assert code == 0, err
-    assert_landed(world, "org/twice", world["coarse"])
-    before, after = ({p.name for p in world[k].glob("*.safetensors")} for k in ("export", "coarse"))
-    assert len(after) < len(before)
-    first, last = server.repos["org/twice"].commits[-2:]
-    assert first[3] == ["config.json"]  # the earlier config.json goes with the first commit
-    assert sorted(last[3]) == sorted(before - after)
+    assert_landed(world, "org/empty", world["export"])
+    assert len(server.repos["org/empty"].commits) == 2
+
+
+def test_push_cut_off_between_commits_resumes(world, tmp_path):
+    """The Hub failing the config.json commit: one line, exit 2, the repository holds the first commit and its
+    record, no config.json; the same command resumes (no blob sent again) and lands the export. An edited card is
+    then pushed over the earlier push's, and a file that push wrote but the export no longer has (named in its
+    record) deleted with the first commit; a push whose record (carrying the earlier card) landed before its card
+    goes on; a card edited on the Hub since is the owner's: refused, untouched."""
+    server = world["server"]
+    export = tmp_path / "export"
+    shutil.copytree(world["export"], export, symlinks=True)
+    server.reset()
+    server.refuse_commits_adding("config.json")
+    try:
+        line = one_line(*push(world, export, "org/cut"), 2)
+    finally:
+        server.refuse_commits_adding(None)
+    assert "org/cut" in line and "500" in line and "resumes" in line
+    repo = server.repos["org/cut"]
+    assert len(repo.commits) == 1 and RECORD in repo.commits[0][2] and "config.json" not in repo.files
+    assert set(repo.files) == {".gitattributes", RECORD, *published(export)} - {"config.json"}
+    server.reset()
+    code, out, err = push(world, export, "org/cut")
+    assert code == 0 and "pushed" in out, err
+    assert uploads(server) == []
+    assert_landed(world, "org/cut", export)
+
+    card = export / "README.md"
+    card.write_text(card.read_text() + "\nEdited after the first push.\n")
+    record = json.loads(repo.files[RECORD].read_text())  # an earlier push of the export that wrote one more file
+    record["files"]["eval_report.png"] = {"size": 3, "sha256": hashlib.sha256(b"png").hexdigest(),
+                                          "git": hashlib.sha1(b"blob 3\0png").hexdigest()}
+    (repo.folder / RECORD).write_text(json.dumps(record))
+    (repo.folder / "eval_report.png").write_bytes(b"png")
+    repo.files.update({"eval_report.png": repo.folder / "eval_report.png"})
+    code, out, err = push(world, export, "org/cut")
+    assert code == 0 and "was edited since the export" in err, err
+    assert_landed(world, "org/cut", export)
+    assert "eval_report.png" in repo.commits[-2][3]  # deleted with the first commit
+
+    from quant.pipeline.push import finished_export, push_record  # a push whose record landed before its card
+    earlier = json.loads(repo.files[RECORD].read_text())["files"]["README.md"]
+    card.write_text(card.read_text() + "\nEdited once more.\n")
+    (repo.folder / RECORD).write_text(json.dumps(push_record(finished_export(export), {"README.md": earlier})))
+    code, out, err = push(world, export, "org/cut")
+    assert code == 0 and "pushed" in out, err
+    assert_landed(world, "org/cut", export)
+
+    (repo.folder / "README.md").write_text(card.read_text() + "\nEdited on the Hub.\n")
+    card.write_text(card.read_text() + "\nEdited again.\n")
+    before, commits = snapshot(repo), len(repo.commits)
+    server.reset()
+    code, out, err = push(world, export, "org/cut")
+    note, line = err.strip().splitlines()  # the note on the edited card, then the one error line
+    assert code == 2 and out == "" and "was edited since the export" in note
+    assert line.startswith("error: org/cut: not pushed, nothing was uploaded: it holds README.md, ")
+    assert_untouched(server, "org/cut", before, commits)
 
 
 def test_refused_push_uploads_nothing(world):
@@ -226,7 +401,7 @@ def test_killed_push_resumes(world):
     server.release_puts()
     time.sleep(0.5)  # the held requests end (a body cut off by the kill is never stored)
     repo = server.repos["org/killed"]
-    assert repo.files == {} and repo.commits == []
+    assert set(repo.files) == {".gitattributes"} and repo.commits == []
     lacking = blobs(export) - {oid for repo_id, oid in server.uploaded if repo_id == "org/killed"}
     assert 3 <= len(blobs(export)) - len(lacking) < len(blobs(export))
     server.reset()

@@ -10,8 +10,9 @@ import typer
 
 def command(
     export: Path = typer.Argument(..., help="A finished export of `quant quantize` (its config.json published)."),
-    repo: str = typer.Argument(..., help="The Hub model repository ORG/NAME to upload it to (created when missing; "
-                                         "a write token: HF_TOKEN or `hf auth login`)."),
+    repo: str = typer.Argument(..., help="The Hub model repository ORG/NAME to upload it to: a new or empty one "
+                                         "(created when missing) or one holding this export's earlier push, never "
+                                         "the export's source; a write token: HF_TOKEN or `hf auth login`."),
     force: bool = typer.Option(False, "--force", help="Push even when the preflight finds errors an engine would "
                                                       "hit (they are printed as a warning)."),
     engine: Optional[List[str]] = typer.Option(None, "--engine", "-e",
@@ -21,13 +22,16 @@ def command(
     progress: bool = typer.Option(True, help="Show huggingface_hub's upload progress."),
 ) -> None:
     """Upload a finished export (shards, index, config.json, manifest, model card, tokenizer files; never the
-    tool's scratch) to the Hub, after the preflight passes; an interrupted push resumes when run again."""
+    tool's scratch) to the Hub, after the preflight passes; an interrupted push resumes when run again. A
+    repository holding a file that is neither this export's nor written by its earlier push is refused, and so is
+    the export's source: nothing uploaded."""
     from quant.ownership import held
-    from quant.pipeline.push import finished_export, preflight, push_target, upload
+    from quant.pipeline.push import finished_export, preflight, push_target, refuse_source, upload
 
     target = push_target(repo)
     with held(export):
         found = finished_export(export)
+        refuse_source(found, target)  # before the preflight: no repository's own source is pushed over
         if found.card_edited:
             typer.echo(f"note: {export / 'README.md'} was edited since the export: uploaded as it stands", err=True)
         preflight(found, engine, force, log=lambda m: typer.echo(m, err=True))

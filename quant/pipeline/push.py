@@ -13,14 +13,28 @@ Before anything is sent the export is checked as `quant verify-manifest EXPORT -
 its scheme loads in (the manifest's `engines.scheme_loads_in`, or `--engine`): an error refuses the push (exit 1,
 nothing uploaded) unless `force`.
 
-The upload is huggingface_hub's `upload_folder`: from huggingface_hub 2.x on, its resumable large-folder upload
-(`upload_large_folder` before; over the Hub's Xet storage when hf_xet is installed: a re-run skips committed
-files and sends no chunk the Hub already holds; without hf_xet, LFS: a re-run skips every blob the Hub already
-holds). A repository that already holds every file of the export, and no other weights, gets nothing. Otherwise
-everything but config.json goes first, with the deletion of the repository's earlier config.json, and config.json
-in a commit of its own after it, with the deletion of the repository's `*.safetensors` the export does not have (an
-earlier export's shards of other names): the repository never holds a config.json whose shards are not all there
-(as OUT never does locally), and its weights end as the export's.
+Where it goes: a push never deletes or replaces a file it did not write. Before any request that writes, the
+repository is listed (at its main branch's commit, which the first commit then names as its parent): it must not
+exist yet, be empty (only the `.gitattributes` the Hub creates), or hold only files of this export with the same
+content (the sha256 of an LFS file, the git blob id of another) and files an earlier push of this same export
+wrote. What a push writes is recorded in `.quant-push.json`, uploaded with its first commit: the export's identity
+(its shards' sha256, as its manifest records them) and each file sent with its sha256 and git blob id (and the
+earlier push's versions of files still to be replaced, should the record land before them), so an interrupted or
+repeated push of the same export (a model card edited since, say) finds its own files and goes on.
+A repository holding anything else (a user's README.md, config.json or weights, a file edited on the Hub since the
+push, another export's push) is refused in one line naming the repository and the first such file (exit 2),
+nothing sent; so is the export's own source repository (its manifest's `hf://ORG/NAME[@REV]`, or a source
+directory in huggingface_hub's cache, `models--ORG--NAME/snapshots/`; any case), before the preflight.
+
+The upload is huggingface_hub's `upload_folder` (of a scratch folder of links to the published files and the
+record): from huggingface_hub 2.x on, its resumable large-folder upload (`upload_large_folder` before; over the
+Hub's Xet storage when hf_xet is installed: a re-run skips committed files and sends no chunk the Hub already
+holds; without hf_xet, LFS: a re-run skips every blob the Hub already holds). A repository that already holds
+every file of the export, and nothing else of an earlier push, gets nothing. Otherwise everything but config.json
+goes first, with the record and the deletion of the repository's earlier config.json (and of what an earlier push
+of the export wrote that it no longer has), and config.json in a commit of its own after it: the repository never
+holds a config.json whose shards are not all there (as OUT never does locally). An earlier export's shards of
+other names are never deleted: their repository is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +42,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +56,10 @@ from quant.pipeline.model_card import CARD_FILE
 from quant.pipeline.output import COMPLETE_MARKER, MANIFEST_FILE
 
 LAST = "config.json"  # uploaded after everything else
+PUSH_RECORD = ".quant-push.json"  # what a push wrote, in its first commit: the export's shards and the files sent
+HUB_FILES = {".gitattributes"}  # what the Hub writes into a repository it creates
+REGULAR_MAX = 64 << 20  # the largest file the Hub may keep as a regular (non-LFS) file, with room
+CACHED_SOURCE = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/")  # huggingface_hub's cache layout
 
 
 @dataclass
@@ -52,6 +73,10 @@ class Export:
     @property
     def bytes(self) -> int:
         return sum(size for size, _ in self.files.values())
+
+    def identity(self) -> dict[str, str]:
+        """What tells this export from another: its shards and their sha256 (its manifest's output shards)."""
+        return {name: sha256 for name, (_, sha256) in sorted(self.files.items()) if name.endswith(".safetensors")}
 
     def engines(self) -> list[str] | None:
         """The engines the export's scheme loads in (its manifest), for the preflight."""
@@ -120,55 +145,203 @@ def preflight(export: Export, engines: list[str] | None, force: bool, log=print)
     return len(errors)
 
 
+def source_checkpoint(export: Export) -> str | None:
+    """The source the export's manifest records (`source.checkpoint`), None when it records none."""
+    try:
+        ref = json.loads((export.root / MANIFEST_FILE).read_text())["source"]["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ref if isinstance(ref, str) else None
+
+
+def source_repo(export: Export) -> str | None:
+    """The Hub repository the export was quantized from (its manifest's `source.checkpoint`: `hf://ORG/NAME[@REV]`,
+    or a local directory in huggingface_hub's cache, `.../models--ORG--NAME/snapshots/REV`), or None."""
+    ref = source_checkpoint(export)
+    if ref is None:
+        return None
+    if ref.startswith("hf://"):
+        return ref[len("hf://"):].split("@", 1)[0]
+    m = CACHED_SOURCE.search(ref.replace("\\", "/"))
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
+def refuse_source(export: Export, target: HubRef) -> None:
+    """A push to the export's own source repository is refused (one line, exit 2): it would replace the weights it
+    was quantized from."""
+    source = source_repo(export)
+    if source is not None and source.casefold() == target.repo_id.casefold():
+        raise QuantError(f"{target.repo_id}: not pushed, nothing was uploaded: it is the repository {export.root} "
+                         f"was quantized from ({MANIFEST_FILE}: source {source_checkpoint(export)}); a push never "
+                         f"replaces its source's files: push to another repository")
+
+
+def push_record(export: Export, carried: dict[str, dict] | None = None) -> dict:
+    """What `.quant-push.json` holds: the export's identity (its shards' sha256, as its manifest records them),
+    every file this push writes, with its sha256 (an LFS file's id on the Hub) and, for a file the Hub may keep as
+    a regular one, its git blob id; and `carried`: the files an earlier push of the export wrote that the
+    repository still holds in another version (until this push replaces or deletes them: with hf_xet a large
+    upload lands in several commits, the record perhaps before them)."""
+    files = {}
+    for name, (size, sha256) in sorted(export.files.items()):
+        entry = {"size": size, "sha256": sha256}
+        if not name.endswith(".safetensors") and size <= REGULAR_MAX:
+            entry["git"] = git_blob_id((export.root / name).read_bytes())
+        files[name] = entry
+    return {"tool": "moe-quant", "record": "quant push", "shards": export.identity(), "files": files,
+            "earlier": dict(sorted((carried or {}).items()))}
+
+
+def written_by(record: dict, name: str, oid: str) -> dict | None:
+    """The record's entry for `name` (the file its push wrote, or an earlier version it carried) whose content id
+    is `oid`, or None."""
+    for part in ("files", "earlier"):
+        entries = record.get(part)
+        entry = entries.get(name) if isinstance(entries, dict) else None
+        if isinstance(entry, dict) and oid in (entry.get("sha256"), entry.get("git")):
+            return entry
+    return None
+
+
+def foreign_check(export: Export, target: HubRef, remote: dict[str, str],
+                  earlier: dict | None) -> tuple[list[str], dict[str, dict]]:
+    """Refuse (QuantError naming the repository and its first foreign file) unless every file the repository holds
+    is the Hub's `.gitattributes`, a file of this export with the same content, or a file an earlier push of this
+    same export wrote (its `.quant-push.json`, `earlier`, names this export's shards and the file with these
+    bytes). Returns those earlier files the export no longer has (the first commit deletes them), and the record
+    entries of the earlier files still there in another version than the export's (the new record carries them)."""
+    same = isinstance(earlier, dict) and earlier.get("shards") == export.identity()
+    stale, carried = [], {}
+    for name in sorted(remote):
+        oid = remote[name]
+        if name in HUB_FILES:
+            continue
+        if name == PUSH_RECORD:
+            if same:
+                continue
+            what = (f"{PUSH_RECORD} names other shards than {export.root}'s" if earlier is not None else
+                    f"{PUSH_RECORD} is not a record of a push this tool can read")
+            raise QuantError(f"{target.repo_id}: not pushed, nothing was uploaded: it holds another export's push "
+                             f"({what}), and a push never replaces files it did not write for this export: push to "
+                             f"another repository (or delete that repository first)")
+        if name in export.files and oid == local_oid(export, name, oid):
+            continue
+        entry = written_by(earlier, name, oid) if same else None
+        if entry is not None:
+            carried[name] = entry
+            if name not in export.files:
+                stale.append(name)
+            continue
+        raise QuantError(f"{target.repo_id}: not pushed, nothing was uploaded: it holds {name}, which is neither a "
+                         f"file of {export.root} nor one an earlier push of it wrote; a push goes only to a new or "
+                         f"empty repository or one holding this export's earlier push, and never replaces or "
+                         f"deletes a file it did not write: push to another repository")
+    return stale, carried
+
+
 def upload(export: Export, target: HubRef, private: bool = False, progress: bool = True) -> str | None:
     """Upload the export's published files to `target` (created when missing); returns the URL of the last
-    commit, None when the repository already holds the export. While anything differs, the first commit (every
-    file but config.json) deletes the repository's config.json and the last adds the export's, with the deletion of
-    the repository's weights the export does not have (an earlier push's shards of other names): a config.json on
-    the Hub means the rest is there. Network and Hub failures are one line (exit 2): the same command resumes."""
+    commit, None when the repository already holds the export. The repository is listed before anything is
+    written: one holding a file that is neither the export's nor an earlier push of it's (`foreign_check`), or the
+    export's own source (`refuse_source`), is refused in one line (exit 2) with nothing sent. While anything
+    differs, the first commit (every file but config.json, with `.quant-push.json` recording what the push
+    writes) deletes the repository's config.json and what an earlier push of the export wrote that it no longer
+    has, and the last adds the export's config.json: a config.json on the Hub means the rest is there. Network and
+    Hub failures are one line (exit 2): the same command resumes."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
+    refuse_source(export, target)
     api = HfApi(endpoint=constants.ENDPOINT)
     names = sorted(export.files)
     (enable_progress_bars if progress else disable_progress_bars)()
+    staging = None
     try:
-        api.create_repo(target.repo_id, private=private, exist_ok=True)
-        remote = remote_files(api, target)
-        stale = [f for f in remote if f.endswith(".safetensors") and f not in export.files]
+        head, remote = remote_state(api, target)
+        if remote is None:  # missing: created, then listed again (someone may have made it meanwhile)
+            api.create_repo(target.repo_id, private=private, exist_ok=True)
+            head, remote = remote_state(api, target, missing_ok=False)
+        earlier = read_push_record(api, target, head) if PUSH_RECORD in remote else None
+        stale, carried = foreign_check(export, target, remote, earlier)
         if not stale and all(n in remote and remote[n] == local_oid(export, n, remote[n]) for n in names):
             return None
+        staging = tempfile.TemporaryDirectory(prefix="quant-push-")
+        folder = stage(export, Path(staging.name), carried)
         info = None
-        for batch, gone, message in (([n for n in names if n != LAST], [LAST] if LAST in remote else None,
-                                       "weights, index, manifest, model card and side files"),
-                                      ([LAST], stale, "config.json (the export is complete)")):
-            info = api.upload_folder(repo_id=target.repo_id, folder_path=export.root,
+        for batch, gone, message, parent in (
+                ([n for n in names if n != LAST] + [PUSH_RECORD], [LAST] * (LAST in remote) + stale,
+                 "weights, index, manifest, model card and side files", head),
+                ([LAST], [], "config.json (the export is complete)", None)):
+            info = api.upload_folder(repo_id=target.repo_id, folder_path=folder,
                                      allow_patterns=[glob.escape(n) for n in batch],
                                      delete_patterns=[glob.escape(n) for n in gone] if gone else None,
-                                     commit_message=f"moe-quant export: {message}")
+                                     commit_message=f"moe-quant export: {message}", parent_commit=parent)
+    except QuantError:
+        raise
     except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; push_error sorts them)
         machine = machine_failure(e)
-        if machine is not None:
-            raise machine from None  # reading the export failed: the machine (exit 74, the path named)
+        if machine is not None:  # reading the export failed: the machine (exit 74, the export's path named)
+            name = os.path.relpath(str(machine.filename), staging.name) if staging and machine.filename else None
+            if name in export.files:  # read through the scratch folder's link: the export's file named
+                machine = OSError(machine.errno, machine.strerror, str(export.root / name))
+            raise machine from None
         raise push_error(e, target, api.endpoint) from None
+    finally:
+        if staging is not None:
+            staging.cleanup()
     return info.commit_url
 
 
-def remote_files(api, target: HubRef) -> dict[str, str]:
-    """The repository's files on its main branch: path -> the sha256 of an LFS file, the git blob id of another."""
+def stage(export: Export, folder: Path, carried: dict[str, dict]) -> Path:
+    """A folder for `upload_folder`: a symbolic link to each published file of the export and this push's
+    `.quant-push.json` (huggingface_hub reads the files through the links)."""
+    for name in export.files:
+        link = folder / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(export.root / name)
+    (folder / PUSH_RECORD).write_text(json.dumps(push_record(export, carried), indent=1, sort_keys=True) + "\n")
+    return folder
+
+
+def remote_state(api, target: HubRef, missing_ok: bool = True) -> tuple[str | None, dict[str, str] | None]:
+    """(the commit of the repository's main branch, its files there: path -> the sha256 of an LFS file, the git
+    blob id of another); (None, None) when the repository does not exist (or the token cannot see it)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
     from huggingface_hub.hf_api import RepoFile
 
-    return {e.path: (e.lfs.sha256 if e.lfs else e.blob_id)
-            for e in api.list_repo_tree(target.repo_id, recursive=True) if isinstance(e, RepoFile)}
+    try:
+        head = api.repo_info(target.repo_id).sha
+    except RepositoryNotFoundError:
+        if not missing_ok:
+            raise
+        return None, None
+    return head, {e.path: (e.lfs.sha256 if e.lfs else e.blob_id)
+                  for e in api.list_repo_tree(target.repo_id, revision=head, recursive=True)
+                  if isinstance(e, RepoFile)}
 
 
-def local_oid(export: Export, name: str, remote: str) -> str:
+def read_push_record(api, target: HubRef, revision: str | None) -> dict | None:
+    """The repository's `.quant-push.json` (an earlier push's record), None when it is not one."""
+    path = api.hf_hub_download(repo_id=target.repo_id, filename=PUSH_RECORD, revision=revision)
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("record") == "quant push" else None
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def local_oid(export: Export, name: str, remote: str) -> str | None:
     """The export's file `name` as the repository names its content: its sha256 where the repository holds it as
-    an LFS file (`remote` a 64-digit id), else its git blob id (regular files are small)."""
+    an LFS file (`remote` a 64-digit id), else its git blob id (regular files are small: None for a larger one)."""
     if len(remote) == 64:
         return export.files[name][1]
-    data = (export.root / name).read_bytes()
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    if export.files[name][0] > REGULAR_MAX:
+        return None
+    return git_blob_id((export.root / name).read_bytes())
 
 
 def push_error(e: BaseException, target: HubRef, endpoint: str) -> QuantError:
