@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from quant.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, build_checkpoint, is_safe_relative, read_json
 from quant.errors import QuantError, UnreadableCheckpoint
+from quant.safetensors_header import DTYPE_BITS, MAX_HEADER, parse_header  # noqa: F401  (re-exported)
 
 __all__ = ["HubRef", "HubCheckpoint", "Traffic", "hub_reference", "open_hub_checkpoint", "parse_header"]
 
@@ -49,13 +50,6 @@ RETRY_STATUS = (429, 500, 502, 503, 504)
 # below them, on the toys and a GLM-5.2-sized export; a header longer than guessed costs one more request).
 HEADER_ENTRY = 64
 UNINDEXED_HEADER = 100_000  # first read of a shard no index describes (huggingface_hub's own guess)
-MAX_HEADER = 100_000_000  # the safetensors library's limit
-
-# safetensors dtypes and their widths in bits (the safetensors library's Dtype).
-DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
-
 
 @dataclass(frozen=True)
 class HubRef:
@@ -116,65 +110,6 @@ class Traffic:
         self.add(requests=1)
         if isinstance(response.stream, httpx2.SyncByteStream):
             response.stream = Counted(response.stream)
-
-
-# ---- safetensors headers -------------------------------------------------------------------------------------
-
-def _bad(why: str) -> ValueError:
-    return ValueError(f"Error while deserializing header: {why}")
-
-
-def parse_header(data: bytes, total: int) -> tuple[dict, int, dict]:
-    """(name -> (dtype, shape) in name order, start of the data region, name -> (begin, end) within it) of a
-    safetensors file of `total` bytes that begins with `data` (at least its 8-byte length and header). Raises
-    ValueError, in the safetensors library's words, for what it refuses to open."""
-    if total < 8 or len(data) < 8:
-        raise _bad("header too small")
-    n = struct.unpack("<Q", data[:8])[0]
-    if n > MAX_HEADER:
-        raise _bad("header too large")
-    if 8 + n > total:
-        raise _bad("invalid header length")
-    try:
-        obj = json.loads(data[8:8 + n].decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise _bad(f"invalid UTF-8 in header: {e}") from None
-    except json.JSONDecodeError as e:
-        raise _bad(f"invalid JSON in header: {e}") from None
-    if not isinstance(obj, dict):
-        raise _bad("invalid JSON in header: expected an object of tensors")
-    meta = obj.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise _bad("invalid JSON in header: __metadata__ must map strings to strings")
-    entries = []
-    for name, info in obj.items():
-        ok = isinstance(info, dict) and info.get("dtype") in DTYPE_BITS
-        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-        ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0
-                                                                            for o in offsets)
-        if not ok:
-            raise _bad(f"invalid JSON in header: tensor {name!r} needs a known dtype, a shape of sizes and two "
-                       f"data_offsets")
-        entries.append((tuple(offsets), name, info["dtype"], tuple(shape)))
-    end = 0
-    for (begin, stop), name, dtype, shape in sorted(entries):
-        if begin != end or stop < begin:
-            raise _bad(f"invalid offset for tensor `{name}`")
-        bits = DTYPE_BITS[dtype]
-        for d in shape:
-            bits *= d
-        if bits % 8:
-            raise _bad("The slice is slicing for subbytes dtypes, and the slice does not end up at a byte "
-                       "boundary, this is invalid.")
-        if stop - begin != bits // 8:
-            raise _bad("invalid shape, data type, or offset for tensor")
-        end = stop
-    if 8 + n + end != total:
-        raise _bad("incomplete metadata, file not fully covered")
-    entries.sort(key=lambda e: e[1])
-    return ({name: (dtype, shape) for _, name, dtype, shape in entries}, 8 + n,
-            {name: offsets for offsets, name, _, _ in entries})
 
 
 # ---- the repository ------------------------------------------------------------------------------------------

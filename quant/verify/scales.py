@@ -27,7 +27,6 @@ represent BF16 or E8M0). For an MXFP4 checkpoint that is about 1/17 of its bytes
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from quant.safetensors_header import read_header
 from quant.verify.report import Finding
 
 WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2")
@@ -292,10 +292,8 @@ def group_issues(issues: list[Issue]) -> list[Finding]:
 
 def _offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
     """(start of the data region, name -> (begin, end) within it) from a shard's header."""
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
-    return 8 + size, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+    _, start, offsets = read_header(path)
+    return start, offsets
 
 
 @dataclass
