@@ -204,15 +204,6 @@ def read_record(out: Path) -> Record | None:
     return parse_record(data, path)
 
 
-def read_owner(out: Path) -> dict | None:
-    """The owner record as {"kind", "identity"}, or None when the directory has no valid record of ours."""
-    try:
-        record = read_record(out)
-    except NotOurs:
-        return None
-    return None if record is None else {"kind": record.kind, "identity": record.identity}
-
-
 def same_job(previous: Record | None, identity: dict | None) -> bool:
     """Equal identities; a key the earlier record does not know (None) does not count against it."""
     before = (previous.identity if previous else None) or {}

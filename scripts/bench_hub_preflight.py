@@ -43,7 +43,7 @@ def build_toy(work: Path, shard_size: str) -> Path:
 
 
 def build_large(work: Path, shards: int = 140) -> Path:
-    from quant.verify.synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
+    from synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
 
     out = work / "glm52-headers"
     if not (out / "config.json").is_file():

@@ -35,6 +35,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the synthetic checkpoint builders (tests/synthetic.py)
 
 HIDDEN, MOE_INTER = 6144, 2048
 EXPERT_BYTES = 3 * MOE_INTER * HIDDEN // 2 * (1 + 1 / 16)  # gate/up/down MXFP4 codes + E8M0 scales
@@ -43,7 +44,7 @@ EXPERT_BYTES = 3 * MOE_INTER * HIDDEN // 2 * (1 + 1 / 16)  # gate/up/down MXFP4 
 def build(out: Path, gb: float, shards: int, layers: int = 4) -> tuple[int, int]:
     """(checkpoint bytes, scale bytes) of a freshly written synthetic MXFP4 checkpoint at `out`."""
     from quant.checkpoint import DTYPE_BYTES, INDEX_FILE
-    from quant.verify.synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout
+    from synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout
 
     moe_layers = layers - 1
     experts = max(2, int(gb * 1e9 / EXPERT_BYTES / moe_layers))

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/synthetic.py's builders
+
 TARGET_S, TARGET_MB = 5.0, 500
 
 CLI_SNIPPET = """
@@ -41,7 +43,7 @@ main()
 
 
 def build(out: Path, shards: int) -> tuple[int, float]:
-    from quant.verify.synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
+    from synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
 
     cfg = glm_moe_dsa_config(78, hidden=6144, experts=256, moe_inter=2048, inter=12288, heads=64, q_lora=2048,
                              kv_lora=512, nope=192, rope=64, v_head=256, index_heads=32, index_dim=128,

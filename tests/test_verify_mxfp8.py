@@ -14,7 +14,7 @@ import pytest
 
 from quant.verify import verify_checkpoint
 from quant.verify.schema import classify
-from quant.verify.synthetic import (MXFP8_SPEC, glm_moe_dsa_config, glm_moe_dsa_layout, layer_config,
+from synthetic import (MXFP8_SPEC, glm_moe_dsa_config, glm_moe_dsa_layout, layer_config,
                                     quantized_tensors, quark_layout, write_checkpoint)
 
 # DeepSeek-V4.1-Flash-MXFP4's attention spec (vllm#57191): MXFP8 with one E8M0 scale per 32 x 32 block.
