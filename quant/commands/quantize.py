@@ -9,14 +9,20 @@ from typing import Optional
 import typer
 
 from quant.gptq.calibration import DEFAULT_DATA
+from quant.planning.recipes import recipe_names
+from quant.planning.schemes import SCHEMES
+
+# The lists in --help come from the data (manifests/recipes.yaml, the scheme table): tests/test_docs_from_data.py.
+RECIPES_HELP = " | ".join([f"{recipe_names()[0]} (default)", *recipe_names()[1:],
+                           "a YAML file {base, roles, keep, mtp_layer}"])
+SCHEMES_HELP = " | ".join(SCHEMES)
 
 
 def command(
     src: str = typer.Argument(..., help="Source checkpoint: a local directory or a Hugging Face hub id."),
     out: Path = typer.Argument(..., help="Output directory (new, empty, or an interrupted earlier run to resume)."),
-    scheme: str = typer.Option("w_mxfp4_a_mxfp4", help="w_mxfp4_a_mxfp4 | w_mxfp4 | fp8 | fp8-block"),
-    recipe: Optional[str] = typer.Option(None, help="experts-only (default) | all-linear | "
-                                         "experts-mxfp4-attn-fp8 | a YAML file {base, roles, keep}"),
+    scheme: str = typer.Option("w_mxfp4_a_mxfp4", help=SCHEMES_HELP),
+    recipe: Optional[str] = typer.Option(None, help=RECIPES_HELP),
     scale_mode: str = typer.Option("even", help="MXFP4 scale rule: even | floor | rceil | search"),
     devices: str = typer.Option("auto", help="auto (one worker per visible GPU, else CPU workers) or "
                                 "comma-separated torch devices, one worker each, e.g. cuda:0,cuda:1 or cpu"),

@@ -116,6 +116,12 @@ def builtin_recipes() -> dict:
     return data
 
 
+def recipe_names() -> list[str]:
+    """The built-in recipes by name, the default first (what `--recipe` help and the README list)."""
+    data = builtin_recipes()
+    return [data["default"]] + [n for n in data["recipes"] if n != data["default"]]
+
+
 def load_recipe(name_or_path: str | None, family: Family | None = None) -> Recipe:
     """A built-in recipe by name, or a user YAML file `{base: NAME, roles: {...}, keep: [...], mtp_layer: ...}`
     whose roles override the base recipe's; resolved for `family` when given (per-family recipes need it)."""
