@@ -1,0 +1,41 @@
+"""The Quick start's figures are what `quant demo` prints: the demo runs (in `make test-slow`) and its report's
+accuracies, interval, discordant count, verdict and decisive question count are read back from README.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _quick_start_figures() -> dict:
+    text = README.read_text()
+    text = " ".join(text[text.index("## Quick start"):text.index("## Installing")].split())
+    m = re.search(r"the FP8 baseline scores ([\d.]+)% and the MXFP4 candidate ([\d.]+)% \((\d+) discordant answers.*?"
+                  r"\[([+-][\d.]+), ([+-][\d.]+)\] points and the verdict at the ([\d.]+)-point margin is (\w+) "
+                  r"\((\d+) questions", text)
+    assert m, "README's Quick start no longer states the demo's figures in the form this test reads"
+    keys = ("baseline", "candidate", "discordant", "ci_low", "ci_high", "margin", "verdict", "n_to_pass")
+    return dict(zip(keys, m.groups()))
+
+
+def test_the_quick_start_figures_are_what_the_demo_prints(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "quant.cli", "demo", str(tmp_path / "demo")], capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "demo" / "report" / "report.json").read_text())
+    c = next(r for r in report["rows"] if r["primary"])["comparison"]
+    want = _quick_start_figures()
+    got = {"baseline": f"{100 * c['baseline_accuracy']:.1f}", "candidate": f"{100 * c['candidate_accuracy']:.1f}",
+           "discordant": str(c["baseline_only_correct"] + c["candidate_only_correct"]),
+           "ci_low": f"{100 * c['ci_low']:+.1f}", "ci_high": f"{100 * c['ci_high']:+.1f}",
+           "margin": f"{100 * c['margin']:g}", "verdict": report["verdict"], "n_to_pass": str(c["n_to_pass"])}
+    assert got == want
