@@ -11,11 +11,12 @@ import tempfile
 from pathlib import Path
 
 
-def mean_nll(checkpoint: str | Path, texts: list[str] | list[tuple[str, str]], batch: int = 16) -> float:
+def mean_nll(checkpoint: str | Path, texts: list[str] | list[tuple[str, str]], batch: int = 16,
+             device: str = "cpu") -> float:
     """Mean NLL per predicted token (nats) of `checkpoint` over `texts`, each scored on its own: a string from
     its first token on, or a (context, continuation) pair on the continuation's tokens only (as lm-eval scores
     loglikelihood requests). A quantized checkpoint is dequantized to BF16 first (bit-exact weights), then run
-    in fp32."""
+    in fp32 on `device`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -32,7 +33,7 @@ def mean_nll(checkpoint: str | Path, texts: list[str] | list[tuple[str, str]], b
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # MTP layers' tensors are "UNEXPECTED" to transformers, as always
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
         finally:
             hf_logging.set_verbosity(verbosity)
         total, count = 0.0, 0
@@ -51,7 +52,8 @@ def mean_nll(checkpoint: str | Path, texts: list[str] | list[tuple[str, str]], b
                     ids[i, :len(r)] = torch.tensor(r)
                     mask[i, scored_from[i]:len(r)] = 1
                 attention = (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]).long()
-                logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.float()
+                logits = model(input_ids=ids.to(device), attention_mask=attention.to(device),
+                               use_cache=False).logits.float().cpu()
                 logp = torch.log_softmax(logits[:, :-1], dim=-1)
                 target = ids[:, 1:]
                 nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
