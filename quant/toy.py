@@ -181,21 +181,16 @@ def toy_family(name: str) -> ToyFamily:
 
 
 def parse_shard_size(value: int | str | None) -> int | None:
-    """Bytes from `1048576`, `"1048576"`, `"500KB"`, `"2MB"`, `"1GB"` (decimal units, as in Hugging Face)."""
+    """Bytes from `1048576`, `"1048576"`, `"500KB"`, `"2MB"`, `"1GB"` (quant.units.parse_size)."""
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, str):
-        from huggingface_hub.serialization._base import parse_size_to_int
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise QuantError(f"shard size {value!r}: must be a positive number of bytes")
+        return value
+    from quant.units import parse_size
 
-        try:
-            value = parse_size_to_int(value)
-        except ValueError as e:
-            raise QuantError(f"shard size {value!r}: {e}") from e
-    if value <= 0:
-        raise QuantError(f"shard size {value!r}: must be a positive number of bytes")
-    return int(value)
+    return parse_size(value, "shard size")
 
 
 def build_toy(
