@@ -125,13 +125,15 @@ def _case_74(tmp_path, toy_factory):
 
 def _case_75(tmp_path, toy_factory):
     # GPTQ on two ranks (`--ranks 2`), rank 1 killed (SIGKILL) as it starts the second layer: the tests' fault
-    # injection, QUANT_GPTQ_KILL (tests/test_gptq_ranks.py resumes such a run to the bytes of one process).
+    # injection, tests/gptq_faults (tests/test_gptq_ranks.py resumes such a run to the bytes of one process).
+    from gptq_faults.sitecustomize import kill_env
+
     calib = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
     return subprocess.run(QUANT + ["quantize", str(toy_factory("glm5")), str(tmp_path / "q"), "--method", "gptq",
                                    "--calib-data", str(calib), "--calib-samples", "16", "--calib-seq-len", "32",
                                    "--check-engines", "", "--no-progress", "--ranks", "2"],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "QUANT_GPTQ_KILL": "1:1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **kill_env("1:1")})
 
 
 def _case_130(tmp_path, toy_factory):

@@ -143,28 +143,27 @@ def test_gptq_recovers_most_of_rtns_held_out_loss(tmp_path, one_torch_thread):
     assert (nll["rtn"] - nll["gptq"]) / (nll["rtn"] - nll["bf16"]) >= 0.5, nll
 
 
+def _interrupted_at_layer_1(ranks, index: int) -> None:
+    """A run stopped (Ctrl-C) as it starts decoder layer 1: the layer loop's hook (quant.gptq.loop)."""
+    if index == 1:
+        raise KeyboardInterrupt
+
+
 def test_gptq_resumes_from_the_solved_layers(toy_factory, tmp_path, monkeypatch, one_torch_thread):
     """A run killed in layer 1 resumes with layer 0's solution (not solved again) and ends byte-identical to an
     uninterrupted run."""
-    import quant.gptq.run as run
+    import quant.gptq.loop as loop
 
     src = toy_factory("qwen3-moe")
     clean = quantize_checkpoint(src, tmp_path / "clean", recipe="all-linear", method="gptq", gptq=FAST,
                                 check_engines=None, log=lambda m: None)
-    solve = run._solve_layer
-
-    def killed_in_layer_1(stack, index, *args, **kwargs):
-        if index == 1:
-            raise KeyboardInterrupt
-        return solve(stack, index, *args, **kwargs)
-
-    monkeypatch.setattr(run, "_solve_layer", killed_in_layer_1)
+    monkeypatch.setattr(loop, "on_layer_start", [_interrupted_at_layer_1])
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
                             check_engines=None, log=lambda m: None)
     assert (tmp_path / "out" / ".quant-gptq" / "layer-00000.json").is_file()
     assert not (tmp_path / "out" / "config.json").exists()
-    monkeypatch.setattr(run, "_solve_layer", solve)
+    monkeypatch.setattr(loop, "on_layer_start", [])
     logs = []
     resumed = quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
                                   check_engines=None, log=logs.append)
@@ -221,9 +220,9 @@ def test_bad_damp_on_the_command_line_is_a_user_error(damp, tmp_path):
 def test_gptq_reports_progress_before_and_within_layers(toy_factory, tmp_path, monkeypatch, one_torch_thread):
     """A line before calibration (windows, tokens), one when the first layer starts, and lines within a layer
     (weights and experts solved, ETAs for the layer and the run); throttled to one per PROGRESS_SECONDS."""
-    import quant.gptq.run as run
+    import quant.gptq.progress as progress
 
-    monkeypatch.setattr(run, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
     logs = []
     settings = GptqSettings(CalibrationSettings(str(CALIB), samples=4, seq_len=32), batch=4, solve_bytes=1 << 16)
     quantize_checkpoint(toy_factory("qwen3-moe"), tmp_path / "out", method="gptq", gptq=settings,
@@ -247,22 +246,15 @@ def test_gptq_resume_reuses_no_layer_solved_from_other_bytes(toy_factory, tmp_pa
 
     from safetensors.torch import load_file, save_file
 
-    import quant.gptq.run as run
+    import quant.gptq.loop as loop
 
     src = tmp_path / "src"
     shutil.copytree(toy_factory("qwen3-moe"), src)
-    solve = run._solve_layer
-
-    def killed_in_layer_1(stack, index, *args, **kwargs):
-        if index == 1:
-            raise KeyboardInterrupt
-        return solve(stack, index, *args, **kwargs)
-
-    monkeypatch.setattr(run, "_solve_layer", killed_in_layer_1)
+    monkeypatch.setattr(loop, "on_layer_start", [_interrupted_at_layer_1])
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
                             check_engines=None, log=lambda m: None)
-    monkeypatch.setattr(run, "_solve_layer", solve)
+    monkeypatch.setattr(loop, "on_layer_start", [])
     shard = next(p for p in sorted(src.glob("*.safetensors"))
                  if any(".layers.0.mlp.experts.0." in n for n in load_file(p)))
     st = shard.stat()

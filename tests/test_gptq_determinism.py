@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from quant.gptq.run import Workers
+from quant.gptq.schedule import Workers
 from quant.gptq.solve import damped_inverse_factor, gptq_mxfp4
 
 K, TOKENS = 2048, 1024

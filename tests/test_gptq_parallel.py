@@ -57,7 +57,7 @@ def test_two_workers_give_the_bytes_of_one(family, devices, toy_factory, tmp_pat
 
 
 def test_worker_assignment_is_deterministic_and_balanced():
-    from quant.gptq.run import Workers
+    from quant.gptq.schedule import Workers
 
     costs = [5.0, 1.0, 4.0, 3.0, 3.0, 1.0]
     owner = Workers(["cpu", "cpu"]).assign(costs)
@@ -66,7 +66,7 @@ def test_worker_assignment_is_deterministic_and_balanced():
 
 
 def test_a_failing_worker_stops_the_others_and_is_raised():
-    from quant.gptq.run import Workers
+    from quant.gptq.schedule import Workers
 
     ran = []
 

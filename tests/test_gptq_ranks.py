@@ -24,15 +24,18 @@ CASES = {"glm5": ["--hessian-budget", "400KiB"], "qwen3-moe": []}
 pytestmark = pytest.mark.xdist_group("gptq-ranks")  # several processes each: one xdist worker runs them in turn
 
 
-def _env(**extra) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "QUANT_RANK_TIMEOUT": "120", **extra}
-    env.pop("QUANT_GPTQ_KILL", None)
-    env.update(extra)
-    return env
+def _env(kill: str | None = None) -> dict:
+    """The ranks' environment; `kill` "RANK:LAYER": that rank kills itself as it starts that decoder layer (the
+    tests' fault injection, tests/gptq_faults/sitecustomize.py)."""
+    from gptq_faults.sitecustomize import KILL_ENV, kill_env
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "QUANT_RANK_TIMEOUT": "120"}
+    env.pop(KILL_ENV, None)
+    return {**env, **(kill_env(kill) if kill else {})}
 
 
 def _quantize(src: Path, out: Path, extra: list[str], ranks: int | None = None, launcher: str = "torchrun",
-              **env) -> subprocess.CompletedProcess:
+              kill: str | None = None) -> subprocess.CompletedProcess:
     args = ["quantize", str(src), str(out), "--method", "gptq", "--recipe", "all-linear", "--calib-data", str(CALIB),
             "--calib-samples", "32", "--calib-seq-len", "32", "--check-engines", "", "--no-progress", *extra]
     if ranks is None:
@@ -42,7 +45,7 @@ def _quantize(src: Path, out: Path, extra: list[str], ranks: int | None = None, 
                "-m", "quant", *args]
     else:
         cmd = [sys.executable, "-m", "quant", *args, "--ranks", str(ranks)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env(**env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env(kill))
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -115,7 +118,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_a_relaunch_resumes(one_proce
     first layer kept; the next launch (on 2 ranks) resumes it and exports the bytes of one process."""
     src, one = one_process("glm5")
     out = tmp_path / "out"
-    killed = _quantize(src, out, CASES["glm5"], 4, launcher="quant", QUANT_GPTQ_KILL="2:1")
+    killed = _quantize(src, out, CASES["glm5"], 4, launcher="quant", kill="2:1")
     assert killed.returncode == 75, killed.stderr[-3000:]
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in killed.stderr, killed.stderr[-3000:]
@@ -132,7 +135,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_a_relaunch_resumes(one_proce
 def test_rank_0_killed_is_named_by_the_launcher(toy_factory, tmp_path):
     """Rank 0 dies (nobody left to say why): the launcher of --ranks names it in one line, exit 75."""
     killed = _quantize(toy_factory("glm5"), tmp_path / "out", CASES["glm5"], 2, launcher="quant",
-                       QUANT_GPTQ_KILL="0:0")
+                       kill="0:0")
     assert killed.returncode == 75, killed.stderr[-3000:]
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and "GPTQ rank 0 of 2 died (SIGKILL)" in errors[0], killed.stderr[-3000:]
@@ -142,7 +145,7 @@ def test_rank_0_killed_is_named_by_the_launcher(toy_factory, tmp_path):
 def test_a_rank_killed_under_torchrun_leaves_a_line_from_each_rank_stopped(toy_factory, tmp_path):
     """Under torchrun, rank 1 of 2 killed (SIGKILL): rank 0 is not ended silently by torchrun's SIGTERM; it says
     why in one `error:` line and exits 75, and torchrun (whose own failure report follows) exits 1."""
-    killed = _quantize(toy_factory("glm5"), tmp_path / "out", CASES["glm5"], 2, QUANT_GPTQ_KILL="1:1")
+    killed = _quantize(toy_factory("glm5"), tmp_path / "out", CASES["glm5"], 2, kill="1:1")
     assert killed.returncode == 1, killed.stderr[-3000:]  # torchrun's own exit code after a failed rank
     errors = [line for line in killed.stderr.splitlines() if line.startswith("error:")]
     assert errors and all("run the same command again to resume" in e for e in errors), killed.stderr[-3000:]
@@ -220,17 +223,17 @@ def test_hessians_fed_from_recorded_inputs_are_the_hooks_bytes(toy_factory, one_
 def test_sweeps_keep_each_within_the_budget():
     import torch
 
-    from quant.gptq.run import _sweeps, _Unit
+    from quant.gptq.schedule import Unit, sweeps
 
     layer = torch.nn.Module()
     layer.register_parameter("e", torch.nn.Parameter(torch.zeros(8, 4, 64)))
     layer.register_parameter("w", torch.nn.Parameter(torch.zeros(4, 64)))
     per = 64 * 64 * 4
-    units = [_Unit("w", None)] + [_Unit("e", (i, i + 1)) for i in range(0, 8, 2)]
-    sweeps = _sweeps(units, layer, 3 * per)
-    assert [[u.experts for u in s] for s in sweeps] == [[None, (0, 1)], [(2, 3)], [(4, 5)], [(6, 7)]]
-    assert len(_sweeps(units, layer, 8 * per)) == 1
-    assert _sweeps([], layer, per) == [] and _sweeps(units[:1], layer, 1) == [units[:1]]
+    units = [Unit("w", None)] + [Unit("e", (i, i + 1)) for i in range(0, 8, 2)]
+    cut = sweeps(units, layer, 3 * per)
+    assert [[u.experts for u in s] for s in cut] == [[None, (0, 1)], [(2, 3)], [(4, 5)], [(6, 7)]]
+    assert len(sweeps(units, layer, 8 * per)) == 1
+    assert sweeps([], layer, per) == [] and sweeps(units[:1], layer, 1) == [units[:1]]
 
 
 def test_the_dry_run_predicts_each_rank(tmp_path):

@@ -5,7 +5,7 @@ Names are handed on lazily: the CLI reads `DEFAULT_DATA` for its help text, whic
 
 from importlib import import_module
 
-_WHERE = {"DEFAULT_DATA": "calibration", "CalibrationSettings": "calibration", "GptqSettings": "run",
+_WHERE = {"DEFAULT_DATA": "calibration", "CalibrationSettings": "calibration", "GptqSettings": "settings",
           "solve_checkpoint": "run", "gptq_mxfp4": "solve", "output_error": "solve"}
 __all__ = sorted(_WHERE)
 

@@ -10,8 +10,8 @@ the family file (`decoder_layer.carry_bytes_per_token`, `workspace_bytes_per_tok
 
 The memory model (`memory_model`, a `MemoryModel`; `render` writes the report, `predict` does both) follows
 `quant.gptq.run.solve_checkpoint` layer by layer, its calibration passes and solve groups cut by the run's own
-`run.hessian_passes` and `run.solve_groups`. On the first device (calibration, Hessians, and its share of the
-solves):
+`schedule.layer_schedule` (`schedule.hessian_passes`, `schedule.solve_groups`). On the first device (calibration,
+Hessians, and its share of the solves):
   - resident: the text model outside the layers (embedding, final norm) and the layer kwargs (causal mask);
   - the calibration activations: samples x seq_len x hidden in the compute dtype (bf16 on CUDA, fp32 on CPU),
     plus each carried return (GLM-5's top-k indices); twice while a layer's forward builds the next inputs;
@@ -20,7 +20,7 @@ solves):
   - one calibration pass's fp32 Hessians (in_features^2 x 4 bytes per linear and per expert): the experts of a
     fused parameter are split into passes of at most `hessian_bytes` (`--hessian-budget`), the plain linears
     ride along with the first pass; each pass runs the layer's forward over every calibration window again;
-  - the solver's working set for one group of experts (`run.solve_groups`): float64 H, its Cholesky factor, the
+  - the solver's working set for one group of experts (`schedule.solve_groups`): float64 H, its Cholesky factor, the
     inverse and the inverse's factor, beside the fp32 H and weights (`solve.gptq_mxfp4`).
 Every other device only solves groups: one group's working set. The host holds the calibration tokens, the
 solved codes and scales of two layers (the finished layer's until the next one is solved, and the layer written
@@ -213,10 +213,10 @@ def _solved_rule(family, recipe, scheme, mtp: bool = False):
 def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes: int, names=None) -> LayerPlan:
     """One decoder layer's GPTQ work and memory (`layer` on the meta device, its checkpoint names under
     `base_name`, transformers' names mapped to the checkpoint's by `names`, a `layers.LayerNames`), the passes and
-    solve groups cut as `run._solve_layer` cuts them."""
+    solve units cut as `layer.solve_layer` cuts them (`schedule.layer_schedule`)."""
     import torch
 
-    from quant.gptq.run import expert_modules, hessian_passes, solve_groups
+    from quant.gptq.schedule import expert_modules, layer_schedule
     from quant.model_exec.layers import LayerNames
 
     names = names or LayerNames()
@@ -239,25 +239,18 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
                        if any(solved(f"{base}.{e}.{names.leaf(p)}") for p in projs)]
             if experts:
                 fused[key] = (param, experts)
-    # The passes and solve groups the run cuts (run.hessian_passes, run.solve_groups).
-    inputs = {k: (p.shape[-1], experts) for k, (p, experts) in fused.items()}
-    modules = expert_modules(inputs)
-    passes = hessian_passes(list(plain), inputs, settings.hessian_bytes)
+    # The passes and solve units the run cuts: the run's own cut (schedule.layer_schedule).
+    schedule = layer_schedule(layer, list(plain), {k: experts for k, (_, experts) in fused.items()}, settings)
+    passes = schedule.passes
+    modules = expert_modules({k: (p.shape[-1], experts) for k, (p, experts) in fused.items()})
     plain_h = sum(p.shape[-1] ** 2 * 4 for p in plain.values())
     pass_h = [sum(plain[k].shape[-1] ** 2 * 4 if k in plain else len(experts) * fused[k][0].shape[-1] ** 2 * 4
                   for k in keys) for keys, experts in passes] or [0]
-    groups, solve, gather = 0, 0, 0
-    for key, param in plain.items():
-        groups += 1
-        solve = max(solve, solver_bytes(1, param.shape[0], param.shape[1]))
-        gather = max(gather, param.numel() * dtype_bytes)
-    for keys, experts in passes:
-        for key in (k for k in keys if k in fused):
-            param = fused[key][0]
-            for sel in solve_groups(param, len(experts), settings):
-                groups += 1
-                solve = max(solve, solver_bytes(len(sel), param.shape[-2], param.shape[-1]))
-                gather = max(gather, len(sel) * param[0].numel() * dtype_bytes)
+    groups, solve, gather = len(schedule.units), 0, 0
+    for unit in schedule.units:  # the solver's working set, and the weights gathered for a solve elsewhere
+        rows, k = layer.get_parameter(unit.key).shape[-2:]
+        solve = max(solve, solver_bytes(unit.size(), rows, k))
+        gather = max(gather, unit.size() * rows * k * dtype_bytes)
     weights = plain_weights + sum(len(e) * (2 if k.endswith("gate_up_proj") else 1) for k, (_, e) in fused.items())
     elements = sum(p.numel() for p in plain.values()) + sum(len(e) * p[0].numel() for p, e in fused.values())
     layer_bytes = sum(p.numel() for p in layer.parameters()) * dtype_bytes
@@ -282,8 +275,8 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
 
 @dataclass
 class MtpPlan:
-    """One MTP draft layer GPTQ solves (`quant.gptq.mtp`, `run._solve_mtp`): its decoder layer's plan (index: the
-    layer's number, e.g. 78), what the draft holds beside it and the inputs it is fed."""
+    """One MTP draft layer GPTQ solves (`quant.gptq.mtp`, `loop.LayerLoop.run_mtp`): its decoder layer's plan
+    (index: the layer's number, e.g. 78), what the draft holds beside it and the inputs it is fed."""
 
     k: int
     block: str  # its checkpoint prefix
@@ -332,7 +325,7 @@ def plan_mtp(root: Path, config: dict, family, recipe, scheme, settings, dtype, 
         plans.append(MtpPlan(k=k, block=block, plan=plan, glue_bytes=(2 * hidden * hidden + 3 * hidden) * dtype_bytes,
                              source_bytes=elements * source_elt, stack_extra=fused * source_elt,
                              tokens=samples * max(0, seq_len - k - 1)))
-    while plans and not plans[-1].plan.weights:  # run.solve_checkpoint: up to the last one quantized
+    while plans and not plans[-1].plan.weights:  # schedule.split_mtp_jobs: up to the last one quantized
         plans.pop()
     return plans
 
@@ -418,7 +411,7 @@ class MemoryModel:
         return phases[phase], phase
 
     def _mtp_device0(self, m: MtpPlan, groups_at_once: int, h: int) -> tuple[int, str]:
-        """`run._solve_mtp`: the last main layer's outputs and carried returns stay held throughout; the draft's
+        """`loop.LayerLoop.run_mtp`: the last main layer's outputs and carried returns stay held throughout; the draft's
         final-normed inputs (`prev`) until its decoder inputs z (one per fed token) are made; the decoder layer
         and its BF16 glue; its state read from the source while it loads (host memory, beside the layer); the
         draft's outputs beside z when a next draft layer is fed them."""
@@ -514,7 +507,7 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxf
     if method == "rtn":
         return model
 
-    from quant.gptq.run import GptqSettings
+    from quant.gptq.settings import GptqSettings
 
     settings = settings or GptqSettings()
     dtype = torch.float32 if _is_cpu(model.devices[0]) else torch.bfloat16

@@ -2,12 +2,12 @@
 `torchrun --nproc-per-node N -m quant quantize SRC OUT --method gptq` (the same command on every node) or, on one
 machine, `quant quantize ... --ranks N`.
 
-What each rank does (`quant.gptq.run`, which runs the same code with one rank):
+What each rank does (`quant.gptq.layer`, whose one process is the one-rank case of the same solve):
   - data-parallel forwards: the calibration batches are cut as one process cuts them (settings.batch windows
     each) and each rank takes a contiguous share (`Ranks.share`); it runs the embedding and every decoder layer on
     its share only, and keeps its share's activations from layer to layer (nothing is gathered between layers);
   - owned Hessians: every quantized weight of a layer (a plain linear, or one solve group of a fused expert
-    parameter: `run.solve_groups`, the groups one process solves) has an owner rank, balanced by its estimated
+    parameter: `schedule.solve_groups`, the groups one process solves) has an owner rank, balanced by its estimated
     cost (the routed-token counts of its experts x in_features^2, and the solve); while a rank runs the layer on
     its batches it keeps the inputs each owned weight needs (a linear's input rows; an experts module's hidden
     states and top-k indices); then, batch by batch in the global order, the holder sends each owner its share
@@ -39,8 +39,6 @@ from quant.errors import QuantError, RankLost
 
 TIMEOUT_ENV = "QUANT_RANK_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0
-# Fault injection for the tests: "RANK:LAYER" makes that rank SIGKILL itself when it starts that decoder layer.
-KILL_ENV = "QUANT_GPTQ_KILL"
 
 
 def launched() -> bool:
@@ -270,14 +268,6 @@ def _encode(obj):
 
 def _decode(data):
     return pickle.loads(data.numpy().tobytes())
-
-
-def maybe_die(ranks: Ranks, layer: int) -> None:
-    """The tests' fault injection (QUANT_GPTQ_KILL="RANK:LAYER"): this rank kills itself, as `kill -9` would,
-    when it starts decoder layer LAYER (0-based)."""
-    spec = os.environ.get(KILL_ENV)
-    if spec and spec == f"{ranks.rank}:{layer}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- the command's two roles --------------------------------------------------------------------------------
