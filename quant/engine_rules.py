@@ -8,7 +8,8 @@ and the closest declared spelling, instead of a rule silently left at its defaul
 engine-wide ones with the release's overrides merged in (`merge`: mappings merge key by key, anything else is
 replaced; a release cannot remove a mapping entry).
 
-Verify code reads rules as attributes (`profile.rules.moe.excluded_when`); no engine name appears in its branches.
+Code reads rules as attributes (`profile.rules.moe.excluded_when`) or asks the profile (quant.engines.Profile);
+no engine name appears in the branches of the engines layer (quant/engines.py, this file) or of quant/verify/.
 """
 
 from __future__ import annotations
@@ -160,6 +161,14 @@ class Mtp:
     draft_naming: Literal["checkpoint", "nextn"] = rule(
         "checkpoint", "names the draft is built under: the checkpoint's, or the NextN runtime names below "
                       "(spec_names -> spec_prefix, the rest -> decoder_prefix, per draft class)")
+    draft_layers: Literal["all", "first"] = rule(
+        "all", "the declared MTP layers the draft loads: every one, or the first (model.layers.{N}) only")
+    exclude_runtime_names: bool = rule(
+        False, "the exclude entries written for a module of a layer the draft loads also name it by the draft's "
+               "runtime name (nextn: a draft class that matches exclude without remapping it needs that spelling)")
+    exclude_moe_coarse: bool = rule(
+        False, "with exclude_runtime_names, a routed-expert leaf of that layer also writes the draft's coarse "
+               "FusedMoE prefix (decoder_prefix.moe_coarse) into exclude")
     skip: list[str] = rule([], "nextn: substrings of MTP modules the draft does not load")
     spec_names: list[str] = rule([], "nextn: substrings of MTP modules built under spec_prefix")
     decoder_prefix: str = rule("", "nextn: the runtime prefix of the draft's decoder layer")
@@ -228,7 +237,9 @@ class EngineRules:
     mtp: Mtp = rule(Mtp(), "the MTP/NextN draft")
 
 
-ENGINE_KEYS = ("title", "default_releases", "releases")  # an engine section's keys besides its rules
+# An engine section's keys besides its rules: its title, the releases `--engine NAME` checks, whether a preflight
+# naming no engine checks it (`serving`), and its releases.
+ENGINE_KEYS = ("title", "default_releases", "serving", "releases")
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -393,6 +404,8 @@ def check_engines(data: dict, file) -> None:
                 raise reader.unknown(where, key, allowed)
         if not isinstance(section.get("title", ""), str):
             raise reader.fail(f"{where}.title", "expected a string")
+        if not isinstance(section.get("serving", False), bool):
+            raise reader.fail(f"{where}.serving", "expected true or false")
         releases = section.get("releases")
         if not isinstance(releases, dict) or not releases:
             raise reader.fail(f"{where}.releases", "expected a mapping of releases")
@@ -410,8 +423,3 @@ def release_rules(section: dict, engine: str, release: str, file) -> EngineRules
     """The typed rules of one release: the engine-wide rules of `section` with the release's merged in."""
     merged = merge(engine_wide(section), section["releases"][release] or {})
     return _Reader(file).section(EngineRules, merged, f"engines.{engine}.{release}", partial=False)
-
-
-def engine_wide_rules(section: dict, engine: str, file) -> EngineRules:
-    """The typed engine-wide rules of `section` (no release applied)."""
-    return _Reader(file).section(EngineRules, engine_wide(section), f"engines.{engine}", partial=False)

@@ -17,7 +17,7 @@ ORIGINAL = engines.ENGINES_FILE.read_text()
 
 
 def _clear_caches() -> None:
-    for cached in (engines.engine_data, engines.profile, engines.engine_rules, engines._renamers,
+    for cached in (engines.engine_data, engines.profile, engines.all_profiles, engines._renamers,
                    engines._unexpanded_shards):
         cached.cache_clear()
 
@@ -99,3 +99,44 @@ def test_the_shipped_file_loads_typed_and_every_key_has_a_meaning():
         "GlmMoeDsaForCausalLMNextN"  # a release override merged into the engine-wide mapping
     assert engines.profile("sglang", "0.5.12").rules.mtp.draft_class["GlmMoeDsaForCausalLM"] == \
         "DeepseekV3ForCausalLMNextN"
+
+
+DEEPSEEK_MTP = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 3, "num_nextn_predict_layers": 2}
+LEAF = "model.layers.3.mlp.experts.0.down_proj"
+
+
+def test_the_draft_exclude_rules_are_data(engines_yaml):
+    """SGLang's MTP naming, its coarse draft FusedMoE prefix and its first-NextN-layer-only draft are keys of
+    engines.sglang.mtp (exclude_runtime_names, exclude_moe_coarse, draft_layers), not Python branches: editing the
+    data changes the exclude entries the quantizer writes."""
+    assert engines.exclude_aliases(LEAF, DEEPSEEK_MTP) == [
+        LEAF, "model.decoder.mlp.experts.0.down_proj", "model.decoder.mlp.experts"]
+    assert engines.exclude_aliases("model.layers.3.eh_proj", DEEPSEEK_MTP) == ["model.layers.3.eh_proj", "model.eh_proj"]
+    assert engines.exclude_aliases("model.layers.3.embed_tokens", DEEPSEEK_MTP) == ["model.layers.3.embed_tokens"]
+    second = "model.layers.4.mlp.experts.0.down_proj"
+    assert engines.exclude_aliases(second, DEEPSEEK_MTP) == [second]  # SGLang builds only the first NextN layer
+
+    engines_yaml(("      exclude_moe_coarse: true\n", "      exclude_moe_coarse: false\n"))
+    assert engines.exclude_aliases(LEAF, DEEPSEEK_MTP) == [LEAF, "model.decoder.mlp.experts.0.down_proj"]
+    engines_yaml(("      draft_layers: first ", "      draft_layers: all   "))
+    assert engines.exclude_aliases(second, DEEPSEEK_MTP) == [
+        second, "model.decoder.mlp.experts.0.down_proj", "model.decoder.mlp.experts"]
+    engines_yaml(("      exclude_runtime_names: true\n", "      exclude_runtime_names: false\n"))
+    assert engines.exclude_aliases(LEAF, DEEPSEEK_MTP) == [LEAF]
+    engines_yaml(("      draft_layers: first ", "      draft_layers: firts "))
+    assert "engines.sglang.mtp.draft_layers: 'firts' is not one of all, first; did you mean 'first'?" in _load_error()
+
+
+def test_the_profile_answers_for_its_draft():
+    sglang, vllm = engines.profile("sglang", "0.5.12"), engines.profile("vllm", "0.32")
+    assert sglang.mtp_draft_name("model.layers.3.mlp.shared_experts.gate_proj", DEEPSEEK_MTP) == \
+        "model.decoder.mlp.shared_experts.gate_proj"
+    assert sglang.mtp_draft_name("model.layers.3.shared_head.head", DEEPSEEK_MTP) is None  # from the target model
+    assert sglang.mtp_draft_name("model.layers.4.eh_proj", DEEPSEEK_MTP) is None  # not a layer its draft loads
+    assert sglang.mtp_draft_name("model.layers.2.eh_proj", DEEPSEEK_MTP) is None  # not an MTP layer
+    assert vllm.mtp_draft_name("model.layers.4.eh_proj", DEEPSEEK_MTP) == "model.layers.4.eh_proj"  # checkpoint names
+    assert sglang.draft_exclude_names(LEAF, DEEPSEEK_MTP) == ["model.decoder.mlp.experts.0.down_proj",
+                                                              "model.decoder.mlp.experts"]
+    assert vllm.draft_exclude_names(LEAF, DEEPSEEK_MTP) == []
+    assert sglang.draft_class(DEEPSEEK_MTP)[0] == "DeepseekV3ForCausalLMNextN"
+    assert engines.serving_engines() == ("sglang", "vllm")

@@ -85,3 +85,17 @@ def test_transformers_never_builds_the_qwen35_vision_tower(toy_factory, tmp_path
                     lambda ex: [e for e in ex if not e.startswith(("model.visual.", "visual."))])
     findings = verify_checkpoint(path, engines=["transformers==5.23"]).errors
     assert not [f for f in findings if "visual" in f.tensor], [f.message[:160] for f in findings]
+
+
+def test_one_name_mapper_for_model_and_draft_classes():
+    """The draft classes' exclude mappers go through the same WeightsMapper as the model classes' name mappers:
+    every key a substring, the longest found replaced once, "{N}" the MTP layer's index."""
+    mapper = engines.NameMapper.substrings({"model.layers.{N}": "model.decoder",
+                                            "model.layers.{N}.eh_proj": "model.eh_proj"}, 78)
+    assert mapper("model.layers.78.eh_proj") == "model.eh_proj"
+    assert mapper("model.layers.78.mlp.experts.0.w1") == "model.decoder.mlp.experts.0.w1"
+    assert mapper("re:model.layers.78.*") == "re:model.decoder.*"
+    assert mapper("model.layers.7.eh_proj") == "model.layers.7.eh_proj"
+    assert engines.NameMapper.of({".block_sparse_moe.": ".mlp."}) == \
+        engines.NameMapper(substr=((".block_sparse_moe.", ".mlp."),))
+    assert not engines.NameMapper.of({})

@@ -29,8 +29,7 @@ LAYER_CONFIG_KEYS = ("input_tensors", "output_tensors", "weight", "bias")
 
 
 def _never_quantized_everywhere() -> list[list[re.Pattern]]:
-    data = engines.engine_data()["engines"]
-    return [[re.compile(p) for p in e.get("never_quantized", [])] for e in data.values()]
+    return [[re.compile(p) for p in profile.rules.never_quantized] for profile in engines.all_profiles()]
 
 
 def fixed_config(config: dict, modules) -> dict:
@@ -59,8 +58,8 @@ def fixed_config(config: dict, modules) -> dict:
         if is_glob(entry):
             wanted[glob_to_regex(entry)] = None
     never = _never_quantized_everywhere()
-    drafts = engines.nextn_draft_rules()
-    coarse = {engines.nextn_moe_coarse(rule) for rule in drafts}
+    drafts = [p for p in engines.all_profiles() if p.rules.mtp.draft_naming == "nextn"]
+    coarse = {p.draft_moe_coarse() for p in drafts}
     quantized_names: set[str] = set()
     float_draft_experts: set[str] = set()
     for name, mod in modules.items():
@@ -82,8 +81,8 @@ def fixed_config(config: dict, modules) -> dict:
         lqc = q["layer_quant_config"]
         for key in list(lqc):
             if key.startswith(prefix):
-                for rule in drafts:
-                    lqc.setdefault(engines.map_nextn_checkpoint_name(rule, key, prefix[:-1]), lqc[key])
+                for p in drafts:
+                    lqc.setdefault(p.nextn_checkpoint_name(key, prefix[:-1]), lqc[key])
     return config
 
 

@@ -66,8 +66,8 @@ def lookup_names(modules, config: dict) -> set[str]:
     names = set(modules)
     mtp = engines.mtp_layers(config)
     fused_of: dict[str, set[str]] = {}
-    for engine in engines.engine_names():
-        for fused, shards in engines.engine_rules(engine).packed_modules_mapping.items():
+    for profile in engines.all_profiles():
+        for fused, shards in profile.rules.packed_modules_mapping.items():
             for shard in shards:
                 fused_of.setdefault(shard, set()).add(fused)
     for name, mod in modules.items():
@@ -95,8 +95,8 @@ def exclude_findings(exclude: list[str], names: set[str], profiles: list[Profile
     by_engine: dict[str, list[Profile]] = {}
     for p in profiles:
         by_engine.setdefault(p.engine, []).append(p)
-    glob_engines = ", ".join(e for e in engines.engine_names()
-                             if engines.engine_rules(e).exclude_match == "quark_fnmatch")
+    glob_engines = ", ".join(dict.fromkeys(p.engine for p in engines.all_profiles()
+                                           if p.rules.exclude_match == "quark_fnmatch"))
     for entry in exclude:
         for engine, ps in by_engine.items():
             semantics = ps[0].rules.exclude_match
@@ -196,8 +196,7 @@ def _missing_mtp_layers(ckpt: Checkpoint, p: Profile, present: set) -> list[tupl
     """(the engine's index, the checkpoint tensors it looks for) of each declared MTP layer the draft of profile `p`
     finds nothing of: model.layers.{N+k}.*, or the namespace its loader reads (engines.yaml mtp_namespace
     layer_prefix: DeepSeek-V4's mtp.{k}.*)."""
-    rule = engines.mtp_namespace(p.rules, ckpt.config)
-    layers = engines.namespace_layers(rule, ckpt.config) if rule is not None else []
+    layers = p.namespace_layers(ckpt.config)
     if layers:
         return [(idx, prefix + "*") for idx, prefix in layers
                 if not any(t.startswith(prefix) for t in ckpt.tensors)]

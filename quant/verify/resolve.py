@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from quant.families import text_config
 from quant import engines
 from quant.engine_rules import MtpNamespace
-from quant.engines import Profile
+from quant.engines import Profile, Renamer
 from quant.verify import contract
 from quant.verify.matching import ExcludeMatcher, LayerConfigMatcher, ShardConflict, ignored
 from quant.verify.modules import Module, Unit, build_units
@@ -66,34 +66,25 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     rules = profile.rules
     packed = rules.packed_modules_mapping
     group_experts = True  # per-leaf engines split the groups again while resolving (_leaf_groups)
-    never = _any_of(rules.never_quantized + rules.never_quantized_by_architecture.get(engines.architecture(config), []))
+    never = _any_of(profile.never_quantized(config))
     mtp_range = engines.mtp_layers(config)
     n_layers = int(text_config(config).get("num_hidden_layers") or 0)
-    namespace = _mtp_namespace_prefix(config)
+    namespace = engines.mtp_namespace_prefix(config)
     main = {k: m for k, m in modules.items() if (m.layer is None or m.layer < n_layers)
             and not (namespace and k.startswith(namespace))}
     exclude, lqc = _exclude_list(config), _lqc(config)
-    whole = engines.unexpanded_fused(rules, config)
+    whole = profile.unexpanded_fused(config)
     # Wrapped architectures (VL models): units carry the engine's runtime names; `exclude` is rewritten with the
     # same mapper only by releases whose quant config applies it. Build prefixes (engines.yaml build_prefixes)
     # rename units too but never `exclude`.
-    mapper = engines.name_mapper(rules, config)
-    prefixes = engines.build_prefixes(rules, config)
-    target_exclude, target_lqc = exclude, lqc
-    if mapper and rules.maps_exclude:
-        target_exclude = [e if e.startswith("re:") else engines.runtime_name(e, mapper) for e in exclude]
-        for strip in rules.exclude_prefix_aliases:  # the mapped entry and its copy without the prefix
-            target_exclude = list(dict.fromkeys(x for e in target_exclude
-                                                for x in (e, e.removeprefix(strip) if e.startswith(strip) else e)))
-    if mapper and rules.maps_layer_quant_config:
-        target_lqc = {engines.runtime_name(k, mapper): v for k, v in lqc.items()}
     contexts = [BuildContext(
-        "target", _identity_units(main, packed, group_experts, False, cache, mapper, prefixes),
-        ExcludeMatcher(target_exclude, rules.exclude_match), LayerConfigMatcher(target_lqc, rules.layer_config_match),
+        "target", _identity_units(main, packed, group_experts, False, cache, profile.renamer(config)),
+        ExcludeMatcher(profile.quant_config_exclude(exclude, config), rules.exclude_match),
+        LayerConfigMatcher(profile.quant_config_layer_config(lqc, config), rules.layer_config_match),
         never, whole_fused=whole)]
     if not rules.mtp.builds_mtp:
         return contexts
-    rule = engines.mtp_namespace(rules, config)
+    rule = profile.mtp_namespace(config)
     if rule is not None:
         contexts.append(_namespace_draft(profile, rule, exclude, lqc, modules, packed, config))
         contexts[-1].whole_fused = whole
@@ -112,15 +103,6 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     return contexts
 
 
-def _mtp_namespace_prefix(config: dict) -> str | None:
-    """The namespace MTP heads of this architecture live under for any engine (Qwen3.5: "mtp.")."""
-    for engine in engines.engine_names():
-        rule = engines.mtp_namespace(engines.engine_rules(engine), config)
-        if rule is not None:
-            return rule.prefix
-    return None
-
-
 def _namespace_draft(profile: Profile, rule: MtpNamespace, exclude: list[str], lqc: dict,
                      modules: dict[str, Module], packed: dict, config: dict) -> BuildContext:
     """The draft of a namespaced MTP head: `exclude` is matched as written against the names the draft builds its
@@ -129,7 +111,7 @@ def _namespace_draft(profile: Profile, rule: MtpNamespace, exclude: list[str], l
     engines build the whole head unquantized once any entry names it."""
     prefix = rule.prefix
     mtp_modules = {k: m for k, m in modules.items() if k.startswith(prefix)}
-    built = (lambda n: n) if rule.maps_exclude else (lambda n: engines.namespace_draft_name(rule, n, config))
+    built = (lambda n: n) if rule.maps_exclude else (lambda n: profile.namespace_draft_name(n, config))
     units = build_units(mtp_modules, built, packed, True, lambda _: True)
     never = _any_of(profile.rules.never_quantized + rule.never_quantized)
     quantized, reason = True, ""
@@ -148,53 +130,42 @@ def _any_of(patterns: list[str]) -> re.Pattern | None:
 
 
 def _identity_units(modules: dict[str, Module], packed: dict, group_experts: bool, mtp: bool,
-                    cache: dict, mapper: dict[str, str] | None = None,
-                    prefixes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()) -> list[Unit]:
-    """Units under checkpoint names (or the engine's prefix-mapped names); engines sharing a packed mapping
+                    cache: dict, renamer: Renamer = Renamer()) -> list[Unit]:
+    """Units under checkpoint names (or the engine's mapped names: `renamer`); engines sharing a packed mapping
     share them (a 120k-tensor checkpoint is grouped once per engine, not once per release)."""
-    mapper = mapper or {}
-    key = (tuple(sorted((k, tuple(v)) for k, v in packed.items())), group_experts, mtp,
-           tuple(sorted(mapper.items())), prefixes)
+    key = (tuple(sorted((k, tuple(v)) for k, v in packed.items())), group_experts, mtp, renamer)
     if key not in cache:
-        cache[key] = build_units(modules, lambda n: engines.module_runtime_name(n, mapper, prefixes), packed,
-                                 group_experts, lambda n: mtp)
+        cache[key] = build_units(modules, renamer.name, packed, group_experts, lambda n: mtp)
     return cache[key]
 
 
 def _nextn_draft(profile: Profile, config: dict, mtp_modules: dict[str, Module], packed: dict) -> BuildContext:
     """The draft of an engine that builds the first MTP layer under NextN runtime names (mtp.draft_naming: nextn),
     reading `exclude` / `layer_quant_config` the way its draft class does (mtp.draft_classes)."""
-    rule = profile.rules.mtp
-    cls_name = rule.draft_class.get(engines.architecture(config), rule.default_draft_class)
-    cls = rule.draft_classes[cls_name]
-    n = engines.mtp_layers(config).start
-    prefix = f"model.layers.{n}"
-
-    def runtime(name: str) -> str | None:
-        mtp = engines.split_mtp(name, config)
-        return engines.nextn_name(rule, mtp[1]) if mtp and mtp[0] == n else None
-
-    units = build_units(mtp_modules, runtime, packed, True, lambda _: True)
-    entries = engines.apply_substr_mapper(_exclude_list(config), cls.exclude_mapper, n)
+    cls_name, cls = profile.draft_class(config)
+    mapper = profile.draft_exclude_mapper(config)
+    prefix = f"model.layers.{engines.mtp_layers(config).start}"
+    units = build_units(mtp_modules, lambda name: profile.mtp_draft_name(name, config), packed, True, lambda _: True)
+    entries = list(dict.fromkeys(mapper(e) for e in _exclude_list(config)))
     lqc = dict(_lqc(config))
     if profile.rules.maps_layer_quant_config:  # the draft class's mapper rewrites the keys too (apply_dict)
-        lqc = {engines.apply_substr_mapper([k], cls.exclude_mapper, n)[0]: v for k, v in lqc.items()}
+        lqc = {mapper(k): v for k, v in lqc.items()}
     note = f"{cls_name}"
     if cls.exclude_mapper:
         note += f" maps exclude with {cls.exclude_mapper}"
     quantized, reason = True, ""
     if cls.whole_layer_exclude:
-        mapped_prefix = engines.apply_substr_mapper([prefix], cls.exclude_mapper, n)[0]
+        mapped_prefix = mapper(prefix)
         if ExcludeMatcher(entries, profile.rules.exclude_match).matches(mapped_prefix):
             quantized = False
             reason = f"an exclude entry matches {mapped_prefix}, so {cls_name} builds the whole draft unquantized"
     if cls.remap_mtp_names:
         mtp_entries = [e for e in entries if e.startswith(prefix + ".")]
-        extra = [engines.map_nextn_checkpoint_name(rule, e, prefix) for e in mtp_entries]
+        extra = [profile.nextn_checkpoint_name(e, prefix) for e in mtp_entries]
         if any(".mlp.experts." in e for e in mtp_entries):
-            extra.append(engines.nextn_moe_coarse(rule))
+            extra.append(profile.draft_moe_coarse())
         entries = list(dict.fromkeys(entries + extra))
-        lqc = {(engines.map_nextn_checkpoint_name(rule, k, prefix) if k.startswith(prefix + ".") else k): v
+        lqc = {(profile.nextn_checkpoint_name(k, prefix) if k.startswith(prefix + ".") else k): v
                for k, v in lqc.items()}
         note += f"; _resolve_nextn_quant_config remaps {prefix}.* entries"
     never = list(profile.rules.never_quantized)

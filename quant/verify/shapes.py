@@ -125,15 +125,9 @@ def known_model_types() -> frozenset[str] | None:
 def engine_registered(model_type: str) -> tuple[str, ...]:
     """The engine releases (labels such as "sglang==0.5.23") that parse this model_type with a config class of
     their own (engines.yaml config_registry), in the data's order."""
-    from quant.engines import engine_data, select_profiles
+    from quant.engines import all_profiles
 
-    labels = []
-    for engine, section in engine_data()["engines"].items():
-        for release in section.get("releases") or {}:
-            profile = select_profiles([f"{engine}=={release}"])[0]
-            if model_type in profile.rules.config_registry:
-                labels.append(profile.label)
-    return tuple(labels)
+    return tuple(p.label for p in all_profiles() if model_type in p.rules.config_registry)
 
 
 def _transformers_version() -> str:
