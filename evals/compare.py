@@ -13,7 +13,7 @@ from pathlib import Path
 from evals.statistics import evidence
 
 from evals.statistics import accuracy
-from evals.arms.answers import ANSWERS_DIR, open_store
+from evals.arms.answers import ANSWERS_DIR, digests_for_this_run, open_store, read_identity, write_identity
 from evals.arms.backends import ACTIVATIONS, DTYPES, Backend, BackendOptions, is_url, open_backend
 from evals.statistics.acceptance import compare_acceptance
 from evals.statistics.pairing import generation_counts, pair_acceptance, pair_scores
@@ -250,9 +250,10 @@ def _settings(request: EvalRequest, specs) -> dict:
             "lm_eval_version": version("lm_eval")}
 
 
-def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict]]:
-    """The baseline arm of an earlier `quant eval` output (its report.json and per-question samples), checked to
-    have run the same tasks with the same generation settings; prompts are checked again when pairing."""
+def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict], dict | None]:
+    """The baseline arm of an earlier `quant eval` output (its report.json, per-question samples and the identity of
+    the model that answered, None for an output written before identities were), checked to have run the same
+    tasks with the same generation settings; prompts are checked again when pairing."""
     report_path = Path(run) / REPORT_JSON
     try:
         earlier = json.loads(report_path.read_text())
@@ -269,7 +270,7 @@ def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict
             if not path.is_file():
                 raise QuantError(f"--baseline-run {run}: no baseline samples for {spec.name} ({path})")
             records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return earlier["baseline"], records
+    return earlier["baseline"], records, read_identity(Path(run) / RUNS_DIR / "baseline")
 
 
 def compare_records(baseline: list[dict], candidate: list[dict], specs, request: EvalRequest
@@ -309,6 +310,7 @@ def _run(label: str, source: str, name: str | None, specs, task_dir: Path, scrat
 
         server_spec = probe(source)  # vLLM: the counters before this arm's requests
     store = open_store(scratch, backend, options)
+    write_identity(scratch / RUNS_DIR / label, store.identity)  # whose answers these are (for --baseline-run)
     try:
         records = run_arm(backend, specs, task_dir, scratch / RUNS_DIR / label, settings, log=log, store=store)
         if store.kept:
@@ -399,6 +401,11 @@ def _measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict
 def evaluate(request: EvalRequest, log=print) -> EvalReport:
     """Run the comparison and write the report; returns the report (`report.verdict`; `report.to_json()` is what
     report.json holds)."""
+    with digests_for_this_run():  # each checkpoint hashed once in this run (the check below, then its arm)
+        return _evaluate_checked(request, log)
+
+
+def _evaluate_checked(request: EvalRequest, log) -> EvalReport:
     _check(request)
     specs = parse_tasks(request.tasks)
     _check_chat(request, specs)
@@ -409,6 +416,9 @@ def evaluate(request: EvalRequest, log=print) -> EvalReport:
     owner.check()  # a foreign --out, or an input inside it, is refused before the servers are asked
     _check_inputs(request, specs)
     with owner as held:
+        # Under --out's lock (a second eval into it is refused first), before anything in it is removed; a refusal
+        # leaves a new --out as it found it (not there).
+        _check_not_itself(request, earlier)
         _prepare_out(held, request.resume)
         try:
             report = _evaluate(request, specs, settings, earlier, held, log, gate)
@@ -422,6 +432,53 @@ def evaluate(request: EvalRequest, log=print) -> EvalReport:
         write_gate(request.write_gate, gate_from_baseline(report, spec, request.margin, request.mtp_margin,
                                                           request.candidate_name))
     return report
+
+
+def _check_not_itself(request: EvalRequest, earlier) -> None:
+    """Refuse, before any evaluation, a candidate compared with its own model by content, not by path: a baseline
+    checkpoint byte for byte the candidate's (evals.arms.answers.checkpoint_digest), or --baseline-run answers that
+    the candidate's model gave (the identity that run wrote beside them; a run from before identities were written
+    is known by its baseline's path or URL)."""
+    from evals.arms.answers import checkpoint_digest, same_model
+
+    proves = "a comparison of a model with itself proves nothing"
+    if request.baseline is not None:
+        if is_url(request.candidate) or is_url(request.baseline):
+            return  # two servers: by URL (_check); a server and a checkpoint: an engine's check, not a self-comparison
+        digest = checkpoint_digest(Path(request.candidate))
+        if digest == checkpoint_digest(Path(request.baseline)):
+            raise QuantError(f"--candidate {request.candidate} and --baseline {request.baseline} are the same model "
+                             f"(byte-identical checkpoints, sha256 {digest[:16]}); {proves}")
+        return
+    arm, _, recorded = earlier
+    source = arm.get("source")
+    if recorded is None:  # an output written before identities were: its baseline's path or URL
+        same = source is not None and (arm.get("kind") == "server") == is_url(request.candidate) and \
+            _same_source(str(source), request.candidate)
+        what = "the same path" if not is_url(request.candidate) else "the same server"
+    else:
+        candidate = _candidate_identity(request) if recorded.get("kind") == ("server" if is_url(request.candidate)
+                                                                               else "transformers") else {}
+        same = same_model(recorded, candidate)
+        what = (f"the same checkpoint bytes, sha256 {str(recorded.get('checkpoint_digest'))[:16]}"
+                if recorded.get("checkpoint_digest") and candidate.get("checkpoint_digest")
+                else "the same server and model id")
+    if same:
+        raise QuantError(f"--baseline-run {request.baseline_run}: its baseline answers were given by --candidate "
+                         f"{request.candidate} itself ({source}: {what}); {proves}")
+
+
+def _candidate_identity(request: EvalRequest) -> dict:
+    """The candidate's model as evals.arms.answers identifies it, before its arm runs."""
+    from evals.arms.answers import checkpoint_digest, server_identity
+
+    if not is_url(request.candidate):
+        return {"kind": "transformers", "checkpoint_digest": checkpoint_digest(Path(request.candidate))}
+    from evals.arms.backends import endpoint_url, served_models
+
+    url = endpoint_url(request.candidate, request.endpoint)
+    model = request.server_model or served_models(url, timeout=min(30, request.timeout), flag="--candidate")[0]
+    return server_identity(url, model)
 
 
 def _read_gate(request: EvalRequest, specs):
@@ -469,9 +526,11 @@ def _evaluate(request: EvalRequest, specs, settings: dict, earlier, held, log, g
                              batch_size=request.batch_size, device=request.device, dtype=request.dtype,
                              mtp=request.mtp, activations=request.activations)
     if earlier:
-        baseline_arm, baseline = earlier
+        baseline_arm, baseline, identity = earlier
         baseline_arm = {**baseline_arm, "reused_from": str(request.baseline_run)}
         write_records(scratch / RUNS_DIR / "baseline", specs, baseline)
+        if identity is not None:  # passed on: a run reusing these answers again knows whose they are
+            write_identity(scratch / RUNS_DIR / "baseline", identity)
         log(f"baseline: reusing the samples of {request.baseline_run}")
     else:
         baseline_arm, baseline = _run("baseline", request.baseline, request.baseline_name, specs, task_dir, scratch,

@@ -8,6 +8,12 @@ models with a draft (e.g. `DeepSeek-V4.1-Flash-NVFP4-DSpark-TP4.yaml`); `server_
 `accuracy >= accuracy_threshold - tolerance`; the acceptance gate when the mean acceptance length is at least
 `min_acceptance_length`.
 
+A gate file is read strictly, before any work (QuantError, exit 2, one line naming the file and the key): a key
+given twice (PyYAML would keep the last one silently), a key this format does not have, a value of the wrong type
+and a value no gate can mean (an accuracy outside [0, 1]; an acceptance length below 1, the token every
+verification round accepts, or above 1 + MAX_DRAFT_TOKENS; a question count below 1; a negative few-shot count or
+wait) are each refused.
+
 `quant eval --gate FILE` applies it to the candidate arm (a gate miss makes the verdict `fail`, exit 1) after
 checking that the run asks what the gate was set for (its task, question count and few-shot count);
 `quant eval --write-gate FILE` writes one from this run's baseline arm.
@@ -32,6 +38,43 @@ GATE_KEYS = {
     "task": str,  # ours: the task the gate is on (vLLM's configs are GSM8K, the default)
 }
 REQUIRED = ("accuracy_threshold",)
+MAX_DRAFT_TOKENS = 64  # speculative tokens per round no engine is configured beyond: a longer acceptance is a typo
+# The values a gate can mean, per key: (low, high, what it is); None where that side is open.
+RANGES = {
+    "accuracy_threshold": (0, 1, "an accuracy fraction"),
+    "tolerance": (0, 1, "an accuracy fraction"),
+    "min_acceptance_length": (1, 1 + MAX_DRAFT_TOKENS, "a mean accepted length in tokens per verification round, "
+                              "the verified token included, so at least 1"),
+    "num_questions": (1, None, "a number of questions"),
+    "num_fewshot": (0, None, "a number of few-shot examples"),
+    "startup_max_wait_seconds": (0, None, "a number of seconds"),
+}
+
+
+class DuplicateKey(Exception):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
 
 @dataclass(frozen=True)
@@ -49,8 +92,11 @@ class Gate:
 def read_gate(path: Path) -> Gate:
     """The gate in `path`; QuantError naming the file and key for anything it cannot use."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        data = yaml.load(Path(path).read_text(), Loader=_StrictLoader)
+    except DuplicateKey as e:
+        raise QuantError(f"--gate {path}: {e.key}: given twice (lines {e.first} and {e.again}); YAML would keep the "
+                         f"last one silently: keep the one meant") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise QuantError(f"--gate {path}: cannot read it ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(data, dict):
         raise QuantError(f"--gate {path}: not a mapping of gate settings (accuracy_threshold, tolerance, ...)")
@@ -67,9 +113,10 @@ def read_gate(path: Path) -> Gate:
     for key in REQUIRED:
         if key not in data:
             raise QuantError(f"--gate {path}: {key} is missing (the accuracy the gated model must reach)")
-    for key in ("accuracy_threshold", "tolerance"):
-        if key in data and not 0 <= data[key] <= 1:
-            raise QuantError(f"--gate {path}: {key}: {data[key]} is outside [0, 1] (an accuracy fraction)")
+    for key, (low, high, what) in RANGES.items():
+        if key in data and ((low is not None and data[key] < low) or (high is not None and data[key] > high)):
+            where = f"outside [{low}, {high}]" if high is not None else f"below {low}"
+            raise QuantError(f"--gate {path}: {key}: {data[key]} is {where} ({what})")
     carried = {k: data[k] for k in ("server_args", "env", "startup_max_wait_seconds") if k in data}
     return Gate(float(data["accuracy_threshold"]), float(data.get("tolerance", DEFAULT_TOLERANCE)),
                 float(data["min_acceptance_length"]) if "min_acceptance_length" in data else None,
@@ -127,7 +174,8 @@ def gate_from_baseline(report: EvalReport, spec, margin_points: float, mtp_margi
             "num_fewshot": spec.fewshot}
     length = row.acceptance.baseline_length if row.acceptance else None
     if length is not None and math.isfinite(length):
-        gate["min_acceptance_length"] = round(length * (1 - mtp_margin_points / 100), 3)
+        # never below 1 (read_gate refuses it): every round accepts at least the verified token
+        gate["min_acceptance_length"] = max(1.0, round(length * (1 - mtp_margin_points / 100), 3))
     if task != "gsm8k":
         gate["task"] = task
     return {k: v for k, v in gate.items() if v is not None}

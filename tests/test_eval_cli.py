@@ -81,3 +81,20 @@ def test_unreachable_servers_and_self_comparisons_are_refused_before_any_work(tm
     result = quant("eval", "--candidate", toy, "--baseline", toy + "/", "--tasks", "toy_arith", "--out", str(out))
     assert result.returncode == 2 and "the same model" in result.stderr, result.stderr
     assert not out.exists()
+
+
+def test_a_byte_identical_copy_of_the_candidate_is_refused_as_the_same_model(tmp_path):
+    """The same model under another path (a copy, byte for byte) is a comparison with itself too: exit 2, one
+    line, nothing written; one more file in the copy makes it another checkpoint."""
+    import shutil
+    from pathlib import Path
+
+    toy = Path(__file__).parent.parent / "evals" / "data" / "toy_arith" / "model"
+    copy = shutil.copytree(toy, tmp_path / "copy")
+    out = tmp_path / "out"
+    result = quant("eval", "--candidate", str(toy), "--baseline", str(copy), "--tasks", "toy_arith", "--out", str(out))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: --candidate {toy} and --baseline {copy} are the same model (byte-identical "
+                               f"checkpoints, sha256 "), lines
+    assert not out.exists()

@@ -162,8 +162,9 @@ def read_samples(path: Path) -> list[dict]:
 
 def test_gpqa_seeds_sample_differently_and_pair_per_question(tmp_path):
     csv_path = write_gpqa_csv(tmp_path / "gpqa.csv", n=6)
-    twin = tmp_path / "twin"  # the same weights under another path (a model compared with itself is refused)
-    shutil.copytree(FIXTURE, twin)
+    twin = tmp_path / "twin"  # the same weights under another checkpoint (a model compared with itself, even a
+    shutil.copytree(FIXTURE, twin)  # byte-identical copy of it, is refused): one more file, which no loader reads
+    (twin / "README.md").write_text("the toy's weights, another checkpoint\n")
     with pytest.raises(QuantError, match="max_gen_toks 32768 leaves no room for the prompt"):
         run(FIXTURE, twin, tmp_path / "default-length", tasks="gpqa_diamond", limit=None, gpqa_csv=csv_path,
             max_gen_toks=None)

@@ -4,6 +4,8 @@ from a baseline run."""
 
 from __future__ import annotations
 
+import re
+
 import eval_rows
 import pytest
 import yaml
@@ -62,15 +64,51 @@ def test_the_default_tolerance_is_vllms(tmp_path):
     assert gate.tolerance == 0.08 and apply_gate(gate, report(0.42))["passed"]
 
 
-@pytest.mark.parametrize("text,phrase", [("accuracy_treshold: 0.5\n", "did you mean 'accuracy_threshold'"),
-                                         ("tolerance: 0.1\n", "accuracy_threshold is missing"),
-                                         ("accuracy_threshold: high\n", "is not a float"),
-                                         ("accuracy_threshold: 88\n", "outside [0, 1]"),
-                                         ("- 1\n", "not a mapping")])
+@pytest.mark.parametrize("text,phrase", [
+    ("accuracy_treshold: 0.5\n", "accuracy_treshold: unknown key; did you mean 'accuracy_threshold'"),
+    ("accuracy_threshold: 0.5\nmax_model_len: 4096\n", "max_model_len: unknown key"),
+    ("tolerance: 0.1\n", "accuracy_threshold is missing"),
+    ("accuracy_threshold: high\n", "is not a float"),
+    ("accuracy_threshold: 88\n", "accuracy_threshold: 88 is outside [0, 1]"),
+    ("accuracy_threshold: 0.5\ntolerance: -0.1\n", "tolerance: -0.1 is outside [0, 1]"),
+    # PyYAML keeps the last of two equal keys silently: which one was meant is not known
+    ("accuracy_threshold: 0.9\ntolerance: 0.03\naccuracy_threshold: 0.5\n",
+     "accuracy_threshold: given twice (lines 1 and 3)"),
+    ("{accuracy_threshold: 0.9, accuracy_threshold: 0.5}\n", "accuracy_threshold: given twice"),
+    ("accuracy_threshold: 0.5\nenv:\n  VLLM_USE_V1: '1'\n  VLLM_USE_V1: '0'\n", "VLLM_USE_V1: given twice"),
+    # values no gate can mean
+    ("accuracy_threshold: 0.5\nmin_acceptance_length: -1\n", "min_acceptance_length: -1 is outside [1, 65]"),
+    ("accuracy_threshold: 0.5\nmin_acceptance_length: 0.8\n", "min_acceptance_length: 0.8 is outside [1, 65]"),
+    ("accuracy_threshold: 0.5\nmin_acceptance_length: 250\n", "min_acceptance_length: 250 is outside [1, 65]"),
+    ("accuracy_threshold: 0.5\nnum_questions: 0\n", "num_questions: 0 is below 1"),
+    ("accuracy_threshold: 0.5\nnum_fewshot: -5\n", "num_fewshot: -5 is below 0"),
+    ("accuracy_threshold: 0.5\nstartup_max_wait_seconds: -1\n", "startup_max_wait_seconds: -1 is below 0"),
+    ("- 1\n", "not a mapping")])
 def test_a_bad_gate_file_is_one_line_naming_the_key(tmp_path, text, phrase):
-    with pytest.raises(QuantError, match=phrase.replace("[", r"\[").replace("]", r"\]")) as e:
+    with pytest.raises(QuantError, match=re.escape(phrase)) as e:
         read_gate(gate_file(tmp_path, text))
     assert e.value.exit_code == 2 and "gate.yaml" in str(e.value)
+
+
+@pytest.mark.parametrize("text,key", [("accuracy_threshold: 0.9\naccuracy_threshold: 0.5\n", "accuracy_threshold"),
+                                      ("accuracy_threshold: 0.5\nmin_acceptance_length: -1\n", "min_acceptance_length"),
+                                      ("accuracy_threshold: 0.5\nmin_acceptence_length: 2\n", "min_acceptence_length")])
+def test_a_bad_gate_file_stops_quant_eval_before_any_work(tmp_path, text, key):
+    """On the command line: exit 2, one line naming the file and the key, before any server is asked or --out made."""
+    import os
+    import subprocess
+    import sys
+
+    path = gate_file(tmp_path, text)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "quant.cli", "eval", "--candidate", "http://127.0.0.1:9/v1",
+                             "--baseline", "http://127.0.0.1:10/v1", "--tasks", "gsm8k", "--gate", str(path),
+                             "--out", str(out)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COLUMNS": "200"})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: --gate {path}: {key}: "), lines
+    assert not out.exists()
 
 
 def test_a_run_that_does_not_ask_what_the_gate_was_set_for_is_refused(tmp_path):
@@ -97,6 +135,15 @@ def test_a_gate_written_from_a_baseline_reads_back_and_gates_the_baseline_itself
     gate = read_gate(path)
     assert apply_gate(gate, report(0.9123 - 0.02, candidate_length=3.04))["passed"]
     assert not apply_gate(gate, report(0.9123 - 0.0201, candidate_length=3.04))["passed"]
+    # A baseline draft that accepts nothing (length 1): the written minimum stays readable (at least 1).
+    r = eval_rows.report([eval_rows.row("gsm8k", acceptance=eval_rows.acceptance(candidate_length=1.0,
+                                                                                 baseline_length=1.0),
+                                        candidate_accuracy=0.9, baseline_accuracy=0.9, n_questions=1319)],
+                         candidate={"name": "cand"})
+    flat = gate_from_baseline(r, TASKS["gsm8k"], margin_points=2.0, mtp_margin_points=5.0, model_name=None)
+    assert flat["min_acceptance_length"] == 1.0
+    write_gate(path, flat)
+    assert read_gate(path).min_acceptance_length == 1.0
 
 
 def test_gate_and_recovery_end_to_end_on_the_trained_toy(tmp_path):

@@ -31,6 +31,14 @@ MAX_GEN_TOKS = 24
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="eval-resume")]
 
 
+def twin(dst: Path) -> Path:
+    """The toy's weights under another checkpoint: a byte-identical copy would be the same model (refused as a
+    comparison with itself), so the copy carries one more file, which no loader reads."""
+    shutil.copytree(FIXTURE, dst)
+    (dst / "README.md").write_text("the toy's weights, another checkpoint\n")
+    return dst
+
+
 def rows(out: Path, arm: str) -> int:
     path = answers_path(out / SCRATCH_DIR, arm)
     if not path.exists():
@@ -117,7 +125,7 @@ def test_checkpoint_digest_follows_config_and_weights(tmp_path):
 
 def test_in_process_run_killed_and_rerun_asks_only_what_is_missing(tmp_path):
     limit, batch = 24, 8
-    candidate = shutil.copytree(FIXTURE, tmp_path / "candidate")
+    candidate = twin(tmp_path / "candidate")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_cli(cli(FIXTURE, candidate, whole, limit, batch_size=batch))
     args = cli(FIXTURE, candidate, resumed, limit, batch_size=batch)
@@ -139,7 +147,7 @@ def test_in_process_run_killed_and_rerun_asks_only_what_is_missing(tmp_path):
 def test_in_process_changes_reuse_nothing(tmp_path):
     limit, batch = 8, 8
     out = tmp_path / "out"
-    candidate = shutil.copytree(FIXTURE, tmp_path / "candidate")
+    candidate = twin(tmp_path / "candidate")
 
     def run(model=candidate, **kw):
         lines = []
@@ -326,11 +334,11 @@ def test_in_process_sampled_generations_resume_to_the_same_samples(tmp_path):
     from test_eval_tasks import write_gpqa_csv
 
     csv_path = write_gpqa_csv(tmp_path / "gpqa.csv", n=6)
-    twin = shutil.copytree(FIXTURE, tmp_path / "twin")
+    other = twin(tmp_path / "twin")
 
     def run(out):
         lines = []
-        evaluate(EvalRequest(candidate=str(twin), baseline=str(FIXTURE), out=out, tasks="gpqa_diamond", limit=None,
+        evaluate(EvalRequest(candidate=str(other), baseline=str(FIXTURE), out=out, tasks="gpqa_diamond", limit=None,
                              seeds=2, gpqa_csv=csv_path, max_gen_toks=12, batch_size=2, mtp=False),
                  log=lines.append)
         return "\n".join(lines)

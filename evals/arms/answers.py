@@ -11,13 +11,18 @@ answered it), skips every sampled request (GPQA's seeded generations) and writes
 A row's key is sha256 over (the arm's identity, the request type, the prompt as sent (the text, or the chat
 messages), the generation settings lm-eval passes (stop strings, max tokens, do_sample, temperature, top_p, the
 server seed) and the run's generation seed). The identity is
-- a checkpoint in process: `checkpoint_digest` (config and every other small file's bytes, each shard's
-  safetensors header, size and modification time) with the dtype, device, batch size and the torch,
-  transformers and lm-eval versions;
+- a checkpoint in process: `checkpoint_digest`, the sha256 of every top-level file's name and full content, the
+  shards' every byte included (never a file's size or modification time: a shard rewritten in place with its old
+  modification time put back is another model, and reuses nothing), with the dtype, device, batch size and the
+  torch, transformers and lm-eval versions. A checkpoint is hashed once per eval run (`digests_for_this_run`, by
+  path, kept only while that run lasts: the next run hashes it again);
 - a server: the endpoint URL, the model id sent, and what GET /models says of it (`root`, `max_model_len`, and a
-  `checkpoint_digest` where the server reports one, as evals.arms.model_server does), with the lm-eval version.
+  `checkpoint_digest` where the server reports one, as evals.arms.model_server does), with the lm-eval version;
+  without a reported digest, the server is known only by what the user names (its URL and model id).
 A changed model, prompt, few-shot example or setting therefore changes the key: nothing is reused (tests:
-tests/test_eval_resume.py). Failed generations are never kept (they are asked again).
+tests/test_eval_resume.py, tests/test_eval_identity.py). Failed generations are never kept (they are asked again).
+Each arm's identity is also written beside its samples (runs/ARM/identity.json), so that a later `--baseline-run`
+knows which model gave the answers it reuses (`same_model`: a model is never compared with its own answers).
 
 In process, answers arrive a batch at a time and are committed a whole batch at a time, so what was kept is
 always whole batches from the front of lm-eval's order and the rest is batched exactly as an uninterrupted run
@@ -32,16 +37,15 @@ import hashlib
 import json
 import os
 import sqlite3
-import struct
 import threading
 from pathlib import Path
 
 from evals.arms.backends import FAILED_GENERATION, Backend, api_root
+from quant.errors import QuantError
 from quant.files import sha256_file
 
 ANSWERS_DIR = "answers"
-SHARD_SUFFIX = ".safetensors"
-SMALL_FILE_BYTES = 64 * 1024 * 1024  # other files bigger than this are identified like shards
+IDENTITY_FILE = "identity.json"  # each arm's identity, beside its samples (runs/ARM/identity.json)
 
 
 def _versions(*names: str) -> dict:
@@ -56,33 +60,61 @@ def _versions(*names: str) -> dict:
     return out
 
 
-def _safetensors_header(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return head
-        (n,) = struct.unpack("<Q", head)
-        return f.read(min(n, 1 << 30))
+_run_digests: dict | None = None  # path -> (the files' stat signature, digest), while an eval run lasts
+_run_digests_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def digests_for_this_run():
+    """While the block runs, `checkpoint_digest` hashes each checkpoint (by resolved path) once: the self-comparison
+    check and the arm's answer store share one hash. Nothing is kept past the block: every run hashes afresh."""
+    global _run_digests
+    with _run_digests_lock:
+        outer = _run_digests
+        if outer is None:
+            _run_digests = {}
+    try:
+        yield
+    finally:
+        with _run_digests_lock:
+            _run_digests = outer
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    return [entry for entry in sorted(Path(path).iterdir(), key=lambda p: p.name)
+            if entry.is_file() and not entry.name.startswith(".quant-")]
+
+
+def _signature(files: list[Path]) -> tuple:
+    """Within one run only: a file changed since it was hashed there (a new size, inode, modification or status
+    change time; the last is set by every write and by `os.utime` itself) is hashed again. Never a reason to skip
+    hashing across runs: there the bytes are hashed whatever the signature says."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((f.name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
 
 
 def checkpoint_digest(path: Path) -> str:
-    """sha256 identifying a checkpoint directory's contents: every top-level file's name and, for a small file,
-    its bytes; for a shard (or any large file), its safetensors header with its size and modification time
-    (hashing hundreds of GB at every eval would cost minutes; a shard rewritten with new values gets a new
-    modification time)."""
+    """sha256 identifying a checkpoint directory's contents: every top-level file's name and the sha256 of its full
+    content, shards included (the bytes, never a size or modification time, so a shard rewritten in place with its
+    modification time put back gets a new digest). Within `digests_for_this_run`, a checkpoint is hashed once."""
+    files = _checkpoint_files(path)
+    key = str(Path(path).resolve())
+    signature = _signature(files)
+    with _run_digests_lock:
+        cached = _run_digests.get(key) if _run_digests is not None else None
+    if cached is not None and cached[0] == signature:
+        return cached[1]
     h = hashlib.sha256()
-    for entry in sorted(Path(path).iterdir(), key=lambda p: p.name):
-        if not entry.is_file() or entry.name.startswith(".quant-"):
-            continue
-        st = entry.stat()
-        h.update(entry.name.encode() + b"\0")
-        if entry.name.endswith(SHARD_SUFFIX) or st.st_size > SMALL_FILE_BYTES:
-            header = _safetensors_header(entry) if entry.name.endswith(SHARD_SUFFIX) else b""
-            h.update(hashlib.sha256(header).digest() + f"{st.st_size}:{st.st_mtime_ns}".encode())
-        else:
-            h.update(bytes.fromhex(sha256_file(entry)) if st.st_size else b"")
-        h.update(b"\0")
-    return h.hexdigest()
+    for entry in files:
+        h.update(entry.name.encode() + b"\0" + bytes.fromhex(sha256_file(entry)) + b"\0")
+    digest = h.hexdigest()
+    with _run_digests_lock:
+        if _run_digests is not None:
+            _run_digests[key] = (signature, digest)
+    return digest
 
 
 def _model_entry(url: str, model: str, timeout: float = 30.0) -> dict:
@@ -99,17 +131,55 @@ def _model_entry(url: str, model: str, timeout: float = 30.0) -> dict:
     return {k: entry.get(k) for k in ("root", "max_model_len", "checkpoint_digest") if entry.get(k) is not None}
 
 
+def server_identity(url: str, model: str) -> dict:
+    """A server arm's model: the URL and model id the user named, and what GET /models says of it."""
+    return {"kind": "server", "url": url, "model": model, **_model_entry(url, str(model))}
+
+
 def arm_identity(backend: Backend, options) -> dict:
     """What answered: the key every kept answer of the arm carries."""
     if backend.kind == "server":
         model = getattr(backend.lm, "model", None)
         url = getattr(backend.lm, "base_url", backend.source)
-        return {"kind": "server", "url": url, "model": model, **_model_entry(url, str(model)),
-                **_versions("lm_eval")}
+        return {**server_identity(url, model), **_versions("lm_eval")}
     return {"kind": "transformers", "checkpoint_digest": checkpoint_digest(Path(backend.source)),
             "dtype": options.dtype, "device": str(getattr(backend.lm, "device", options.device)),
             "batch_size": options.batch_size, "activations": backend.activations,
             **_versions("torch", "transformers", "lm_eval")}
+
+
+def same_model(a: dict, b: dict) -> bool:
+    """Whether two arm identities are one model: in process, the same checkpoint bytes (whatever the dtype, device
+    or batch size it ran with); servers, the same `checkpoint_digest` where both report one, else the same API root
+    and model id (all that is known of a server that reports no digest). An in-process arm and a server are never
+    the same here: comparing a checkpoint with an engine serving it is a check of that engine."""
+    if a.get("kind") != b.get("kind"):
+        return False
+    if a.get("kind") == "transformers":
+        return bool(a.get("checkpoint_digest")) and a.get("checkpoint_digest") == b.get("checkpoint_digest")
+    if a.get("checkpoint_digest") and b.get("checkpoint_digest"):
+        return a["checkpoint_digest"] == b["checkpoint_digest"]
+    return bool(a.get("url")) and api_root(str(a.get("url"))) == api_root(str(b.get("url"))) and \
+        a.get("model") == b.get("model")
+
+
+def write_identity(run_dir: Path, identity: dict) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / IDENTITY_FILE).write_text(json.dumps(identity, sort_keys=True, indent=1) + "\n")
+
+
+def read_identity(run_dir: Path) -> dict | None:
+    """The identity an earlier run wrote beside an arm's samples; None where it wrote none (before there was one)."""
+    path = Path(run_dir) / IDENTITY_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise QuantError(f"{path}: unreadable ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(data, dict):
+        raise QuantError(f"{path}: not an arm identity (a JSON object)")
+    return data
 
 
 def _plain(value):

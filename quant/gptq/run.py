@@ -42,6 +42,7 @@ from quant.gptq.schedule import Workers, quantized_jobs_by_layer, split_mtp_jobs
 from quant.gptq.settings import GptqSettings
 from quant.planning.plan import Plan
 
+# What other packages import from here (the command, the benchmarks): the run, its settings, result and phases.
 __all__ = ["PHASES", "GptqSettings", "SolvedWeights", "solve_checkpoint"]
 
 
