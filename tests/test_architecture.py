@@ -55,26 +55,51 @@ def test_no_function_is_longer_than_80_lines():
     assert long == []
 
 
-def test_no_engine_name_or_architecture_in_the_preflights_code():
-    """Engine knowledge is rule data (quant/manifests/engines.yaml): the preflight's code names no engine release
-    and no model class (docstrings and comments aside)."""
+ENGINE_LAYER = ("quant/engines.py", "quant/engine_rules.py")
+
+
+def _engine_knowledge_in_code(paths: list[Path], exact_engine_names: bool = False) -> list[str]:
+    """String constants (docstrings aside; comments are not code), names and attributes that name an engine or a model
+    class; with `exact_engine_names`, also any string that is exactly an engine's name in engines.yaml (an
+    `engine == "transformers"` branch; the preflight may name the transformers package it reads a table of)."""
     import ast
     import re
 
+    import yaml
+
     pattern = re.compile(r"sglang|vllm|ForCausalLM|ForConditionalGeneration", re.IGNORECASE)
+    engine_names = set(yaml.safe_load((REPO / "quant" / "manifests" / "engines.yaml").read_text())["engines"]) \
+        if exact_engine_names else set()
     found = []
-    # synthetic.py builds full-size header-only checkpoints for the benchmarks and tests: data, not the preflight.
-    for path in sorted(p for p in (REPO / "quant" / "verify").glob("*.py") if p.name != "synthetic.py"):
+    for path in paths:
         tree = ast.parse(path.read_text())
         docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                       if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
                       and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        where = path.relative_to(REPO)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-                    and pattern.search(node.value):
-                found.append(f"{path.name}:{node.lineno} {node.value[:60]!r}")
+                    and (pattern.search(node.value) or node.value.strip().lower() in engine_names):
+                found.append(f"{where}:{node.lineno} {node.value[:60]!r}")
             elif isinstance(node, ast.Name) and pattern.search(node.id):
-                found.append(f"{path.name}:{node.lineno} {node.id}")
+                found.append(f"{where}:{node.lineno} {node.id}")
             elif isinstance(node, ast.Attribute) and pattern.search(node.attr):
-                found.append(f"{path.name}:{node.lineno} .{node.attr}")
-    assert found == []
+                found.append(f"{where}:{node.lineno} .{node.attr}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and pattern.search(node.name):
+                found.append(f"{where}:{node.lineno} def {node.name}")
+    return found
+
+
+def test_no_engine_name_or_architecture_in_the_preflights_code():
+    """Engine knowledge is rule data (quant/manifests/engines.yaml): the preflight's code names no engine release
+    and no model class (docstrings and comments aside)."""
+    # synthetic.py builds full-size header-only checkpoints for the benchmarks and tests: data, not the preflight.
+    paths = sorted(p for p in (REPO / "quant" / "verify").glob("*.py") if p.name != "synthetic.py")
+    assert _engine_knowledge_in_code(paths) == []
+
+
+def test_no_engine_name_or_architecture_in_the_engines_layer():
+    """The engines layer reads engines.yaml and answers through the profile (quant.engines.Profile): no rule of one
+    engine leaks back into Python (an `if engine == "sglang"` branch, a function named after an engine, a model
+    class spelled in code). What differs between engines is a key of engines.yaml, typed in engine_rules.py."""
+    assert _engine_knowledge_in_code([REPO / p for p in ENGINE_LAYER], exact_engine_names=True) == []
