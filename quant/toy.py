@@ -4,8 +4,9 @@ The weights come from the family's transformers class (`from_config` + `save_pre
 expert layout are exactly what transformers writes. On top of that this module adds what transformers never
 writes (the MTP layer's extras, F32 routing bias, non-constant norms), optionally turns the model into an
 official-style block-FP8 source, and writes shards, index, config, generation config and the byte-level
-tokenizer. Family knowledge (dimensions, MTP extras, what the FP8 release quantizes) lives in
-`manifests/toys.yaml`.
+tokenizer. Family knowledge (dimensions, MTP extras, what the FP8 release quantizes) lives in the family's file,
+`manifests/families/<family>.yaml` under `toys`; `manifests/toys.yaml` documents the keys and holds what all toys
+share (their order, the official block-FP8 quantization_config, the named perturbation tables).
 
 Same name, seed and options give byte-identical files.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from quant.errors import QuantError
+from quant.families import families_dir, load_family_file, mtp_count_key
 from quant.families.schema import BadData, check_keys
 from quant.paths import MANIFESTS_DIR
 from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
@@ -32,13 +34,13 @@ __all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard
 
 TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
 # The keys toys.yaml may hold (the manifest's header documents each); anything else is a misspelling.
-MANIFEST_KEYS = ("quantization_config", "norm_perturbation", "families")
+MANIFEST_KEYS = ("order", "quantization_config", "perturbations")
+# The keys of a toy (a `toys` entry of a family file; toys.yaml's header documents each).
 TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
-            "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb", "config_json_renames", "renames",
-            "fp8_block", "native", "release_files", "layout", "release_format",
+            "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb_base", "perturb", "config_json_renames",
+            "renames", "fp8_block", "native", "release_files", "layout", "release_format",
             "release_ignore")
-TOY_MTP_KEYS = ("count_key", "layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type", "mlp_layer_type",
-                "drop")
+TOY_MTP_KEYS = ("layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type", "mlp_layer_type", "drop")
 TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config")
 TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
                 "quantization_config")
@@ -46,7 +48,7 @@ TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", 
 # config.json lists with one entry per decoder layer; the MTP layer is built as an extra decoder layer and then
 # dropped from these lists, as in the real configs.
 PER_LAYER_CONFIG_KEYS = ("layer_types", "mlp_layer_types", "indexer_types")
-# Initialisers for MTP extras, by the kind named in toys.yaml (H = hidden size).
+# Initialisers for MTP extras, by the kind named in the toy's `mtp.extras` (H = hidden size).
 MTP_INIT_KINDS = ("ones", "zeros", "projection", "square", "copy:")
 
 
@@ -81,6 +83,9 @@ class MtpLayout:
 
 @dataclass(frozen=True)
 class ToyFamily:
+    """A toy: `name` (what `quant toy` takes) of the model family `family` (its file manifests/families/FAMILY.yaml
+    holds the toy under `toys`)."""
+
     name: str
     config_class: str | None  # None: a layout toy (quant/toy_layout.py), no transformers class
     model_class: str | None  # transformers class when not AutoModelForCausalLM (vision-language wrappers)
@@ -96,51 +101,85 @@ class ToyFamily:
     config_json_renames: dict[str, str]
     fp8: Fp8Release
     renames: tuple[tuple[re.Pattern, str], ...] = ()  # tensor-name fixes after transformers' save (release names)
-    native: dict | None = None  # a release that ships microscaled (DeepSeek-V4): toys.yaml `native`
+    native: dict | None = None  # a release that ships microscaled (DeepSeek-V4): the toy's `native`
     release_files: dict | None = None  # JSON side files the release ships (file name -> content), e.g. Kimi-K2.5's
     #                                    preprocessor_config.json, which vLLM reads even for a text-only run
     layout: dict | None = None  # every tensor of a family transformers has no class for (quant/toy_layout.py)
     release_format: str | None = None  # the release's storage (a source format) the toy is written in by default
     release_ignore: tuple[str, ...] = ()  # the release's own ignore list for it (else the format's, per module)
+    family: str | None = None  # the model family whose file defines the toy
+    file: Path | None = None  # that file
 
 
 @cache
-def _manifest(path: Path = TOYS_MANIFEST) -> dict:
+def _manifest(path: Path = TOYS_MANIFEST, families: Path | None = None) -> dict:
+    """toys.yaml with every toy gathered from the family files (`families`: their directory, default
+    manifests/families) under "toys" as {name: (family, file, spec)} in toys.yaml's `order`, each spec checked
+    against the toy keys and its `perturb_base` resolved into `perturb`."""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise BadData(f"{path}: cannot read the toy manifest ({e})") from e
     check_keys(data, MANIFEST_KEYS, str(path))
-    if not isinstance(data.get("families"), dict):
-        raise BadData(f"{path}: no 'families' mapping")
-    for name, spec in data["families"].items():
-        where = f"{path}: {name}"
-        check_keys(spec, TOY_KEYS, where)
-        check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
-        check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
-        check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
+    order = data.get("order")
+    if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or len(set(order)) != len(order):
+        raise BadData(f"{path}: 'order' must list every toy once, by name")
+    tables = data.get("perturbations") or {}
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise BadData(f"{path}: 'perturbations' must map a table name to {{regex: std}}")
+    found: dict[str, tuple[str, Path, dict]] = {}
+    for file in sorted((families or families_dir()).glob("*.yaml")):
+        family = load_family_file(file)
+        for name, spec in family.toys.items():
+            where = f"{file}: toys.{name}"
+            if name in found:
+                raise BadData(f"{where}: toy {name!r} is already defined in {found[name][1]}")
+            check_keys(spec, TOY_KEYS, where)
+            check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
+            check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
+            check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
+            found[name] = (family.name, file, _with_perturb_base(spec, tables, where))
+    missing = [n for n in found if n not in order]
+    if missing:
+        raise BadData(f"{path}: 'order' does not list the toy(s) {', '.join(missing)} "
+                      f"({', '.join(str(found[n][1].name) for n in missing)})")
+    unknown = [n for n in order if n not in found]
+    if unknown:
+        raise BadData(f"{path}: 'order' lists {', '.join(unknown)}, which no family file's `toys` defines")
+    data["toys"] = {name: found[name] for name in order}
     return data
 
 
+def _with_perturb_base(spec: dict, tables: dict, where: str) -> dict:
+    """The toy spec with `perturb` = its `perturb_base` table's entries (toys.yaml `perturbations`), then its own."""
+    base = spec.get("perturb_base")
+    if base is None:
+        return spec
+    if base not in tables:
+        raise BadData(f"{where}: perturb_base {base!r} is not a table of {TOYS_MANIFEST.name} `perturbations` "
+                      f"(known: {', '.join(tables) or 'none'})")
+    return {**spec, "perturb": {**tables[base], **(spec.get("perturb") or {})}}
+
+
 def toy_names() -> tuple[str, ...]:
-    """The toys manifests/toys.yaml defines, in its order."""
-    return tuple(_manifest()["families"])
+    """The toys, in manifests/toys.yaml's `order`."""
+    return tuple(_manifest()["toys"])
 
 
 TOY_NAMES = toy_names()
 
 
 def toy_family(name: str) -> ToyFamily:
-    """The family `name` from manifests/toys.yaml; QuantError listing the valid names otherwise."""
-    families = _manifest()["families"]
-    if name not in families:
-        raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(families)}")
-    spec = families[name]
+    """The toy `name` from its family file (`toys`); QuantError listing the valid names otherwise."""
+    toys = _manifest()["toys"]
+    if name not in toys:
+        raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(toys)}")
+    family, file, spec = toys[name]
     fp8 = spec.get("fp8_block") or {}
     mtp = spec.get("mtp")
     for kind in (mtp or {}).get("extras", {}).values():
         if not kind.startswith(MTP_INIT_KINDS):
-            raise QuantError(f"{TOYS_MANIFEST}: {name}: unknown MTP init {kind!r} (use one of {MTP_INIT_KINDS})")
+            raise QuantError(f"{file}: toys.{name}: unknown MTP init {kind!r} (use one of {MTP_INIT_KINDS})")
     return ToyFamily(
         name=name,
         config_class=spec.get("config_class"),
@@ -152,7 +191,7 @@ def toy_family(name: str) -> ToyFamily:
         fused_experts=bool(spec.get("fused_experts", False)),
         mtp_layers=int(spec.get("mtp_layers", 0)),
         mtp=MtpLayout(
-            count_key=mtp.get("count_key", "num_nextn_predict_layers"),
+            count_key=mtp_count_key(load_family_file(file)),
             layer_prefix=mtp.get("layer_prefix", "{text}layers.{n}."),
             extras_prefix=mtp.get("extras_prefix", "{text}layers.{n}."),
             extras=dict(mtp.get("extras", {})),
@@ -177,6 +216,8 @@ def toy_family(name: str) -> ToyFamily:
         layout=dict(spec["layout"]) if spec.get("layout") else None,
         release_format=spec.get("release_format"),
         release_ignore=tuple(spec.get("release_ignore") or ()),
+        family=family,
+        file=file,
     )
 
 
@@ -527,7 +568,7 @@ def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
 
 
 def _microscale(tensors: dict, native: dict) -> dict:
-    """The release's own storage (toys.yaml `native`): `mxfp4` weights as int8 E2M1 pairs + E8M0 `.scale` per
+    """The release's own storage (the toy's `native`): `mxfp4` weights as int8 E2M1 pairs + E8M0 `.scale` per
     32 inputs, `fp8_ue8m0` weights as float8_e4m3fn + E8M0 `.scale` per 128x128 block, `bf16_tensors` cast to
     BF16; the scale rules are the release's, not this tool's (quant.sources.microscaled)."""
     import torch

@@ -1,6 +1,6 @@
 """Toys of families transformers has no class for (Kimi-K3: SGLang and vLLM build it, transformers 5.24 does not):
-every tensor written from the toy's `layout` in manifests/toys.yaml, with the names, shapes and dtypes the release
-ships, and config.json written as the release writes it (the toy's `config`).
+every tensor written from the toy's `layout` (its entry under `toys` in manifests/families/<family>.yaml), with the
+names, shapes and dtypes the release ships, and config.json written as the release writes it (the toy's `config`).
 
 A layout names each tensor under a group: `model` (once), a layer kind (`layer` every decoder layer, or a kind of
 `layer_kinds`: `{i}` in the name is the layer index), `expert` (every routed expert of every MoE layer: `{i}` and

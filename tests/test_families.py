@@ -133,14 +133,162 @@ def test_a_user_recipe_with_known_keys_still_loads(tmp_path):
     assert recipe.roles["attention"] == "fp8" and recipe.mtp_layer == "bf16" and recipe.keep
 
 
+def _families_copy(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """A copy of manifests/families with `old` replaced by `new` in NAME.yaml."""
+    from quant.families import families_dir
+
+    shutil.copytree(families_dir(), tmp_path / "families")
+    path = tmp_path / "families" / f"{name}.yaml"
+    assert old in path.read_text()
+    write(path, path.read_text().replace(old, new, 1))
+    return tmp_path / "families"
+
+
+def test_unknown_key_in_a_toy_of_a_family_file_is_named(tmp_path):
+    from quant.toy import TOYS_MANIFEST, _manifest
+
+    families = _families_copy(tmp_path, "qwen3_moe", "    config_class: Qwen3MoeConfig\n",
+                              "    config_class: Qwen3MoeConfig\n    fused_expert: false\n")
+    with pytest.raises(BadData, match=r"qwen3_moe.yaml: toys.qwen3-moe: unknown key 'fused_expert'") as e:
+        _manifest(TOYS_MANIFEST, families)
+    assert e.value.exit_code == 2
+
+
 def test_unknown_key_in_toys_yaml_is_named(tmp_path):
     from quant.toy import TOYS_MANIFEST, _manifest
 
-    text = TOYS_MANIFEST.read_text().replace("    config_class: Qwen3MoeConfig\n",
-                                             "    config_class: Qwen3MoeConfig\n    fused_expert: false\n")
-    with pytest.raises(BadData, match="qwen3-moe: unknown key 'fused_expert'") as e:
+    text = TOYS_MANIFEST.read_text().replace("\nperturbations:\n", "\nperturbation:\n")
+    with pytest.raises(BadData, match="toys.yaml: unknown key 'perturbation'") as e:
         _manifest(write(tmp_path / "toys.yaml", text))
     assert e.value.exit_code == 2
+
+
+def test_every_toy_lives_in_its_family_file_and_toys_yaml_keeps_only_the_shared_keys():
+    import yaml
+
+    from quant.families import family_names
+    from quant.toy import TOY_NAMES, TOYS_MANIFEST, toy_family
+
+    assert set(yaml.safe_load(TOYS_MANIFEST.read_text())) == {"order", "quantization_config", "perturbations"}
+    defined = [toy for name in family_names() for toy in load_family(name).toys]
+    assert sorted(defined) == sorted(TOY_NAMES) and len(set(defined)) == len(defined)
+    for toy in TOY_NAMES:
+        assert toy in load_family(toy_family(toy).family).toys
+    assert {toy_family(t).family for t in ("qwen3-moe", "qwen3.5", "qwen3.5-fused")} == {"qwen3_moe"}
+    assert TOY_NAMES[:3] == ("glm5", "deepseek-v3", "qwen3-moe")  # toys.yaml `order`, not the files' order
+
+
+def test_toys_are_not_inherited():
+    assert "glm5" in load_family("glm_moe_dsa").toys
+    assert set(load_family("glm5_next").toys) == {"glm5-next"}  # inherits glm_moe_dsa
+    assert load_family("generic").toys == {}
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("perturb_base: norm\n", "perturb_base: nrom\n"), "perturb_base 'nrom' is not a table"),
+    (("toys:\n  glm5:\n", "toys:\n  glm5x:\n"), "'order' does not list the toy.s. glm5x"),
+])
+def test_a_toy_naming_what_toys_yaml_lacks_is_refused(tmp_path, edit, message):
+    from quant.toy import TOYS_MANIFEST, _manifest
+
+    with pytest.raises(BadData, match=message):
+        _manifest(TOYS_MANIFEST, _families_copy(tmp_path, "glm_moe_dsa", *edit))
+
+
+def test_a_toy_defined_twice_or_missing_is_refused(tmp_path):
+    from quant.toy import TOYS_MANIFEST, _manifest
+
+    families = _families_copy(tmp_path, "glm4_moe", "toys:\n  glm4.7:\n", "toys:\n  glm5:\n")
+    with pytest.raises(BadData, match="toys.glm5: toy 'glm5' is already defined in"):
+        _manifest(TOYS_MANIFEST, families)
+    text = TOYS_MANIFEST.read_text().replace("glm4.7, ", "")
+    with pytest.raises(BadData, match="'order' does not list the toy.s. glm4.7 .glm4_moe.yaml."):
+        _manifest(write(tmp_path / "toys.yaml", text))
+
+
+def test_perturb_base_comes_first_and_the_toys_own_entries_after():
+    from quant.toy import toy_family
+
+    norm = ["norm\\.weight$", "norm\\.bias$", "\\.e_score_correction_bias$"]
+    assert list(toy_family("glm5").perturb) == norm
+    assert list(toy_family("glm4.7").perturb) == norm + ["\\.self_attn\\.[qkv]_proj\\.bias$"]
+    assert list(toy_family("deepseek-v4").perturb) == ["norm\\.weight$", "\\.gate\\.bias$"]  # no base: its own
+
+
+def test_each_family_names_its_architecture_classes():
+    from quant.families import family_names
+
+    assert load_family("glm_moe_dsa").architectures == {"glm_moe_dsa": ["GlmMoeDsaForCausalLM"]}
+    assert load_family("deepseek_v3").architecture_classes() == ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"]
+    assert load_family("glm5_next").architectures == {"glm5_next": ["Glm5NextForConditionalGeneration"]}  # own only
+    owner: dict[str, str] = {}
+    for name in family_names():
+        family = load_family(name)
+        assert set(family.architectures) <= set(family.model_types), name
+        if name != "generic":
+            assert family.architectures, f"{name}.yaml names no architecture class"
+        for cls in family.architecture_classes():
+            assert owner.setdefault(cls, name) == name, f"{cls}: {owner[cls]} and {name}"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("architectures: {other: [XForCausalLM]}\n", "names model_type 'other', which is not one of the file's"),
+    ("architectures: {mine: []}\n", "architectures.mine must be a non-empty list of class names"),
+    ("architectures: [XForCausalLM]\n", "architectures must be a mapping of model_type"),
+    ("toys: [x]\n", "toys must be a mapping of toy name -> toy spec"),
+])
+def test_a_malformed_architectures_or_toys_key_is_named(tmp_path, monkeypatch, text, message):
+    import quant.families as families
+
+    shutil.copytree(families.families_dir(), tmp_path / "families")
+    write(tmp_path / "families" / "mine.yaml", "family: mine\ninherit: generic\nmodel_types: [mine]\n" + text)
+    monkeypatch.setattr(families, "families_dir", lambda: tmp_path / "families")
+    with pytest.raises(BadData, match=message):
+        load_family("mine")
+
+
+# ---------------------------------------------------------------------------------------------- MTP layers
+
+
+@pytest.mark.parametrize("config,count,indices,decoder_layers,count_key", [
+    # DeepSeek-V3 / GLM: model.layers.{N + k}
+    ({"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_nextn_predict_layers": 1}, 1, [61], [61],
+     "num_nextn_predict_layers"),
+    ({"model_type": "glm_moe_dsa", "num_hidden_layers": 78, "num_nextn_predict_layers": 2}, 2, [78, 79], [78, 79],
+     "num_nextn_predict_layers"),
+    ({"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61,
+                                                "num_nextn_predict_layers": 0}}, 0, [], [], "num_nextn_predict_layers"),
+    # Qwen3.5 / Qwen4-Exp: mtp.layers.{k} under text_config.mtp_num_hidden_layers, not in the decoder stack
+    ({"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": 60, "mtp_num_hidden_layers": 1}}, 1, [60], [],
+     "mtp_num_hidden_layers"),
+    ({"model_type": "qwen4_exp", "text_config": {"num_hidden_layers": 40, "mtp_num_hidden_layers": 1}}, 1, [40], [],
+     "mtp_num_hidden_layers"),
+    ({"model_type": "qwen3_moe", "num_hidden_layers": 48}, 0, [], [], "mtp_num_hidden_layers"),
+    # DeepSeek-V4: mtp.{k}.*, counted by num_nextn_predict_layers
+    ({"model_type": "deepseek_v4", "num_hidden_layers": 43, "num_nextn_predict_layers": 1}, 1, [43], [],
+     "num_nextn_predict_layers"),
+    # MiniMax-M2 declares MTP modules it never published (Family.unpublished_mtp says so)
+    ({"model_type": "minimax_m2", "num_hidden_layers": 62, "num_mtp_modules": 3}, 3, [62, 63, 64], [],
+     "num_mtp_modules"),
+    ({"model_type": "some_new_model", "num_hidden_layers": 4}, 0, [], [], "num_nextn_predict_layers"),
+])
+def test_mtp_layers_from_config_and_family(config, count, indices, decoder_layers, count_key):
+    from quant.families import mtp_layers
+
+    family = load_family(lookup_family(config) or "generic")
+    mtp = mtp_layers(config, family)
+    assert (mtp.count, list(mtp.indices), list(mtp.decoder_layers), mtp.count_key) == \
+        (count, indices, decoder_layers, count_key)
+    assert family.mtp_layers(config) == decoder_layers  # the family's method is the same answer
+
+
+def test_mtp_layers_defaults_to_the_configs_family():
+    from quant.families import mtp_layers
+
+    config = {"model_type": "glm4_moe", "hidden_size": 8, "num_hidden_layers": 92, "n_routed_experts": 4,
+              "num_nextn_predict_layers": 1}
+    assert mtp_layers(config) == mtp_layers(config, load_family("glm4_moe"))
+    assert list(mtp_layers(config).decoder_layers) == [92]
 
 
 def test_cli_prints_one_line_and_exits_2_for_a_misspelled_recipe(tmp_path, toy_factory):

@@ -5,8 +5,10 @@ layers live and what an official release of it keeps in BF16.
 The knowledge is data (`manifests/families/*.yaml`); this package loads it strictly (an unknown key is an error
 naming it) and answers questions about a config. It imports nothing from the rest of the tool but `quant.errors`
 and `quant.paths`, so the checkpoint reader, validation, the preflight, the pipeline, GPTQ and the eval stage all
-sit above it. Adding a family is a YAML file here (`model_types`, `roles`, `shapes`, `mtp`, ...) and, only for
-what data cannot say, a small adapter in `quant/families/adapters.py`.
+sit above it. Adding a family is one YAML file here (`model_types`, `architectures`, `roles`, `shapes`, `mtp`, ...,
+and its toy under `toys`) and, only for what data cannot say, a small adapter in `quant/families/adapters.py`; the
+engines' own rules for it (manifests/engines.yaml, keyed by the architecture classes the file names) only where an
+engine differs.
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ from quant.errors import QuantError
 from quant.families.schema import BadData, check_keys, load_yaml
 from quant.paths import MANIFESTS_DIR
 
-__all__ = ["Family", "BadData", "KEEP", "GENERIC", "families_dir", "family_names", "load_family",
-           "family_for_config", "lookup_family", "unknown_family_note", "text_config", "model_types",
-           "text_prefix"]
+__all__ = ["Family", "BadData", "KEEP", "GENERIC", "MtpLayers", "families_dir", "family_names", "load_family",
+           "load_family_file", "family_for_config", "lookup_family", "unknown_family_note", "text_config",
+           "model_types", "text_prefix", "mtp_layers", "mtp_count_key"]
 
 KEEP = "keep"
 GENERIC = "generic"
 
 # The keys a family file may hold (each read below); anything else is a misspelling.
-FAMILY_KEYS = ("family", "inherit", "model_types", "required_config", "mtp", "fused_experts", "mtp_draft", "roles",
-               "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished", "adapter",
-               "transformers_layer", "bf16_under_schemes")
+FAMILY_KEYS = ("family", "inherit", "model_types", "architectures", "required_config", "mtp", "fused_experts",
+               "mtp_draft", "roles", "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished",
+               "adapter", "transformers_layer", "bf16_under_schemes", "toys")
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
                   "zero_embedding_at_position_0", "decoder_config", "unsupported")
@@ -40,6 +42,8 @@ MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
 TRANSFORMERS_LAYER_KEYS = ("text_model", "renames", "expert_projs", "fused_linears")
 NO_TRANSFORMERS_LAYER = {"text_model": None, "renames": {}, "expert_projs": {}, "fused_linears": {}}
+# The config.json key counting MTP layers when the family data names none (DeepSeek-V4, generic).
+DEFAULT_MTP_COUNT_KEY = "num_nextn_predict_layers"
 
 
 def families_dir() -> Path:
@@ -99,7 +103,17 @@ class Family:
     bf16_under_schemes: list[tuple[re.Pattern, frozenset]] = field(default_factory=list)
     # `adapter: NAME` (quant/families/adapters.py): config.json -> the config the shape formulas are evaluated on
     adapter: Callable[[dict], dict] | None = None
+    # The `architectures` of config.json each model type is released with: {model_type: [class, ...]} (the keys
+    # engines.yaml rules are filed under); never inherited, like model_types
+    architectures: dict[str, list[str]] = field(default_factory=dict)
+    # The family's toy checkpoints, {toy name: spec} as written (quant/toy.py reads and checks them; the keys are
+    # documented in manifests/toys.yaml); never inherited
+    toys: dict[str, dict] = field(default_factory=dict)
     file: Path | None = None
+
+    def architecture_classes(self) -> list[str]:
+        """Every architecture class the family's model types are released with, each once, in file order."""
+        return list(dict.fromkeys(c for classes in self.architectures.values() for c in classes))
 
     def kept_under(self, module: str, scheme: str) -> bool:
         return any(scheme in schemes and pattern.search(module) for pattern, schemes in self.bf16_under_schemes)
@@ -111,15 +125,9 @@ class Family:
         return None
 
     def mtp_layers(self, config: dict) -> list[int]:
-        """Layer indices holding MTP/NextN layers (model.layers.{N + i})."""
-        if not self.mtp:
-            return []
-        config = text_config(config)
-        first = config.get(self.mtp["first_layer_key"])
-        count = config.get(self.mtp["count_key"]) or 0
-        if first is None or not count:
-            return []
-        return list(range(int(first), int(first) + int(count)))
+        """Decoder-stack indices holding MTP/NextN layers (model.layers.{N + i}): `mtp_layers(config, self)`'s
+        `decoder_layers`."""
+        return list(mtp_layers(config, self).decoder_layers)
 
     def mtp_keep_patterns(self) -> list[re.Pattern]:
         return [re.compile(p) for p in (self.mtp or {}).get("keep", [])]
@@ -141,6 +149,53 @@ class Family:
         return (f"config.json declares {count} MTP module(s) ({key}) but the {self.name} release publishes no MTP "
                 f"weights ({spec.get('reason', 'no tensor names them')}): there is no draft to measure; "
                 "run without MTP (--no-mtp)")
+
+
+@dataclass(frozen=True)
+class MtpLayers:
+    """Which layers of a checkpoint are MTP (multi-token prediction / NextN) layers, by its config and family.
+
+    `count` layers, numbered `first` .. `first + count - 1` (`indices`, first = num_hidden_layers: the number the
+    engines give MTP layer k, N + k). `in_decoder_stack`: they are stored as decoder layers `{text}layers.{N + k}.*`
+    (DeepSeek-V3, GLM: family data `mtp`), so `decoder_layers` are those indices; otherwise they live under a
+    namespace of their own (Qwen3.5 `mtp.layers.{k}.*`, DeepSeek-V4 `mtp.{k}.*`) and `decoder_layers` is empty.
+    `count` is what config.json declares (`count_key`); whether the release publishes them is
+    `Family.unpublished_mtp`'s question (MiniMax-M2 counts modules it never published)."""
+
+    count: int
+    first: int
+    count_key: str
+    in_decoder_stack: bool
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    @property
+    def decoder_layers(self) -> range:
+        return self.indices if self.in_decoder_stack else range(0)
+
+
+def mtp_count_key(family: Family) -> str:
+    """The config.json key (of the text config) counting the family's MTP layers: its `mtp_draft.count_key`, else
+    its `mtp.count_key`, else num_nextn_predict_layers."""
+    return ((family.mtp_draft or {}).get("count_key") or (family.mtp or {}).get("count_key")
+            or DEFAULT_MTP_COUNT_KEY)
+
+
+def mtp_layers(config: dict, family: Family | None = None) -> MtpLayers:
+    """The MTP layers of a checkpoint with config.json `config` (a wrapper's or its text config) of `family` (default:
+    the config's own): how many, their indices, and whether they sit in the decoder stack. The one answer to "which
+    layers are MTP layers" (planning reads it; the engines' and GPTQ's MTP naming are meant to)."""
+    if family is None:
+        family = family_for_config(config)
+    text = text_config(config)
+    count_key = mtp_count_key(family)
+    first_key = (family.mtp or {}).get("first_layer_key")
+    first = text.get(first_key or "num_hidden_layers")
+    count = int(text.get(count_key) or 0)
+    return MtpLayers(count=count if first is not None else 0, first=int(first or 0), count_key=count_key,
+                     in_decoder_stack=bool(first_key))
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:
@@ -197,6 +252,11 @@ def _load_family_file(path: Path) -> Family:
     for name, spec in (data.get("release_recipes") or {}).items():
         recipes[name] = dict(check_keys(spec, RELEASE_RECIPE_KEYS, where, f"release_recipes.{name}"))
     adapter = parent.adapter if parent else None
+    model_type_list = list(data.get("model_types") or [])
+    architectures = _architectures(data.get("architectures"), model_type_list, where)
+    toys = data.get("toys") or {}
+    if not isinstance(toys, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in toys.items()):
+        raise BadData(f"{where}: toys must be a mapping of toy name -> toy spec (manifests/toys.yaml lists the keys)")
     if "adapter" in data:
         from quant.families.adapters import ADAPTERS
 
@@ -205,7 +265,7 @@ def _load_family_file(path: Path) -> Family:
         adapter = ADAPTERS[data["adapter"]]
     return Family(
         name=data["family"],
-        model_types=list(data.get("model_types") or []),
+        model_types=model_type_list,
         required_config=list(data.get("required_config") or []),
         roles=roles,
         mtp=mtp,
@@ -227,8 +287,30 @@ def _load_family_file(path: Path) -> Family:
                             for p, names in (data.get("bf16_under_schemes") or {}).items()]
         + (parent.bf16_under_schemes if parent else []),
         adapter=adapter,
+        architectures=architectures,
+        toys=dict(toys),
         file=path,
     )
+
+
+def _architectures(value, model_type_list: list[str], where: str) -> dict[str, list[str]]:
+    """`architectures: {model_type: [class, ...]}`: each key one of the file's own model_types, each value a
+    non-empty list of class names."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadData(f"{where}: architectures must be a mapping of model_type -> [architecture class, ...]")
+    out = {}
+    for model_type, classes in value.items():
+        if model_type not in model_type_list:
+            raise BadData(f"{where}: architectures names model_type {model_type!r}, which is not one of the file's "
+                          f"model_types ({', '.join(model_type_list) or 'none'})")
+        if not isinstance(classes, list) or not classes or \
+                not all(isinstance(c, str) and c.isidentifier() for c in classes):
+            raise BadData(f"{where}: architectures.{model_type} must be a non-empty list of class names, "
+                          f"got {classes!r:.60}")
+        out[model_type] = list(classes)
+    return out
 
 
 def _transformers_layer(data: dict, parent: Family | None, where: str) -> dict:
@@ -262,6 +344,13 @@ def load_family(name: str) -> Family:
     if not path.is_file():
         raise BadData(f"{path}: no such model family (known: {', '.join(family_names())})")
     return copy.deepcopy(_load_family_file(path))
+
+
+def load_family_file(path: Path) -> Family:
+    """The family in file `path` (its parents from families_dir()). A fresh copy, as load_family's."""
+    import copy
+
+    return copy.deepcopy(_load_family_file(Path(path)))
 
 
 def family_names() -> list[str]:
