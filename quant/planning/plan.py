@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from quant import __version__
 from quant.checkpoint import FLOAT_DTYPES, SCALE_INV, Checkpoint, Source
-from quant.families import Family, text_config
+from quant.families import Family, mtp_layers, text_config
 from quant.errors import QuantError
 from quant.planning.recipes import BF16, SCHEME, SECONDARY, Recipe
 from quant.planning.schemes import Scheme, secondary_scheme
@@ -96,7 +96,10 @@ class Planner:
         self.ckpt, self.family, self.recipe, self.scheme = ckpt, family, recipe, scheme
         self.scale_mode = scale_mode
         self.config = text_config(ckpt.config)
-        self.mtp_layers = family.mtp_layers(self.config)
+        # MTP layers stored in the decoder stack (model.layers.{N + k}); a namespaced MTP head (Qwen3.5 mtp.*) is
+        # planned by its family's roles
+        self.mtp = mtp_layers(self.config, family)
+        self.mtp_layers = list(self.mtp.decoder_layers)
         self.mtp_keep = family.mtp_keep_patterns()
         self.format = source_format(ckpt)
         self.kept: list[str] = []
@@ -227,7 +230,7 @@ def make_plan(ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, 
     for layer in planner.mtp_layers:
         if not any(_layer_of(n) == layer for n in ckpt.tensors):
             raise QuantError(f"{ckpt.root / 'config.json'}: declares MTP layer model.layers.{layer} "
-                             f"({family.mtp['count_key']}) but no tensor of that layer is stored")
+                             f"({planner.mtp.count_key}) but no tensor of that layer is stored")
     n = len(ckpt.files)
     shards = []
     for i, file in enumerate(ckpt.files):
