@@ -468,7 +468,7 @@ def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
 
 
 def _check_layout_toy_without_transformers(path: Path) -> None:
-    """The exemption of a layout toy (toys.yaml `layout`: Kimi-K3) from the transformers reload: transformers has no
+    """The exemption of a layout toy (a toy's `layout`: Kimi-K3) from the transformers reload: transformers has no
     class for its model_type, so no strict load applies. Asserted, so the exemption fails once transformers gains the
     class. What still holds here: the checkpoint agrees with its own config.json as every engine reads it (the
     preflight's consistency checks: every declared layer and expert stored, each expert sized from the config), and
