@@ -111,8 +111,9 @@ def test_a_family_without_mtp_says_so(toy_factory, tmp_path):
     from evals.compare import EvalRequest, evaluate
 
     toy = toy_factory("qwen3-moe")
-    twin = tmp_path / "twin"  # the same weights elsewhere: a model compared with itself is refused
+    twin = tmp_path / "twin"  # the same weights elsewhere, one file more: a byte-identical copy is refused
     shutil.copytree(toy, twin)
+    (twin / "NOTES.md").write_text("another checkpoint directory\n")
     report = evaluate(EvalRequest(candidate=str(toy), baseline=str(twin), tasks="toy_arith", limit=2, max_gen_toks=4,
                                   margin=50.0, out=tmp_path / "eval", dtype="float32"),
                       log=lambda m: None).to_json()
@@ -128,6 +129,7 @@ def test_mtp_off_runs_without_the_draft(tmp_path):
 
     twin = tmp_path / "twin"
     shutil.copytree(FIXTURE, twin)
+    (twin / "NOTES.md").write_text("another checkpoint directory\n")  # a byte-identical copy would be refused
     report = evaluate(EvalRequest(candidate=str(FIXTURE), baseline=str(twin), tasks="toy_arith", limit=2,
                                   max_gen_toks=4, margin=50.0, out=tmp_path / "eval", mtp=False),
                       log=lambda m: None).to_json()

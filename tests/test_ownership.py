@@ -208,10 +208,13 @@ def test_a_broken_line_in_a_gsm8k_file_is_one_line_exit_2_before_any_work(tmp_pa
 
 @pytest.fixture(scope="module")
 def arith_copy(tmp_path_factory):
-    """A second copy of the trained toy: an eval's baseline (a model is never compared with itself)."""
+    """A second copy of the trained toy with one file more: an eval's baseline (a model is never compared with
+    itself, a byte-identical copy included)."""
     import shutil
 
-    return shutil.copytree(TOY_ARITH, tmp_path_factory.mktemp("arith") / "copy")
+    copy = shutil.copytree(TOY_ARITH, tmp_path_factory.mktemp("arith") / "copy")
+    (copy / "NOTES.md").write_text("another checkpoint directory\n")
+    return copy
 
 
 def tree(root: Path) -> dict[str, str]:
