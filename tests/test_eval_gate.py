@@ -146,6 +146,7 @@ def test_a_gate_written_from_a_baseline_reads_back_and_gates_the_baseline_itself
     assert read_gate(path).min_acceptance_length == 1.0
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_gate_and_recovery_end_to_end_on_the_trained_toy(tmp_path):
     """A gate written from a baseline run, then applied: a threshold above what the candidate measured is a fail
     (exit 1) naming the gate, one below passes it; recovery with its interval is in report.json, report.md and the

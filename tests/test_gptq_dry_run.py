@@ -64,6 +64,7 @@ def big_toy(tmp_path_factory):
     return build_toy("glm5", tmp_path_factory.mktemp("dry-run") / "big", overrides=BIG, seed=0)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_dry_run_predicts_the_peak_and_the_passes(big_toy, toy_factory, tmp_path):
     from quant.gptq import CalibrationSettings, GptqSettings
     from quant.gptq.dry_run import predict

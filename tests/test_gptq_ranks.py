@@ -21,7 +21,7 @@ CALIB = REPO / "evals" / "data" / "toy_arith" / "train.jsonl"
 # in one process, several sweeps per rank; qwen3-moe (plain MoE) under the default budget.
 CASES = {"glm5": ["--hessian-budget", "400KiB"], "qwen3-moe": []}
 
-pytestmark = pytest.mark.xdist_group("gptq-ranks")  # several processes each: one xdist worker runs them in turn
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gptq-ranks")]  # several processes each: one xdist worker runs them in turn
 
 
 def _env(kill: str | None = None) -> dict:

@@ -22,6 +22,9 @@ from hub_server import DiskWatch, HubServer, one_line
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 60_000  # the toy's shard size: 41 source shards of block FP8
 
+# The slow tier (make test-slow, in CI): real processes and servers, each case seconds to a minute.
+pytestmark = pytest.mark.slow
+
 
 def scales_in_next_shard(src: Path, dst: Path) -> Path:
     """A copy of block-FP8 checkpoint `src` whose every `weight_scale_inv` is stored in the shard after its

@@ -22,6 +22,9 @@ from hub_server import HubServer, one_line
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 200_000  # the toy's shard size: 17 source shards
 
+# The slow tier (make test-slow, in CI): real processes and servers, each case seconds to a minute.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):

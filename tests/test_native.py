@@ -14,7 +14,7 @@ import torch
 from quant.errors import QuantError
 from quant.numerics import _native, fp8, mxfp4
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # compiles kernels: the slow tier
 
 
 @pytest.fixture(scope="module")
