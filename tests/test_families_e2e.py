@@ -19,7 +19,7 @@ import pytest
 from quant.checkpoint import open_checkpoint
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings
-from quant.gptq.run import GptqSettings
+from quant.gptq import GptqSettings
 from quant.pipeline import quantize_checkpoint
 from quant.verify import verify_checkpoint
 

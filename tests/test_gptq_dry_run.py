@@ -107,7 +107,8 @@ def test_dry_run_reads_only_config_json_and_never_touches_out(tmp_path, toy_fact
 
 
 def test_dry_run_refusals(tmp_path):
-    from quant.gptq.dry_run import parse_size, predict
+    from quant.gptq.dry_run import predict
+    from quant.units import parse_size
 
     assert parse_size("80GB", "--x") == 80 * 10 ** 9 and parse_size("4GiB", "--x") == 4 << 30
     with pytest.raises(QuantError, match="--hessian-budget"):

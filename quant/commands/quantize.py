@@ -64,7 +64,7 @@ def command(
                               "instead (README). Same bytes as one process"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
-    from quant.gptq.dry_run import parse_size
+    from quant.units import parse_size
     from quant.gptq.ranks import launched
 
     if ranks != 1 and not dry_run and not launched():
@@ -102,7 +102,8 @@ def _launch_ranks(ranks: int, method: str, devices: str, workers: int) -> None:
 
 def _dry_run(src: str, *, method: str, scheme: str, recipe, devices: str, workers: int, gptq, device_memory,
              ranks: int) -> None:
-    from quant.gptq.dry_run import parse_size, predict
+    from quant.gptq.dry_run import predict
+    from quant.units import parse_size
     from quant.gptq.ranks import launched
 
     if launched() and os.environ.get("RANK", "0") != "0":

@@ -35,36 +35,15 @@ config.json does not say).
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quant.errors import QuantError
+from quant.units import GIB, human, parse_size  # noqa: F401  (parse_size: the command's flags)
 
-GIB = 1 << 30
 HEADROOM = 0.9  # the share of a device the suggested --hessian-budget may fill; the rest is the runtime's (CUDA
 # context, cuBLAS workspaces, the caching allocator's fragmentation), which the prediction does not count
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'80GB', '80GiB', '4g', '512MiB', '0.5TB' or a number of bytes -> bytes (GB = 10^9, GiB = 2^30)."""
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
-             "mib": 1 << 20, "g": GIB, "gb": 10 ** 9, "gib": GIB, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("kmgtib")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = math.nan
-    if unit not in units or not math.isfinite(value) or value <= 0:
-        raise QuantError(f"{flag} {text!r}: expected a size such as 80GB, 192GiB or 4GiB")
-    return int(value * units[unit])
-
-
-def human(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 @dataclass

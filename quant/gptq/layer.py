@@ -29,8 +29,11 @@ from typing import Callable
 
 from quant.gptq.progress import Phase
 from quant.gptq.schedule import LayerSchedule, Unit, Workers, group_cost, layer_schedule, sweeps, unit_cost
-from quant.gptq.settings import MIN_EXPERT_TOKENS, GptqSettings
 from quant.planning.plan import TensorJob
+
+# Routed experts that fewer calibration tokens were routed to stay round-to-nearest: their Hessian is too poorly
+# estimated to steer the rounding (the damping would dominate it). Part of the settings' identity (settings.py).
+MIN_EXPERT_TOKENS = 64
 from quant.planning.schemes import MXFP4_SCHEMES
 
 

@@ -11,9 +11,7 @@ from typing import ClassVar
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings, data_identity
 
-# Routed experts that fewer calibration tokens were routed to stay round-to-nearest: their Hessian is too poorly
-# estimated to steer the rounding (the damping would dominate it). See `quant.gptq.run`.
-MIN_EXPERT_TOKENS = 64
+from quant.gptq.layer import MIN_EXPERT_TOKENS
 
 
 @dataclass(frozen=True)
