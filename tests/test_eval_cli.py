@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def quant(*args):
     env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}  # help text unwrapped, whatever the terminal

@@ -269,7 +269,7 @@ def test_the_mtp_count_key_of_a_namespaced_head_is_the_familys(tmp_path):
 def test_fp8_block_source_matches_the_official_contract(fp8_toys, bf16_toys, name):
     release = toy_family(name).fp8
     if not release.quantize:
-        pytest.skip(f"{name}: no official block-FP8 release to reproduce (Kimi-K2.5 ships INT4 experts)")
+        pytest.skip(f"{name}: no official block-FP8 release to reproduce")
     path = fp8_toys[name]
     fp8, config = read_all(path), config_of(path)
     qc = config["quantization_config"]
