@@ -139,7 +139,7 @@ def test_repo_changed_between_runs(world, tmp_path):
     server.reset()
     code, _, err = quant(world, out, home=tmp_path / "home")
     assert code == 0, err
-    assert "the Hub repository changed since the earlier run: 1 finished shard(s)" in err and victim in err
+    assert "the source changed since the earlier run: 1 finished shard(s)" in err and victim in err
     same_export(tmp_path / "local2", out)
     assert (out / victim).read_bytes() != (world["local"] / victim).read_bytes()
     manifest = json.loads((out / "quant_manifest.json").read_text())
