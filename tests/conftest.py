@@ -78,3 +78,20 @@ def toy_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs when this machine lets us mount one (root), for a real ENOSPC; else None."""
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

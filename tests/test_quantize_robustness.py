@@ -146,21 +146,6 @@ def _file_size_limit(nbytes: int):
     return apply
 
 
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 1 MiB tmpfs when this machine lets us mount one (root), for a real ENOSPC; else None."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
-        yield None
-        return
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def test_a_write_that_fails_is_one_line_exit_74_and_resumes(sharded, tmp_path, full_disk):
     """Disk full (a real 1 MiB tmpfs where root can mount one) and a file-size limit (everywhere): one line
     naming the file, exit 74 (I/O error, not a verdict), no config.json, and the same command finishes the

@@ -18,6 +18,7 @@ from pathlib import Path
 from quant.errors import QuantError, machine_failure, naming
 from quant.files import sha256_file
 from quant.hub import HubRef, explain, open_hub_checkpoint
+from quant.pipeline.source_files import source_reference
 from quant.planning.source import HUB_PATTERNS
 
 
@@ -36,7 +37,7 @@ def cached_source(ref: HubRef, max_disk: int | None = None, log=print) -> tuple[
             _verified(hub, ref, local, file, log)
     finally:
         hub.close()
-    return local, "hf://" + ref.repo_id + (f"@{ref.revision}" if ref.revision else "")
+    return local, source_reference(ref)
 
 
 def _snapshot(hub, ref: HubRef, files: list[str]) -> str:
