@@ -1,20 +1,22 @@
 """Benchmark: GPTQ on 1, 2 and 4 CPU ranks (torch.distributed, gloo) on one GLM-5-shaped MoE layer (issue #34).
 
-The layer: GLM-5.2's layout (MLA attention with the DSA indexer, routed experts top-k, one shared expert) with
-every width of tests/data/glm52_config divided by --scale (hidden 6144 / 8 = 768, experts [256, 768], 8 heads),
---experts routed experts (top-8 of 64 by default) and one decoder layer, fp32 on CPU, `--method gptq` with the
-default experts-only recipe, --samples x --seq-len calibration tokens of tests/data/gptq_toy/calib.jsonl. Each rank
-count runs the real command as separate processes: `python -m quant quantize` for one, `python -m
-torch.distributed.run --standalone --nproc-per-node N -m quant quantize` for N, every process on --threads
-intra-op threads (OMP_NUM_THREADS). Printed per rank count, from each rank's own record (QUANT_GPTQ_TIMING): wall
-time, and per phase the slowest rank's seconds and CPU seconds (the layer forward that feeds the next layer; the
-Hessians: the calibration forward of the layer with its inputs recorded, then their accumulation at the owners;
-the solves; the collectives, including waiting for a slower rank) with the speed-up of each phase over one
-process, and the bytes the ranks sent; whether the export is byte-identical to one process's. At this scale the
-solve groups are coarse (`run.solve_groups`: gate_up's 64 experts in groups of 26, down's in one, so a layer has
-seven units to share with the shared expert's three linears), while GLM-5.2's are one expert each: the
-extrapolation balances GLM-5.2's own units. "apply" (every rank replacing the whole layer's weights by their
-solved values) is not shared. --repeat N keeps each phase's least time over N runs.
+The layer: GLM-5.2's layout (MLA attention with the DSA indexer, routed experts top-k, one shared expert) with every
+width of tests/data/glm52_config divided by --scale (hidden 6144 / 8 = 768, experts [256, 768], 8 heads), --experts
+routed experts (top-8 of 64 by default) and one decoder layer, fp32 on CPU, `--method gptq` with the default
+experts-only recipe, --samples x --seq-len calibration tokens of tests/data/gptq_toy/calib.jsonl. Each rank count
+runs the real command as separate processes: `python -m quant quantize` for one, `python -m torch.distributed.run
+--standalone --nproc-per-node N -m quant quantize` for N, every process on --threads intra-op threads
+(OMP_NUM_THREADS). Printed per rank count, from each rank's own record (the JSON file each rank writes as its run
+ends: QUANT_GPTQ_TIMING with tests/gptq_faults on PYTHONPATH, whose sitecustomize installs quant.gptq.progress's
+`on_run_end` hook in every rank; the package writes none of its own): wall time, and per phase the slowest rank's
+seconds and CPU seconds (the layer forward that feeds the next layer; the Hessians: the calibration forward of the
+layer with its inputs recorded, then their accumulation at the owners; the solves; the collectives, including
+waiting for a slower rank) with the speed-up of each phase over one process, and the bytes the ranks sent; whether
+the export is byte-identical to one process's. At this scale the solve groups are coarse (`schedule.solve_groups`:
+gate_up's 64 experts in groups of 26, down's in one, so a layer has seven units to share with the shared expert's
+three linears), while GLM-5.2's are one expert each: the extrapolation balances GLM-5.2's own units. "apply" (every
+rank replacing the whole layer's weights by their solved values) is not shared. --repeat N keeps each phase's least
+time over N runs.
 
 Then GLM-5.2 on --gpus devices (76 MoE layers with the MTP layer, 256 routed + 1 shared experts, top-8, the
 default 128 x 2048 calibration tokens, experts-only), recomputed from these measurements (`extrapolate`, its
@@ -51,6 +53,17 @@ def _peers():
     return module
 
 
+def timing_env(prefix: Path) -> dict:
+    """The environment additions that make each rank of a run write PREFIX.RANK, its timing record (as JSON): the
+    hook tests/gptq_faults/sitecustomize.py installs in every process started with them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gptq_hooks", REPO / "tests" / "gptq_faults" / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.timing_env(prefix)
+
+
 def glm52_config() -> dict:
     return _peers().glm52_config()
 
@@ -62,7 +75,7 @@ def layer_toy(work: Path, scale: int, experts: int) -> tuple[Path, dict]:
 
 def run(src: Path, out: Path, ranks: int, args) -> dict:
     """One run of the command on `ranks` processes: its wall time; per phase the slowest rank's seconds and CPU
-    seconds (QUANT_GPTQ_TIMING: each rank's own record); the bytes all ranks sent."""
+    seconds (each rank's own record, `timing_env`); the bytes all ranks sent."""
     shutil.rmtree(out, ignore_errors=True)
     prefix = out.parent / f"timing-{ranks}"
     for old in out.parent.glob(f"{prefix.name}.*"):
@@ -72,7 +85,7 @@ def run(src: Path, out: Path, ranks: int, args) -> dict:
     launcher = [sys.executable, "-m", "quant"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "quant"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "QUANT_GPTQ_TIMING": str(prefix)}
+           **timing_env(prefix)}
     t0 = time.perf_counter()
     proc = subprocess.run(launcher + cmd, capture_output=True, text=True, env=env, cwd=REPO)
     wall = time.perf_counter() - t0
@@ -120,7 +133,7 @@ def extrapolate(one: dict, runs: dict, dims: dict, args) -> None:
     N ranks, per layer: two forwards over a 1/N share, F (s + (1 - s) / N) each, s the forward's serial fraction
     fitted from the run at the largest rank count within this machine's cores (more ranks than cores measure the
     oversubscription, not the method); A + S divided among the ranks as the run divides them, by
-    `Ranks.assign` over GLM-5.2's own units (one per expert and projection, `run._unit_cost` with even routing),
+    `Ranks.assign` over GLM-5.2's own units (one per expert and projection, `schedule.unit_cost` with even routing),
     the slowest rank's share (at this benchmark's scale the units are too coarse to say it: seven a layer); the
     communication the code does for GLM-5.2 (the routed experts' inputs, bf16 hidden states and top-k indices,
     from each batch's rank to every other rank owning experts, once per sweep of the owned Hessians within the
@@ -168,7 +181,7 @@ def extrapolate(one: dict, runs: dict, dims: dict, args) -> None:
     passes = -(-routed // max(1, budget // per_expert))
     n = args.gpus
     serial = amdahl_serial(t1["forward"] / max(runs[fit_n]["cpu"]["forward"], 1e-9), fit_n) if fit_n > 1 else 1.0
-    # GLM-5.2's units as the run costs them (run._unit_cost, even routing): per routed expert its gate_up and its
+    # GLM-5.2's units as the run costs them (schedule.unit_cost, even routing): per routed expert its gate_up and its
     # down, and the shared expert's three linears; their owners by the run's own assignment.
     n_e = tokens * real_k / routed
     units = [n_e * H * H + solve_cost(2 * I, H)] * routed + [n_e * (I * I + 2 * I * H) + solve_cost(H, I)] * routed

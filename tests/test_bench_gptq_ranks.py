@@ -1,14 +1,23 @@
-"""scripts/bench_gptq_ranks.py (issue #34): its command line, and the GLM-5.2 extrapolation's arithmetic on made-up
-phase seconds (no benchmark is run here: tests/test_gptq_ranks.py runs the ranks themselves)."""
+"""scripts/bench_gptq_ranks.py (issue #34): its command line, the GLM-5.2 extrapolation's arithmetic on made-up
+phase seconds, and the per-rank timing records it reads: written by the hook tests/gptq_faults/sitecustomize.py
+installs in each rank (quant.gptq.progress.on_run_end; the package itself reads no timing variable). The slow test
+runs the benchmark's own `run` on a tiny layer on 1 and 2 ranks (tests/test_gptq_ranks.py tests the ranks
+themselves)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gptq_ranks.py"
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "bench_gptq_ranks.py"
 
 
 def _script():
@@ -44,3 +53,60 @@ def test_extrapolation_shares_the_forward_by_its_measured_scaling_and_the_units_
     slow = _run(1.0, 3.0, 20.0)
     bench.extrapolate(one, {1: one, 2: slow}, dims, args)  # no gain on 2 ranks: the forward taken serial
     assert "forward's serial fraction 1.00 (from its 1.00x on 2 ranks)" in capsys.readouterr().out
+
+
+def test_the_package_reads_no_timing_variable_and_holds_no_hook():
+    from gptq_faults.sitecustomize import TIMING_ENV
+
+    from quant.gptq import progress
+
+    assert progress.on_run_end == []
+    for path in (REPO / "quant").rglob("*.py"):
+        assert TIMING_ENV not in path.read_text(), path
+
+
+def test_the_run_end_hooks_get_the_ranks_record(monkeypatch):
+    from quant.gptq import progress
+    from quant.gptq.ranks import Ranks
+
+    timing = Counter({"gptq_solve_s": 2.0, "cpu:gptq_solve_s": 1.5, "gptq_forward_s": 0.5})
+    got, lines = [], []
+    monkeypatch.setattr(progress, "on_run_end", [got.append])
+    progress.report_run(lines.append, Ranks(0, 1, sent=7), timing, 2, 0, (4, 8), 3.0, 0.25)
+    assert len(lines) == 1 and len(got) == 1
+    record = got[0]
+    assert record["rank"] == 0 and record["ranks"] == 1 and record["sent"] == 7 and record["received"] == 0
+    assert set(record["wall_s"]) == set(progress.PHASES) and record["wall_s"]["gptq_solve_s"] == 2.0
+    assert record["cpu_s"] == {"gptq_solve_s": 1.5, "gptq_comm_s": 0.25}
+    json.dumps(record)  # the benchmark's hook writes it as JSON
+
+
+def test_the_timing_hook_is_installed_in_a_fresh_process_by_the_benchmarks_environment(tmp_path):
+    """`timing_env` (what the benchmark gives its subprocesses) alone makes a process's run write PREFIX.RANK."""
+    bench = _script()
+    code = ("from collections import Counter; from quant.gptq import progress; from quant.gptq.ranks import Ranks; "
+            "progress.report_run(print, Ranks(0, 1), Counter({'gptq_solve_s': 1.0}), 1, 0, (1, 1), 1.0, 0.0)")
+    prefix = tmp_path / "timing"
+    env = {k: v for k, v in os.environ.items() if k not in ("QUANT_GPTQ_TIMING", "QUANT_GPTQ_KILL")}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, capture_output=True)
+    assert not list(tmp_path.iterdir())  # without it: no file
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**env, **bench.timing_env(prefix)},
+                   capture_output=True)
+    record = json.loads(Path(f"{prefix}.0").read_text())
+    assert record["rank"] == 0 and record["wall_s"]["gptq_solve_s"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gptq-ranks")  # several processes: one xdist worker runs them in turn
+def test_the_benchmark_reads_each_ranks_record_of_a_real_run(tmp_path):
+    bench = _script()
+    src, _ = bench.layer_toy(tmp_path, 32, 8)
+    args = argparse.Namespace(samples=8, seq_len=16, threads=1)
+    for ranks in (1, 2):
+        result = bench.run(src, tmp_path / f"out-{ranks}", ranks, args)
+        records = sorted(tmp_path.glob(f"timing-{ranks}.*"))
+        assert [p.name for p in records] == [f"timing-{ranks}.{r}" for r in range(ranks)]
+        assert all(len(v) == ranks for v in result["per_rank"].values())
+        assert result["phase"]["solve"] > 0 and result["cpu"]["solve"] > 0
+        assert (result["sent"] > 0) == (ranks > 1)
+    assert bench.same_bytes(tmp_path / "out-1", tmp_path / "out-2")

@@ -4,12 +4,9 @@ their ETAs (`Progress`), the seconds of each phase (`PHASES`, `Phase`) and the r
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 from quant.planning.plan import TensorJob
 from quant.planning.schemes import MXFP4_SCHEMES
@@ -25,10 +22,7 @@ _EXPERT = re.compile(r"^(.*\bexperts\.\d+)\.")
 # in the phase they happened in.
 PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_apply_s",
           "gptq_forward_s", "gptq_comm_s")
-# For benchmarks (scripts/bench_gptq_ranks.py): a path prefix; each rank (one process: rank 0) writes PREFIX.RANK, a
-# JSON record of its seconds per phase, the CPU seconds of the forward, Hessian and solve phases, and the bytes its
-# collectives moved.
-TIMING_ENV = "QUANT_GPTQ_TIMING"
+on_run_end: list = []
 
 
 class Phase:
@@ -62,7 +56,7 @@ def calibration_line(cal, devices: list[str], ranks: int = 1) -> str:
 
 def report_run(log, ranks, timing: Counter, layers: int, mtp: int, shape, seconds: float, comm_cpu: float) -> None:
     """The run's closing line; on several ranks, every rank's phases (the balance; scripts/bench_gptq_ranks.py reads
-    that line) and, with TIMING_ENV set, this rank's figures in a file of their own."""
+    that line); then this rank's `timing_record` to each of the `on_run_end` hooks (none in production)."""
     comm = (f"; {ranks.size} ranks, rank 0 sent {ranks.sent / 1e6:.1f} MB and received {ranks.received / 1e6:.1f} MB "
             f"in {timing['gptq_comm_s']:.1f} s of collectives" if ranks.size > 1 else "")
     log(f"gptq: {layers} decoder layers" + (f" + {mtp} MTP layer{'s' * (mtp > 1)}" if mtp else "")
@@ -74,11 +68,19 @@ def report_run(log, ranks, timing: Counter, layers: int, mtp: int, shape, second
             f"{k.removeprefix('gptq_').removesuffix('_s')} " + "/".join(f"{t[k]:.2f}" for t in every) + " s"
             for k in PHASES) + "; MB sent " + "/".join(f"{t['sent'] / 1e6:.2f}" for t in every)
             + ", received " + "/".join(f"{t['received'] / 1e6:.2f}" for t in every))
-    if os.environ.get(TIMING_ENV):
-        Path(f"{os.environ[TIMING_ENV]}.{ranks.rank}").write_text(json.dumps({
-            "rank": ranks.rank, "ranks": ranks.size, "wall_s": {k: timing[k] for k in PHASES},
+    if on_run_end:
+        record = timing_record(ranks, timing, comm_cpu)
+        for hook in on_run_end:
+            hook(record)
+
+
+def timing_record(ranks, timing: Counter, comm_cpu: float) -> dict:
+    """This rank's figures (one process: rank 0 of 1), JSON-ready: its seconds per phase (`wall_s`), the CPU seconds
+    of the phases that count them (`cpu_s`; gptq_comm_s: `comm_cpu`, the CPU seconds of its collectives) and the
+    bytes its collectives sent and received."""
+    return {"rank": ranks.rank, "ranks": ranks.size, "wall_s": {k: timing[k] for k in PHASES},
             "cpu_s": {**{k: timing["cpu:" + k] for k in PHASES if "cpu:" + k in timing}, "gptq_comm_s": comm_cpu},
-            "sent": ranks.sent, "received": ranks.received}, sort_keys=True))
+            "sent": ranks.sent, "received": ranks.received}
 
 
 def layer_line(name: str, solved: dict, jobs: int, resumed: bool, elapsed: float, eta: str) -> str:
