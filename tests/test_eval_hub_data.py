@@ -12,7 +12,8 @@ import datasets
 import pytest
 
 from evals.arms import hub_data
-from evals.compare import EvalRequest, _eval_data
+from evals.compare import EvalRequest
+from evals.run_arms import eval_data
 from evals.arms.tasks import GPQA_COLUMNS, gpqa_data_file, gsm8k_data_files, parse_tasks
 from quant.errors import QuantError
 
@@ -38,7 +39,7 @@ def local_gsm8k(n: int = 20) -> datasets.DatasetDict:
 def test_gsm8k_comes_from_openai_gsm8k_main(online, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or local_gsm8k())
-    gsm8k_dir, gpqa = _eval_data(EvalRequest(candidate="x", tasks="gsm8k"), parse_tasks("gsm8k"), tmp_path)
+    gsm8k_dir, gpqa = eval_data(EvalRequest(candidate="x", tasks="gsm8k"), parse_tasks("gsm8k"), tmp_path)
     assert calls == [(("openai/gsm8k", "main"), {})]
     assert gpqa is None
     files = gsm8k_data_files(gsm8k_dir)  # the same check the task writer applies to a user's --data-dir
@@ -51,7 +52,7 @@ def test_gpqa_comes_from_the_gated_dataset(online, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a) or
                         datasets.DatasetDict({"train": datasets.Dataset.from_list([row, row])}))
-    _, gpqa = _eval_data(EvalRequest(candidate="x", tasks="gpqa_diamond"), parse_tasks("gpqa_diamond"), tmp_path)
+    _, gpqa = eval_data(EvalRequest(candidate="x", tasks="gpqa_diamond"), parse_tasks("gpqa_diamond"), tmp_path)
     assert calls == [("Idavidrein/gpqa", "gpqa_diamond")]
     assert gpqa_data_file(gpqa)
     assert list(csv.reader(gpqa.open()))[1] == [row[c] for c in GPQA_COLUMNS]
@@ -60,7 +61,7 @@ def test_gpqa_comes_from_the_gated_dataset(online, monkeypatch, tmp_path):
 def test_local_data_is_used_without_asking_the_hub(online, monkeypatch, tmp_path):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("hub asked"))
     request = EvalRequest(candidate="x", tasks="gsm8k", data_dir=SHARED_GSM8K)
-    assert _eval_data(request, parse_tasks("gsm8k"), tmp_path) == (SHARED_GSM8K, None)
+    assert eval_data(request, parse_tasks("gsm8k"), tmp_path) == (SHARED_GSM8K, None)
 
 
 @pytest.mark.parametrize("task,flag", [("gsm8k", "--data-dir"), ("gpqa_diamond", "--gpqa-csv")])
@@ -68,7 +69,7 @@ def test_offline_without_local_data_says_what_to_pass(online, monkeypatch, tmp_p
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("hub asked"))
     with pytest.raises(QuantError, match=f"HF_DATASETS_OFFLINE is set .* pass {flag}"):
-        _eval_data(EvalRequest(candidate="x", tasks=task), parse_tasks(task), tmp_path)
+        eval_data(EvalRequest(candidate="x", tasks=task), parse_tasks(task), tmp_path)
 
 
 def test_a_hub_refusal_is_one_line(online, monkeypatch, tmp_path):
@@ -77,5 +78,5 @@ def test_a_hub_refusal_is_one_line(online, monkeypatch, tmp_path):
 
     monkeypatch.setattr(datasets, "load_dataset", refuse)
     with pytest.raises(QuantError) as err:
-        _eval_data(EvalRequest(candidate="x", tasks="gpqa_diamond"), parse_tasks("gpqa_diamond"), tmp_path)
+        eval_data(EvalRequest(candidate="x", tasks="gpqa_diamond"), parse_tasks("gpqa_diamond"), tmp_path)
     assert "\n" not in str(err.value) and "gated dataset" in str(err.value) and "--gpqa-csv" in str(err.value)

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from evals.arms.answers import answers_path, checkpoint_digest, request_key
-from evals.compare import SCRATCH_DIR, EvalRequest, evaluate
+from evals.compare import EvalRequest, evaluate
+from evals.out_dir import SCRATCH_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "evals" / "data" / "toy_arith" / "model"
@@ -283,7 +284,7 @@ def test_sglang_acceptance_replays_are_kept_like_answers(tmp_path):
     from evals.arms.lm_eval_run import RunSettings
     from evals.arms.server_metrics import probe
     from evals.arms.tasks import parse_tasks
-    from evals.compare import _server_mtp
+    from evals.replay import server_mtp
     from test_server_spec import _Handler
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -296,16 +297,16 @@ def test_sglang_acceptance_replays_are_kept_like_answers(tmp_path):
                 lambda m: None)
         identity = {"kind": "server", "model": "m"}
         _Handler.requests.clear()
-        whole = _server_mtp(spec, [dict(r) for r in records], *args, AnswerStore(tmp_path / "a.sqlite", identity))
+        whole = server_mtp(spec, [dict(r) for r in records], *args, AnswerStore(tmp_path / "a.sqlite", identity))
         assert len(_Handler.requests) == 5
         _Handler.requests.clear()
         store = AnswerStore(tmp_path / "b.sqlite", identity)
-        _server_mtp(spec, [dict(r) for r in records[:3]], *args, store)  # the run killed after 3 replays
-        resumed = _server_mtp(spec, [dict(r) for r in records], *args, AnswerStore(tmp_path / "b.sqlite", identity))
+        server_mtp(spec, [dict(r) for r in records[:3]], *args, store)  # the run killed after 3 replays
+        resumed = server_mtp(spec, [dict(r) for r in records], *args, AnswerStore(tmp_path / "b.sqlite", identity))
         assert [len(r["text"]) for r in _Handler.requests] == [10, 11, 12, 13, 14]  # each replayed once
         assert resumed == whole
         other = AnswerStore(tmp_path / "b.sqlite", {**identity, "model": "another"})
-        _server_mtp(spec, [dict(r) for r in records], *args, other)
+        server_mtp(spec, [dict(r) for r in records], *args, other)
         assert len(_Handler.requests) == 10  # another model's replays are its own
     finally:
         server.shutdown()
