@@ -223,6 +223,10 @@ class EngineRules:
     layer_types_length: str | None = rule(
         None, "what the engine raises reading a config.json (or its text_config) whose layer_types list has another "
               "length than num_hidden_layers (none: not checked)")
+    transformers: str | None = rule(
+        None, "the transformers releases this release runs with, as its wheel's Requires-Dist says ('==5.6.0', "
+              "'<5.18.0,>=5.10.4'; none: not known): a model type only a newer transformers knows (the family's "
+              "transformers_since), and not in config_registry, cannot be read (scripts/release_parsing.py)")
     config_registry: list[str] = rule(
         [], "model types whose config.json the engine parses with a config class of its own, not transformers' "
             "AutoConfig (a model type neither knows: the engine cannot read config.json)")

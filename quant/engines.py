@@ -213,6 +213,25 @@ class Profile:
     def sources(self) -> list[str]:
         return list(self.rules.sources)
 
+    # -- reading config.json
+
+    def parses(self, model_type: str, since: str) -> bool:
+        """Whether this release reads a config.json of `model_type`, which transformers knows from release `since`:
+        a config class of its own, or a transformers its requirement admits that is `since` or newer."""
+        if model_type in self.rules.config_registry or self.rules.transformers is None:
+            return True
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+
+        spec = SpecifierSet(self.rules.transformers)
+        candidates = [Version(since)] + [Version(s.version) for s in spec]
+        return any(v >= Version(since) and v in spec for v in candidates)
+
+    def first_release_parsing(self, model_type: str, since: str) -> str | None:
+        """The label of this engine's first profiled release that reads `model_type` (None: none does)."""
+        return next((p.label for p in (profile(self.engine, r) for r in releases(self.engine))
+                     if p.parses(model_type, since)), None)
+
     # -- the target model
 
     def renamer(self, config: dict) -> Renamer:
@@ -392,6 +411,22 @@ def select_profiles(specs: list[str] | None) -> list[Profile]:
     if not out:
         raise QuantError(f"no engine selected (use {', '.join(engine_names())} or all)")
     return out
+
+
+def named_releases(specs: list[str] | None) -> set[str]:
+    """The labels of the releases `specs` name one by one ("sglang==0.5.12", "vllm==latest"), as opposed to
+    those an engine name or "all" stands for."""
+    out = set()
+    for spec in specs or []:
+        for item in str(spec).split(","):
+            if "==" in item:
+                out |= {p.label for p in select_profiles([item.strip()])}
+    return out
+
+
+def newest(profile_: Profile) -> bool:
+    """Whether this is its engine's newest profiled release (an export must load there: the self-check's rule)."""
+    return profile_.release == releases(profile_.engine)[-1]
 
 
 # ---- questions about every engine -----------------------------------------------------------------------

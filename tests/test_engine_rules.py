@@ -71,7 +71,8 @@ def test_a_misspelled_key_inside_a_section(engines_yaml):
 
 
 def test_a_misspelled_engine_key_and_scheme_kind(engines_yaml):
-    engines_yaml(('    default_releases: ["0.5.12", "0.5.19"]', '    default_release: ["0.5.12", "0.5.19"]'))
+    engines_yaml(('    default_releases: ["0.5.12", "0.5.19", "0.5.23"]',
+                  '    default_release: ["0.5.12", "0.5.19", "0.5.23"]'))
     assert "engines.sglang.default_release: unknown rule key; did you mean 'default_releases'?" in _load_error()
     engines_yaml(("        mxfp4: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4",
                   "        mxf4: ok                          # _is_mx_fp4 -> QuarkW4A4MXFP4"))

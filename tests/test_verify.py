@@ -82,7 +82,8 @@ def test_portable_export_passes_every_engine(tmp_path):
     ckpt = write(tmp_path, *export(), shards=3)
     code, data = cli_json(ckpt)  # without --engine: the serving engines, every default release
     assert code == 0 and data["errors"] == 0
-    assert set(data["profiles"]) == {"sglang==0.5.12", "sglang==0.5.19", "vllm==0.31", "vllm==0.32", "vllm==0.33"}
+    assert set(data["profiles"]) == {"sglang==0.5.12", "sglang==0.5.19", "sglang==0.5.23", "vllm==0.31", "vllm==0.32",
+                                     "vllm==0.33"}
     # the excluded BF16 MTP shared expert vetoes SGLang shared-expert fusion (performance warning only)
     assert [g["rule"] for g in data["groups"]] == ["#16 shared-expert fusion"]
     # transformers' own Quark loading cannot load its quantized routed experts (fused 3D parameters it never
@@ -208,7 +209,7 @@ def test_one_excluded_expert_leaf_per_release(tmp_path):
     report = verify_checkpoint(write(tmp_path, tensors, config))
     by = {(f.engine, v): f for f in report.errors for v in f.versions}
     assert set(by) == {("vllm", "0.31"), ("vllm", "0.32"), ("vllm", "0.33"), ("sglang", "0.5.12"),
-                      ("sglang", "0.5.19")}
+                      ("sglang", "0.5.19"), ("sglang", "0.5.23")}
     assert "as MXFP4" in by["vllm", "0.31"].message and leaf in by["vllm", "0.31"].message
     assert "unquantized" in by["vllm", "0.32"].message and "(and 10 more of its 12 weights)" in \
         by["vllm", "0.32"].message and "exclude lists expert leaves" in by["vllm", "0.32"].message
@@ -239,7 +240,7 @@ def test_fused_shard_disagreement(tmp_path):
     config["quantization_config"]["exclude"].append(p)
     report = verify_checkpoint(write(tmp_path, tensors, config))
     sg, vl = errors(report, "sglang", "#5"), errors(report, "vllm", "#5")
-    assert sg and sg[0].versions == ("0.5.12", "0.5.19")
+    assert sg and sg[0].versions == ("0.5.12", "0.5.19", "0.5.23")
     assert ("ValueError(\"Found different quantization schemes for ['q_a_proj', 'kv_a_proj_with_mqa'] in "
             "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa. SGLang requires all to use the same scheme.\")"
             ) in sg[0].message
@@ -379,7 +380,7 @@ def test_weight_only_mxfp4(tmp_path):
     tensors, config = export()
     report = verify_checkpoint(write(tmp_path, tensors, _with_global(config, input_tensors=None)))
     hit = {(f.engine, v) for f in report.errors if "#19" in f.rule for v in f.versions}
-    assert hit == {("sglang", "0.5.12"), ("sglang", "0.5.19"), ("vllm", "0.31")}
+    assert hit == {("sglang", "0.5.12"), ("sglang", "0.5.19"), ("sglang", "0.5.23"), ("vllm", "0.31")}
     sg = [f for f in report.errors if f.engine == "sglang" and "linear" in f.message]
     assert "No quark compatible scheme was found" in sg[0].message
     assert any("Unsupported FusedMoe scheme" in f.message for f in report.errors if f.engine == "sglang")

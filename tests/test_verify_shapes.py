@@ -213,14 +213,14 @@ def test_non_aligned_block_fp8_moe_per_release(qwen_fp8_block_experts_96):
     report = verify_checkpoint(qwen_fp8_block_experts_96, engines=["all"])
     by_engine = {(f.engine, f.versions): f for f in report.errors}
     # vLLM 0.31 carries the same refinement as 0.32 (both wheels read): one finding for both releases.
-    assert set(by_engine) == {("vllm", ("0.31", "0.32", "0.33")), ("sglang", ("0.5.12", "0.5.19")),
+    assert set(by_engine) == {("vllm", ("0.31", "0.32", "0.33")), ("sglang", ("0.5.12", "0.5.19", "0.5.23")),
                               ("transformers", ("5.23",))}
     assert "_load_w2" in by_engine[("vllm", ("0.31", "0.32", "0.33"))].message
     # transformers' FP8 integration dequantizes on CPU with blocks of rows // grid rows: hidden 160 over 2 -> 80
     assert any("blocks of 80x" in f.message or "x80 (its shape" in f.message
                for f in report.errors if f.engine == "transformers")
     # SGLang does not refine: it refuses to build the FusedMoE.
-    sglang = by_engine[("sglang", ("0.5.12", "0.5.19"))]
+    sglang = by_engine[("sglang", ("0.5.12", "0.5.19", "0.5.23"))]
     assert sglang.tensor == "model.layers.0.mlp.experts.0.gate_proj.weight"
     assert "The output_size of gate's and up's weight = 96 is not divisible by weight quantization block_n" \
         in sglang.message

@@ -33,7 +33,7 @@ GENERIC = "generic"
 # The keys a family file may hold (each read below); anything else is a misspelling.
 FAMILY_KEYS = ("family", "inherit", "model_types", "architectures", "required_config", "mtp", "fused_experts",
                "mtp_draft", "roles", "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished",
-               "adapter", "transformers_layer", "bf16_under_schemes", "toys")
+               "adapter", "transformers_layer", "bf16_under_schemes", "toys", "transformers_since")
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
                   "zero_embedding_at_position_0", "decoder_config", "unsupported")
@@ -109,6 +109,11 @@ class Family:
     # The family's toy checkpoints, {toy name: spec} as written (quant/toy.py reads and checks them; the keys are
     # documented in manifests/toys.yaml); never inherited
     toys: dict[str, dict] = field(default_factory=dict)
+    # The first transformers release whose AutoConfig knows each model type ({model_type: "5.16.1"}; a type no
+    # release knows is absent: engines parse it with config classes of their own, engines.yaml config_registry).
+    # An engine release that runs an older transformers and registers no class of its own cannot read config.json
+    # (quant/verify/schema.py). Read from transformers' wheels by scripts/release_parsing.py; never inherited.
+    transformers_since: dict[str, str] = field(default_factory=dict)
     file: Path | None = None
 
     def architecture_classes(self) -> list[str]:
@@ -289,8 +294,19 @@ def _load_family_file(path: Path) -> Family:
         adapter=adapter,
         architectures=architectures,
         toys=dict(toys),
+        transformers_since=_transformers_since(data.get("transformers_since"), model_type_list, where),
         file=path,
     )
+
+
+def _transformers_since(value, model_type_list: list[str], where: str) -> dict[str, str]:
+    """`transformers_since: {model_type: "5.16.1"}`: each key one of the file's own model_types."""
+    since = value or {}
+    if not isinstance(since, dict) or not all(k in model_type_list and isinstance(v, str)
+                                              and re.fullmatch(r"\d+(\.\d+)*", v) for k, v in since.items()):
+        raise BadData(f"{where}: transformers_since must map the file's own model_types to a transformers release "
+                      f"such as \"5.16.1\", got {since!r:.80}")
+    return dict(since)
 
 
 def _architectures(value, model_type_list: list[str], where: str) -> dict[str, list[str]]:
@@ -351,6 +367,11 @@ def load_family_file(path: Path) -> Family:
     import copy
 
     return copy.deepcopy(_load_family_file(Path(path)))
+
+
+def all_families() -> list[Family]:
+    """Every family file's Family, by file name (generic included)."""
+    return [load_family(name) for name in family_names()]
 
 
 def family_names() -> list[str]:

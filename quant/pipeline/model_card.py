@@ -224,9 +224,14 @@ def _serve_section(manifest: dict, serve_on: list[str]) -> list[str]:
     if missing:
         lines += [f"{' and '.join(ENGINE_NAMES[e] for e in missing)} cannot load this scheme "
                   f"({manifest['settings']['scheme']}); only the commands above apply.", ""]
-    checked = (manifest.get("engines") or {}).get("checked") or []
-    checked_words = (f"The export passed the preflight for {', '.join(checked)} when it was written."
+    engines = manifest.get("engines") or {}
+    checked, refused = engines.get("checked") or [], engines.get("refused_by") or {}
+    loads = [c for c in checked if c not in refused]
+    checked_words = (f"The export passed the preflight for {', '.join(loads)} when it was written."
                      if checked else "The export was written without the engine self-check (--check-engines '').")
+    if refused:
+        checked_words += (f" {', '.join(refused)} cannot load it (the preflight's reason is in quant_manifest.json, "
+                          "engines.refused_by).")
     lines.append("Set the tensor-parallel degree for your machine; "
                  + ("the MTP flags enable speculative decoding with the checkpoint's MTP layer, three draft tokens "
                     "as `quant eval` measures it." if mtp else "this model has no MTP layer.")

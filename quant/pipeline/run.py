@@ -143,6 +143,15 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     if recipe_file is not None:  # a user's recipe, saved beside the card whose reproduce line names it
         output.stage(RECIPE_FILE, Path(recipe_file).read_bytes())
         manifest["recipe_file"] = RECIPE_FILE
+    stage_record(output, manifest, config, src, source_ref, earlier_card)
+    output.stage("config.json", json.dumps(config, indent=2))
+    return manifest
+
+
+def stage_record(output: Output, manifest: dict, config: dict, src: Path, source_ref: str,
+                 earlier_card: str | None) -> None:
+    """Stage the manifest and the model card rendered from it (again after the self-check, which adds what it
+    checked and which releases refuse the export)."""
     output.stage(MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
     source_card = src / CARD_FILE
     card = render_card(manifest, config, source_ref,
@@ -150,8 +159,6 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     if earlier_card is not None:  # the accuracy section `quant eval --card` wrote for these same weights
         card = replace_accuracy(card, earlier_card)
     output.stage(CARD_FILE, card)
-    output.stage("config.json", json.dumps(config, indent=2))
-    return manifest
 
 
 def kept_card_parts(out: Path) -> str | None:
@@ -220,15 +227,33 @@ def scale_check(out: Path, metadata_dir: Path | None = None) -> None:
                             f"{errors[0].message}")
 
 
-def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None) -> None:
+def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None, log=print) -> dict:
+    """The preflight of the staged export for `engines` (the releases verify-manifest checks by default: quant.verify
+    .readable_profiles). An error in an engine's newest profiled release, or one no release escapes, fails it
+    (EngineFailure, nothing published). An older release that refuses the export is named, with its first reason,
+    in a line and in the manifest (`engines.refused_by`): the export is published, and `quant verify-manifest`
+    reports the same releases. Returns the manifest's `engines` record: checked, refused_by."""
+    from quant.engines import newest, select_profiles
     from quant.verify import verify_checkpoint
 
-    report = verify_checkpoint(out, engines=engines, metadata_dir=metadata_dir)
-    if report.errors:
-        first = report.errors[0]
-        raise EngineFailure(f"{out}: self-check failed, {len(report.errors)} engine load error(s), nothing published "
-                         f"(the unpublished config is in {metadata_dir or out}); first: [{first.engine}] "
-                         f"{first.message}")
+    report = verify_checkpoint(out, engines=engines, metadata_dir=metadata_dir, named=set())
+    current = {p.label for p in select_profiles(report.profiles) if newest(p)}
+    blocking = [f for f in report.errors
+                if f.engine == "all" or any(f"{f.engine}=={v}" in current for v in f.versions)]
+    if blocking:
+        first = blocking[0]
+        raise EngineFailure(f"{out}: self-check failed, {len(blocking)} engine load error(s), nothing published "
+                            f"(the unpublished config is in {metadata_dir or out}); first: [{first.engine}] "
+                            f"{first.message}")
+    refused: dict[str, str] = {}
+    for f in report.errors:
+        for v in f.versions:
+            refused.setdefault(f"{f.engine}=={v}", f"{f.message} (fix: {f.fix})")
+    log(f"self-check: checked {', '.join(report.profiles)} (the releases quant verify-manifest checks by default)")
+    for label, why in refused.items():
+        log(f"note: {label} refuses this export (the newest releases load it; quant verify-manifest names it too): "
+            f"{why}")
+    return {"checked": list(report.profiles), "refused_by": refused}
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
@@ -273,8 +298,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     if recipe and Path(recipe).is_file():
         plan.recipe_path = Path(recipe)
     if auto_engines:  # a mixed recipe (MXFP4 experts, MXFP8 elsewhere) is checked where every scheme it writes loads
-        check_engines = [e for e in check_engines
-                         if all(e in get_scheme(name).engines for name in set(plan.quantized.values()))]
+        check_engines = scheme_releases({plan.scheme.name} | set(plan.quantized.values()))
     calibrated = None  # (the solver, what the family's decoder layer returns) when a solver computes the weights
     if method == "gptq":
         gptq.check(src_path, ckpt)  # e.g. a family GPTQ cannot build: refused before OUT is touched
@@ -302,6 +326,22 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
                               calibrated, changed)
 
 
+def scheme_releases(schemes: set[str]) -> list[str]:
+    """The default releases (each scheme's `engines`, engines.yaml default_releases) that load every scheme in
+    `schemes`, in order: the self-check's releases when none are named."""
+    from quant.engines import select_profiles
+
+    chosen = [{p.label for p in select_profiles(list(get_scheme(name).engines))} for name in sorted(schemes)]
+    return [label for label in sorted(set.union(*chosen), key=_release_order) if all(label in c for c in chosen)]
+
+
+def _release_order(label: str) -> tuple:
+    from quant.engines import engine_data, releases
+
+    engine, release = label.split("==")
+    return list(engine_data()["engines"]).index(engine), releases(engine).index(release)
+
+
 def _is_auto(check_engines) -> bool:
     return check_engines == "auto" or (isinstance(check_engines, (list, tuple)) and list(check_engines) == ["auto"])
 
@@ -321,7 +361,7 @@ def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engi
     if scale_mode not in SCALE_MODES:
         raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
     if _is_auto(check_engines):
-        check_engines = list(scheme_obj.engines)  # the engines that load this scheme (schemes.py)
+        check_engines = scheme_releases({scheme})  # the default releases that load this scheme (schemes.py)
     if check_engines:
         select_profiles(list(check_engines))  # an unknown engine release is refused before any work
     if workers < 1:
@@ -388,7 +428,9 @@ def _quantize_into(output: Output, plan: Plan, open_files, source_ref: str, devi
                                  earlier_card, list(check_engines or []), plan.recipe_path)
     scale_check(out, output.staging_dir)
     if check_engines:
-        self_check(out, list(check_engines), output.staging_dir)
+        manifest["engines"].update(self_check(out, list(check_engines), output.staging_dir, log))
+        config = json.loads((output.staging_dir / "config.json").read_text())
+        stage_record(output, manifest, config, files.root, source_ref, earlier_card)
     card = without_accuracy((output.staging_dir / CARD_FILE).read_text()).encode()
     output.own([r.file for r in ordered], hashes={r.file: (r.bytes, r.sha256) for r in ordered})
     output.publish(json.dumps({"plan_digest": digest, "version": __version__, "card_sha256": sha256_bytes(card)}))

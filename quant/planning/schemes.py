@@ -31,7 +31,7 @@ class Scheme:
     # The engine releases that load this scheme: the default self-check and the serve commands of the model card.
     # Weight-only MXFP4: SGLang's QuarkConfig knows only w_mxfp4_a_mxfp4 among MX schemes, and vLLM 0.31 cannot
     # build it (engines.yaml, `schemes`), so vLLM 0.32 and newer only.
-    engines: tuple[str, ...] = ("sglang==latest", "vllm==latest")
+    engines: tuple[str, ...] = ("sglang", "vllm")  # each engine's default releases (engines.yaml)
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:

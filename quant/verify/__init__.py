@@ -10,27 +10,46 @@ from __future__ import annotations
 from pathlib import Path
 
 from quant.checkpoint import Checkpoint, open_checkpoint
-from quant.engines import select_profiles
+from quant.engines import named_releases, select_profiles
 from quant.verify import hygiene
 from quant.verify.block_fp8 import block_fp8_findings, is_block_fp8
 from quant.verify.fix import fix_config
 from quant.verify.modules import inventory
 from quant.verify.report import Finding, Report, merge_versions
 from quant.verify.resolve import ProfileChecker, build_contexts
-from quant.verify.schema import config_problems, model_config_problems, profile_config_problems
+from quant.verify.schema import (config_problems, model_config_problems, profile_config_problems,
+                                 unparsed_model_type)
 from quant.verify.shapes import config_shapes, consistency_findings
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 
 
+def readable_profiles(config: dict, engines: list[str] | None, named: set[str] | None = None
+                      ) -> tuple[list, list[Finding]]:
+    """The releases `engines` selects, less the default ones that cannot read config.json's model type (each a
+    warning saying so: a release named one by one, `--engine sglang==0.5.12`, is checked and fails instead). The
+    quantize self-check and verify-manifest both ask this, so by default they check the same releases."""
+    profiles = select_profiles(engines)
+    named = named_releases(engines) if named is None else named
+    unread = [(p, f) for p in profiles if p.label not in named for f in unparsed_model_type(config, p)]
+    if not unread or len(unread) == len(profiles):
+        return profiles, []
+    skipped = {p.label for p, _ in unread}
+    notes = [Finding("warning", p.engine, (p.release,), f.tensor,
+                     f"not checked by default: {f.message}", f"{f.fix}; --engine {p.label} checks it (and fails)",
+                     "#42 default releases") for p, f in unread]
+    return [p for p in profiles if p.label not in skipped], notes
+
+
 def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None = None, tp: int | None = None,
-                      metadata_dir: str | Path | None = None) -> Report:
+                      metadata_dir: str | Path | None = None, named: set[str] | None = None) -> Report:
     """Predict engine load failures of the Quark (or official block-FP8) checkpoint at `path`. `engines`: names ("sglang"), pinned
     releases ("sglang==0.5.12") or "all"; default: the serving engines, SGLang and vLLM. Raises UnreadableCheckpoint when it cannot be read.
-    `path` may be an open Checkpoint (quant.hub's, read from the Hub's headers)."""
+    `path` may be an open Checkpoint (quant.hub's, read from the Hub's headers). `named`: the releases to check even
+    when they cannot read the model type (default: those `engines` names one by one; the self-check: none)."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, metadata_dir)
-    profiles = select_profiles(engines)
-    findings = hygiene.integrity_findings(ckpt)
+    profiles, findings = readable_profiles(ckpt.config, engines, named)
+    findings += hygiene.integrity_findings(ckpt)
     shape_of = config_shapes(ckpt.config)
     findings += consistency_findings(ckpt, shape_of)
     for profile in profiles:

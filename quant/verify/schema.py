@@ -106,7 +106,7 @@ def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
     format: a layer_types list (top level or text_config) of another length than num_hidden_layers
     (engines.yaml layer_types_length; intel/auto-round#1984 wrote one)."""
     error = profile.rules.layer_types_length
-    out: list[Finding] = _unparsed_model_type(config, profile)
+    out: list[Finding] = unparsed_model_type(config, profile)
     for where, cfg in (("config.json:", config), ("config.json:text_config.", config.get("text_config"))):
         if not error or not isinstance(cfg, dict):
             continue
@@ -121,15 +121,33 @@ def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
     return out
 
 
-def _unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
-    """A model_type transformers' AutoConfig does not know (and no auto_map points at remote code) that the engine
-    parses with a config class of its own in some releases (engines.yaml config_registry) but not in this one."""
+def unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
+    """A model_type this release cannot read config.json of: neither its own config classes (engines.yaml
+    config_registry) nor the transformers it runs with (its `transformers` requirement against the family's
+    `transformers_since`) know it. A type no transformers release knows is judged by the project's transformers
+    and the other releases' registries, as before."""
+    from quant.families import family_for_config, lookup_family
     from quant.verify.shapes import engine_registered, known_model_types
 
-    model_type, known = config.get("model_type"), known_model_types()
-    auto_map = config.get("auto_map")
-    if known is None or not isinstance(model_type, str) or model_type in known or \
+    model_type, auto_map = config.get("model_type"), config.get("auto_map")
+    if not isinstance(model_type, str) or model_type in profile.rules.config_registry or \
             (isinstance(auto_map, dict) and "AutoConfig" in auto_map):
+        return []
+    since = family_for_config(config).transformers_since.get(model_type) if lookup_family(config) else None
+    if since is not None:
+        if profile.rules.transformers is None or profile.parses(model_type, since):
+            return []
+        first = profile.first_release_parsing(model_type, since)
+        return [_finding(profile, "config.json:model_type",
+                         f"{profile.title} {profile.release} runs transformers{profile.rules.transformers} (its "
+                         f"wheel's requirement), which does not know model_type {model_type!r} (transformers knows it "
+                         f"from {since}), and registers no config class of its own for it: reading config.json raises "
+                         f"'model type `{model_type}` but Transformers does not recognize this architecture' before "
+                         "any weight is read",
+                         f"serve it with {first} or newer" if first else "no profiled release of this engine reads it",
+                         rule="#42 release cannot parse")]
+    known = known_model_types()
+    if known is None or model_type in known:
         return []
     registered = engine_registered(model_type)
     if not registered or profile.label in registered:

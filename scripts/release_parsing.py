@@ -1,0 +1,166 @@
+"""What an engine release can parse, read from its own wheel (issue #42 item 1): the transformers releases it admits
+(its METADATA's Requires-Dist) and the model types it parses with config classes of its own (SGLang's
+`_CONFIG_REGISTRY` in srt/utils/hf_transformers/common.py with the aliases assigned after it; vLLM's
+`_CONFIG_REGISTRY` in transformers_utils/config.py), and, from transformers' own wheels, the first transformers
+release whose AutoConfig knows each model type of our families. engines.yaml's `transformers` and
+`config_registry` keys and the families' `transformers_since` are this script's output; `--check` compares them.
+
+    python -m pip download --no-deps --only-binary :all: -d WHEELS sglang==0.5.23 vllm==0.32.0 transformers==5.16.1 ...
+    python scripts/release_parsing.py WHEELS            # print the facts of every wheel there
+    python scripts/release_parsing.py WHEELS --check    # exit 1 when engines.yaml / the families say otherwise
+
+Reading is static (zip entries and regular expressions), so it runs for any release without installing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+WHEEL = re.compile(r"(?P<name>[a-z_]+)-(?P<version>[\d.]+)-")
+
+
+def _wheel_id(path: str) -> tuple[str, str]:
+    m = WHEEL.match(Path(path).name)
+    return m.group("name"), m.group("version")
+
+
+def requirement(z: zipfile.ZipFile, package: str) -> str | None:
+    """The Requires-Dist specifier of `package` in the wheel's METADATA (e.g. '==5.6.0', '<5.18.0,>=5.10.4')."""
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        m = re.match(rf"Requires-Dist: {package}\s*(\(?[^;]*\)?)", line, re.I)
+        if m:
+            return m.group(1).strip("() ") or None
+    return None
+
+
+def _class_model_types(z: zipfile.ZipFile, prefix: str) -> dict[str, str]:
+    """Config class name -> its model_type, from every `class X(...): model_type = "y"` under `prefix`."""
+    out = {}
+    for name in z.namelist():
+        if name.startswith(prefix) and name.endswith(".py"):
+            text = z.read(name).decode(errors="replace")
+            for cls, body in re.findall(r"^class (\w+)\([^)]*\):\n((?:[ \t]+.*\n|\n)*)", text, re.M):
+                m = re.search(r'^\s+model_type\s*(?::\s*str)?\s*=\s*"([\w-]+)"', body, re.M)
+                if m:
+                    out[cls] = m.group(1)
+    return out
+
+
+def sglang_registry(z: zipfile.ZipFile) -> set[str]:
+    src = z.read("sglang/srt/utils/hf_transformers/common.py").decode()
+    block = re.search(r"_CONFIG_REGISTRY[^=]*=\s*\{.*?for cls in \[(.*?)\]", src, re.S).group(1)
+    classes = re.findall(r"(\w+Config)\b", block)
+    model_types = _class_model_types(z, "sglang/srt/configs/")
+    found = {model_types[c] for c in classes if c in model_types}
+    found |= set(re.findall(r'_CONFIG_REGISTRY\["([\w-]+)"\]\s*=', src))
+    return found
+
+
+def vllm_registry(z: zipfile.ZipFile) -> set[str]:
+    src = z.read("vllm/transformers_utils/config.py").decode()
+    block = src[src.index("_CONFIG_REGISTRY"):]
+    block = block[:block.index("\n)\n")]
+    return set(re.findall(r'^\s+([\w-]+)="\w+"', block, re.M)) | set(re.findall(r'"([\w-]+)":\s*"\w+Config"', block))
+
+
+def transformers_model_types(z: zipfile.ZipFile) -> set[str]:
+    names = set(z.namelist())
+    src = z.read("transformers/models/auto/configuration_auto.py").decode()
+    if "transformers/models/auto/auto_mappings.py" in names:
+        src = z.read("transformers/models/auto/auto_mappings.py").decode()
+    start = re.search(r"CONFIG_MAPPING_NAMES = OrderedDict[^(]*\(", src).start()
+    block = src[start:]
+    block = block[:block.index("\n)\n")]
+    return set(re.findall(r'\(\s*"([\w-]+)",\s*"\w+"\s*\)', block))
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split("."))
+
+
+def facts(wheels: Path) -> dict:
+    engines, since = {}, {}
+    tf = sorted(glob.glob(str(wheels / "transformers-*.whl")), key=lambda p: _version_key(_wheel_id(p)[1]))
+    for path in tf:
+        version = _wheel_id(path)[1]
+        for model_type in transformers_model_types(zipfile.ZipFile(path)):
+            since.setdefault(model_type, version)
+    for path in sorted(glob.glob(str(wheels / "sglang-*.whl")) + glob.glob(str(wheels / "vllm-*.whl"))):
+        name, version = _wheel_id(path)
+        z = zipfile.ZipFile(path)
+        registry = sglang_registry(z) if name == "sglang" else vllm_registry(z)
+        engines[(name, version)] = {"transformers": requirement(z, "transformers"), "registry": registry}
+    return {"engines": engines, "transformers_since": since,
+            "transformers_checked": [_wheel_id(p)[1] for p in tf]}
+
+
+def _ours() -> tuple[set[str], dict]:
+    from quant.engines import all_profiles
+    from quant.families import all_families
+
+    types = {t for f in all_families() for t in f.model_types}
+    return types, {p.label: p for p in all_profiles()}
+
+
+def check(found: dict) -> list[str]:
+    """Where engines.yaml and the family files disagree with the wheels (for the releases and model types both
+    know)."""
+    from quant.families import all_families
+
+    types, profiles = _ours()
+    problems = []
+    for (engine, version), fact in found["engines"].items():
+        label = next((lb for lb in profiles if lb in (f"{engine}=={version}", f"{engine}=={version.rsplit('.0', 1)[0]}")),
+                     None)
+        if label is None:
+            continue
+        rules = profiles[label].rules
+        if (rules.transformers or None) != fact["transformers"]:
+            problems.append(f"{label}: engines.yaml transformers {rules.transformers!r}, its wheel requires "
+                            f"{fact['transformers']!r}")
+        want = sorted(types & fact["registry"])
+        if sorted(types & set(rules.config_registry)) != want:
+            problems.append(f"{label}: engines.yaml config_registry {sorted(rules.config_registry)} (of our "
+                            f"families' types), its wheel registers {want}")
+    checked = found["transformers_checked"]
+    for family in all_families():
+        for model_type in family.model_types:
+            have, want = family.transformers_since.get(model_type), found["transformers_since"].get(model_type)
+            if have != want and (want or checked):
+                problems.append(f"family {family.name}: transformers_since[{model_type}] {have!r}, the transformers "
+                                f"wheels here first know it in {want!r} (checked {checked[0]}..{checked[-1]})")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("wheels", type=Path, help="a directory of sglang-*, vllm-* and transformers-* wheels")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    found = facts(args.wheels)
+    types, _ = _ours()
+    for (engine, version), fact in sorted(found["engines"].items()):
+        print(f"{engine}=={version}: transformers {fact['transformers']}; registers "
+              f"{', '.join(sorted(types & fact['registry'])) or '-'}")
+    print("transformers_since: " + ", ".join(f"{t} {v}" for t, v in sorted(found["transformers_since"].items())
+                                              if t in types))
+    if not args.check:
+        return 0
+    problems = check(found)
+    for line in problems:
+        print(line)
+    print(f"{'ok' if not problems else f'{len(problems)} difference(s)'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
