@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 from quant.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, build_checkpoint, is_safe_relative, read_json
-from quant.errors import QuantError, UnreadableCheckpoint
+from quant.errors import QuantError, UnreadableCheckpoint, machine_failure, naming
 from quant.safetensors_header import DTYPE_BITS, MAX_HEADER, parse_header  # noqa: F401  (re-exported)
 
 __all__ = ["HubRef", "HubCheckpoint", "Traffic", "hub_reference", "open_hub_checkpoint", "parse_header"]
@@ -126,6 +126,7 @@ class _Repo:
         self.layouts: dict[str, tuple[int, dict]] = {}  # file -> (data start, name -> (begin, end))
         self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="quant-hub")
         self.lock, self.stop = threading.Lock(), threading.Event()
+        self.blob_ids: dict[str, str] = {}  # file -> the git blob id the Hub lists (small, non-LFS files)
         self.error: QuantError | None = None  # the first request that failed for good
 
     def url(self, file: str) -> str:
@@ -389,6 +390,8 @@ def _open(api, ref: HubRef, endpoint: str, traffic: Traffic) -> HubCheckpoint:
     sizes = {s.rfilename: s.size for s in info.siblings or []}
     lfs = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if getattr(s, "lfs", None) is not None}
     repo = _Repo(ref, endpoint, info.sha or ref.revision or "main", sizes)
+    repo.blob_ids = {s.rfilename: s.blob_id for s in info.siblings or []
+                     if getattr(s, "blob_id", None) and getattr(s, "lfs", None) is None}
     root = PurePosixPath(ref.label)
     try:
         config = _json(api, repo, "config.json", root)
@@ -435,16 +438,43 @@ def _json(api, repo: _Repo, file: str, root: PurePosixPath) -> dict:
 
     if file not in repo.sizes:
         raise UnreadableCheckpoint(f"{root / file}: file not found")
-    try:
-        local = api.hf_hub_download(repo.ref.repo_id, file, revision=repo.commit)
-    except RemoteEntryNotFoundError:
-        raise UnreadableCheckpoint(f"{root / file}: file not found") from None
-    except Exception as e:
-        raise explain(e, repo.ref, repo.endpoint, file) from None
+    local = None
+    for fresh in (False, True):  # a cached copy whose bytes are not the Hub's is fetched once more
+        try:
+            local = api.hf_hub_download(repo.ref.repo_id, file, revision=repo.commit, force_download=fresh)
+        except RemoteEntryNotFoundError:
+            raise UnreadableCheckpoint(f"{root / file}: file not found") from None
+        except Exception as e:
+            machine = machine_failure(e)
+            if machine is not None:
+                raise naming(machine, constants_cache()) from None  # a full or read-only HF_HOME: exit 74
+            raise explain(e, repo.ref, repo.endpoint, file) from None
+        if _git_blob_id(Path(local)) in (None, repo.blob_ids.get(file, _git_blob_id(Path(local)))):
+            break
+    else:
+        raise QuantError(f"{Path(local).resolve()}: the cached {file} of {repo.ref.label} is still not the Hub's "
+                         f"bytes after a fresh download (check the disk under HF_HOME)")
     try:
         return read_json(Path(local))
     except UnreadableCheckpoint as e:
         raise UnreadableCheckpoint(str(e).replace(str(local), str(root / file))) from None
+
+
+def _git_blob_id(path: Path) -> str | None:
+    """The git blob id of a small file (what the Hub lists for a file not stored in LFS)."""
+    import hashlib
+
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def constants_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def explain(e: BaseException, ref: HubRef, endpoint: str, file: str | None = None) -> QuantError:

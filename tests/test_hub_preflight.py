@@ -298,3 +298,20 @@ def test_header_parser_agrees_with_safetensors(tmp_path, world):
                 assert got == expected, (label, got, expected)
         else:
             assert got == expected and list(got) == list(expected), label
+
+
+def test_a_cached_config_that_is_not_the_hubs_is_fetched_again(world, tmp_path):
+    """The HF cache is not trusted by name: a config.json edited in the cache (the MTP aliases removed, as in the
+    incident) is checked against the Hub's git blob id and fetched anew, so the preflight reads the Hub's bytes."""
+    home = tmp_path / "home"
+    code, out, _ = cli(world, "org/good", "--json", HF_HOME=str(home))
+    assert code == 0
+    cached = [p for p in home.rglob("snapshots/*/config.json")]
+    assert len(cached) == 1
+    blob = cached[0].resolve()
+    config = json.loads(blob.read_text())
+    config["quantization_config"]["exclude"] = []
+    blob.write_text(json.dumps(config))
+    code, again, _ = cli(world, "org/good", "--json", HF_HOME=str(home))
+    assert code == 0 and json.loads(again)["findings"] == json.loads(out)["findings"]
+    assert json.loads(cached[0].read_text())["quantization_config"]["exclude"]  # the Hub's bytes again
