@@ -712,7 +712,7 @@ SGLANG_NEW_FAST: set[tuple[str, str, str]] = set()
 SGLANG_CANNOT_BUILD: dict[tuple[str, str], dict] = {
     # The kimi-k2.5 and minimax-m3 toys were transformers 5.24's native configs (architectures
     # Kimi_K25ForConditionalGeneration, vision_config without vt_* / CLIP rope keys); in the release format
-    # (quant/manifests/toys.yaml) both releases build and load the BF16 kimi-k2.5 toy, and 0.5.23 minimax-m3, so
+    # (its family file's `toys`, quant/manifests/families) both releases build and load the BF16 kimi-k2.5 toy, and 0.5.23 minimax-m3, so
     # their exports are compared with the preflight like any other.
     ("minimax-m3", "0.5.12"): {
         "setup": "model type `minimax_m3_vl` but Transformers does not recognize this architecture",
