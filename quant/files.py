@@ -22,6 +22,11 @@ def sha256_file(path: Path, window: int = 1 << 26) -> str:
     return h.hexdigest()
 
 
+def git_blob_id(data: bytes) -> str:
+    """The git blob id of `data`: how the Hub names a file it does not keep in LFS (a config, an index, a card)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from quant.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, build_checkpoint, is_safe_relative, read_json
 from quant.errors import QuantError, UnreadableCheckpoint, machine_failure, naming
+from quant.files import git_blob_id
 from quant.safetensors_header import DTYPE_BITS, MAX_HEADER, parse_header  # noqa: F401  (re-exported)
 
 __all__ = ["HubRef", "HubCheckpoint", "Traffic", "hub_reference", "open_hub_checkpoint", "parse_header"]
@@ -445,11 +446,8 @@ def _json(api, repo: _Repo, file: str, root: PurePosixPath) -> dict:
         except RemoteEntryNotFoundError:
             raise UnreadableCheckpoint(f"{root / file}: file not found") from None
         except Exception as e:
-            machine = machine_failure(e)
-            if machine is not None:
-                raise naming(machine, constants_cache()) from None  # a full or read-only HF_HOME: exit 74
-            raise explain(e, repo.ref, repo.endpoint, file) from None
-        if _git_blob_id(Path(local)) in (None, repo.blob_ids.get(file, _git_blob_id(Path(local)))):
+            raise cache_failure(e) or explain(e, repo.ref, repo.endpoint, file) from None
+        if cached_as_listed(Path(local), repo.blob_ids.get(file)):
             break
     else:
         raise QuantError(f"{Path(local).resolve()}: the cached {file} of {repo.ref.label} is still not the Hub's "
@@ -460,21 +458,21 @@ def _json(api, repo: _Repo, file: str, root: PurePosixPath) -> dict:
         raise UnreadableCheckpoint(str(e).replace(str(local), str(root / file))) from None
 
 
-def _git_blob_id(path: Path) -> str | None:
-    """The git blob id of a small file (what the Hub lists for a file not stored in LFS)."""
-    import hashlib
-
+def cached_as_listed(path: Path, blob_id: str | None) -> bool:
+    """Whether a file in the HF cache holds the bytes the Hub lists for it (its git blob id; None: not listed)."""
     try:
-        data = path.read_bytes()
+        return blob_id is None or git_blob_id(path.read_bytes()) == blob_id
     except OSError:
-        return None
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        return False
 
 
-def constants_cache() -> str:
+def cache_failure(e: BaseException) -> OSError | None:
+    """The machine's failure behind what huggingface_hub raised while writing its cache (a full or read-only
+    HF_HOME: exit 74), naming the cache directory when the error names no path; None for anything else."""
     from huggingface_hub import constants
 
-    return constants.HF_HUB_CACHE
+    machine = machine_failure(e)
+    return naming(machine, constants.HF_HUB_CACHE) if machine is not None else None
 
 
 def explain(e: BaseException, ref: HubRef, endpoint: str, file: str | None = None) -> QuantError:

@@ -40,7 +40,6 @@ other names are never deleted: their repository is refused.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import re
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import EngineFailure, QuantError, machine_failure
-from quant.files import sha256_file
+from quant.files import git_blob_id, sha256_file
 from quant.hub import REPO_REF, HubRef
 from quant.ownership import read_record, real_path, regular_file, unchanged
 from quant.pipeline.model_card import CARD_FILE
@@ -328,10 +327,6 @@ def read_push_record(api, target: HubRef, revision: str | None) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("record") == "quant push" else None
-
-
-def git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def local_oid(export: Export, name: str, remote: str) -> str | None:

@@ -328,18 +328,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
 
 def scheme_releases(schemes: set[str]) -> list[str]:
     """The default releases (each scheme's `engines`, engines.yaml default_releases) that load every scheme in
-    `schemes`, in order: the self-check's releases when none are named."""
+    `schemes`, in engines.yaml's order: the self-check's releases when none are named."""
     from quant.engines import select_profiles
 
-    chosen = [{p.label for p in select_profiles(list(get_scheme(name).engines))} for name in sorted(schemes)]
-    return [label for label in sorted(set.union(*chosen), key=_release_order) if all(label in c for c in chosen)]
-
-
-def _release_order(label: str) -> tuple:
-    from quant.engines import engine_data, releases
-
-    engine, release = label.split("==")
-    return list(engine_data()["engines"]).index(engine), releases(engine).index(release)
+    first, *rest = [[p.label for p in select_profiles(list(get_scheme(name).engines))] for name in sorted(schemes)]
+    return [label for label in first if all(label in other for other in rest)]
 
 
 def _is_auto(check_engines) -> bool:

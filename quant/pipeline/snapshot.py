@@ -15,9 +15,9 @@ import fnmatch
 import warnings
 from pathlib import Path
 
-from quant.errors import QuantError, machine_failure, naming
+from quant.errors import QuantError
 from quant.files import sha256_file
-from quant.hub import HubRef, explain, open_hub_checkpoint
+from quant.hub import HubRef, cache_failure, cached_as_listed, explain, open_hub_checkpoint
 from quant.pipeline.source_files import source_reference
 from quant.planning.source import HUB_PATTERNS
 
@@ -58,12 +58,12 @@ def _snapshot(hub, ref: HubRef, files: list[str]) -> str:
 
 
 def _verified(hub, ref: HubRef, local: Path, file: str, log) -> None:
-    """Check `file` of the snapshot against the Hub's sha256 (an LFS file; a small git file is listed by its blob
-    id and checked by size); fetch it anew once when it differs."""
+    """Check `file` of the snapshot against the Hub's sha256 (an LFS file) or git blob id (a small file); fetch it
+    anew once when it differs."""
     expected = hub.lfs_sha256.get(file)
     path = local / file
-    if expected is None:
-        if not path.is_file() or path.stat().st_size != hub.file_size(file):
+    if expected is None:  # a small file: the git blob id the Hub lists (quant.hub reads config and index so too)
+        if not cached_as_listed(path, hub.repo.blob_ids.get(file)):
             _refetch(hub, ref, file)
         return
     if sha256_file(path) == expected:
@@ -85,12 +85,7 @@ def _refetch(hub, ref: HubRef, file: str) -> None:
 
 
 def _raise(e: BaseException, ref: HubRef, hub, file: str | None = None):
-    machine = machine_failure(e)
-    if machine is not None:
-        from huggingface_hub import constants
-
-        raise naming(machine, constants.HF_HUB_CACHE) from None
-    raise explain(e, ref, hub.endpoint, file) from None
+    raise cache_failure(e) or explain(e, ref, hub.endpoint, file) from None
 
 
 def _size(n: int) -> str:
