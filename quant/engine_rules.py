@@ -116,6 +116,14 @@ class ModuleFailure:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StrayTensor:
+    match: str = required("regex searched in the checkpoint name of a tensor its module, as built, has no parameter "
+                          "for (an input_scale beside a BF16 or dynamic-MXFP4 weight, a leaked second scale)")
+    error: str | None = rule(None, "what the loader raises on it; none: the loader drops it without error")
+    source: str = rule("", "where it was read or run")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Schemes:
     linear: dict[SchemeKind, str] = rule({}, "scheme kind -> 'ok' or what the engine raises for a Linear module")
     moe: dict[SchemeKind, str] = rule({}, "scheme kind -> 'ok' or what the engine raises for a FusedMoE")
@@ -235,6 +243,9 @@ class EngineRules:
     row_parallel: list[str] = rule([], "regexes of row-parallel modules (TP splits their input)")
     shared_expert_fusion_veto: bool = rule(
         False, "an excluded shared expert disables shared-expert fusion for every layer (performance warning)")
+    stray_tensors: dict[str, list[StrayTensor]] = rule(
+        {}, "architecture -> how its load_weights treats a tensor its module has no parameter for, first matching "
+            "entry wins; a tensor no entry matches is taken as rejected (an error naming it)")
     moe: Moe = required("how FusedMoE modules are excluded")
     schemes: Schemes = rule(Schemes(), "which schemes the engine builds")
     config_schema: ConfigSchema = rule(ConfigSchema(), "quantization_config schema checks")

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import yaml
 
-from quant.engine_rules import DraftClass, EngineRules, MtpNamespace, check_engines, release_rules
+from quant.engine_rules import DraftClass, EngineRules, MtpNamespace, StrayTensor, check_engines, release_rules
 from quant.families import text_config
 from quant.errors import QuantError
 from quant.paths import MANIFESTS_DIR
@@ -246,6 +246,14 @@ class Profile:
         """Fused modules this architecture builds that the quant config looks up by the fused name only
         (engines.yaml `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
         return frozenset(self.rules.unexpanded_fused.get(architecture(config)) or [])
+
+    def stray_tensor(self, tensor: str, config: dict) -> StrayTensor | None:
+        """How this release's loader treats `tensor`, which its module as built has no parameter for: the first
+        stray_tensors entry of the architecture matching it (None: not recorded, taken as rejected)."""
+        for entry in self.rules.stray_tensors.get(architecture(config)) or []:
+            if re.search(entry.match, tensor):
+                return entry
+        return None
 
     def quant_config_exclude(self, exclude: list[str], config: dict) -> list[str]:
         """The exclude entries the quant config matches against runtime names: rewritten with the name mapper

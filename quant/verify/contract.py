@@ -83,6 +83,9 @@ class TensorIssue:
     problem: str  # what is on disk
     expected: str
     family_mismatch: bool
+    # A tensor the module as built has no parameter for: whether the loader drops or rejects it is the engine's
+    # (engines.yaml stray_tensors), not the contract's.
+    stray: bool = False
 
 
 def stored_weight_shape(kind: str | None, shape: tuple[int, int]) -> tuple[int, int]:
@@ -132,7 +135,7 @@ def _scale_issues(mod: Module, kind: str | None, layer_cfg: dict | None, shape: 
         for suffix in suffixes:
             if suffix in mod.params:
                 issues.append(TensorIssue(f"{name}.{suffix}", describe(mod.params[suffix]),
-                                          "absent (the engine has no parameter for it)", False))
+                                          "absent (the engine has no parameter for it)", False, stray=True))
 
     if family(kind) == "float":
         forbid(*SCALE_SUFFIXES)
@@ -168,7 +171,9 @@ def _scale_issues(mod: Module, kind: str | None, layer_cfg: dict | None, shape: 
         need("input_scale", "F32", [(), (1,)], input_label)
     else:
         forbid("input_scale")
-    forbid("weight_scale_inv")
+    # A second scale leaked beside the one the scheme loads (weight_scale_inv of a block-FP8 source, NVFP4's
+    # weight_scale_2 / input_scale_2): the module has no parameter for it.
+    forbid("weight_scale_inv", "weight_scale_2", "input_scale_2")
     return issues
 
 

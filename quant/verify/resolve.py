@@ -399,6 +399,8 @@ class ProfileChecker:
             for issue in issues:
                 if issue.family_mismatch:
                     mismatched.append((member, issue))
+                elif issue.stray:
+                    self._stray(unit, res, issue)
                 else:
                     self.add("error", issue.tensor,
                              f"{self._built(unit)} as {contract.KIND_LABEL.get(res.kind, res.kind)}: "
@@ -407,6 +409,19 @@ class ProfileChecker:
                              "tensor contract" + (" (TP)" if "TP" in issue.expected else ""))
         if mismatched:
             self._family_mismatch(ctx, unit, res, mismatched)
+
+    def _stray(self, unit: Unit, res: Resolution, issue: contract.TensorIssue) -> None:
+        """A tensor the module as built has no parameter for: a warning where this release's load_weights drops it,
+        an error with the engine's own text where it raises (engines.yaml stray_tensors; unrecorded: an error)."""
+        built = f"{self._built(unit)} as {contract.KIND_LABEL.get(res.kind, res.kind)}"
+        entry = self.p.stray_tensor(issue.tensor, self.config)
+        if entry is not None and entry.error is None:
+            self.add("warning", issue.tensor, f"{built}: {issue.tensor} ({issue.problem}) has no parameter there and "
+                     f"is ignored by the loader", "drop it from the export (it is never read)", "stray tensor")
+            return
+        raises = f"; {self.p.title} raises {entry.error}" if entry is not None else ""
+        self.add("error", issue.tensor, f"{built}: {issue.tensor} is {issue.problem}, expected {issue.expected}{raises}",
+                 "re-export this tensor in the layout the scheme defines (loader-contract §3)", "tensor contract")
 
     def _expected_shape(self, unit: Unit, res: Resolution) -> str:
         shapes = [self.shape_of(m) or contract.logical_shape(self.modules[m]) for m in unit.members]
