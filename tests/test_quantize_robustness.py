@@ -342,9 +342,15 @@ def test_unknown_scheme_recipe_and_offline_hub_id(sharded, tmp_path):
     assert_one_line_error(proc, "zai-org/GLM-5", "offline")
 
 
-def test_already_quantized_source_is_refused(sharded, tmp_path):
-    quantize_checkpoint(sharded, tmp_path / "q")
-    assert_one_line_error(run_cli("quantize", tmp_path / "q", tmp_path / "qq"), "already quantized")
+def test_a_source_quantized_in_a_format_not_read_is_refused(sharded, tmp_path):
+    """A Quark export is a source (tests/test_quark_sources.py); a quantization this tool cannot read (an int4
+    AWQ config over plain weights) is refused in one line, not treated as BF16."""
+    src = tmp_path / "awq"
+    shutil.copytree(sharded, src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (src / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_cli("quantize", src, tmp_path / "qq"), "already quantized")
 
 
 def test_nonempty_foreign_output_dir_is_refused(sharded, tmp_path):

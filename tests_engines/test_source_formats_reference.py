@@ -115,3 +115,24 @@ def test_vllm_deepseek_v41_32x32(shape):
     assert torch.equal(ms.decode(enc, q, s), reference)
     parts = ms.to_quark_mxfp8(q, s, enc.block)
     assert torch.equal(parts["weight_scale"], expanded[:o])  # the layout vLLM's loader builds, byte for byte
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_modelopt_nvfp4_against_vllm(shape):
+    """ModelOpt NVFP4 (MiniMax-M3.1-Flash's experts): the toy encoder's codes and block scales equal vLLM's reference
+    NVFP4 quantizer (ref_nvfp4_quant, given ModelOpt's global scale 1 / weight_scale_2), and quant.sources decodes
+    them bit for bit as vLLM's own dequantize_to_dtype does (swizzle off: checkpoint layout)."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (dequantize_to_dtype,
+                                                                                      ref_nvfp4_quant)
+
+    w = _weight(shape, sum(shape) + 7).float()
+    parts = ms.encode_as(ms.MODELOPT_NVFP4, w)
+    codes, scales, scale_2 = parts[".weight"], parts[".weight_scale"], parts[".weight_scale_2"]
+    ref_values, ref_scales = ref_nvfp4_quant(w, (1.0 / scale_2).reshape(1).float(), 16)
+    assert torch.equal(scales.float(), ref_scales)
+    assert torch.equal(ms._e2m1(codes), ref_values)
+    enc = ms.recognise({f"proj{k}": Info(v) for k, v in parts.items()}, "proj.weight")
+    assert (enc.kind, enc.global_scale) == (ms.MODELOPT_NVFP4, "proj.weight_scale_2")
+    ours = ms.decode(enc, codes, scales, global_scale=scale_2)
+    theirs = dequantize_to_dtype(codes, scales, scale_2.reshape(1), torch.float32, 16, swizzle=False)
+    assert torch.equal(ours, theirs)

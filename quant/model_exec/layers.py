@@ -205,8 +205,8 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
     from quant.sources import native
 
     if native.is_microscaled(ckpt):  # DecoderStack.read takes BF16 or block FP8 (quant.sources decodes the rest)
-        raise _unsupported(ckpt, "its weights arrive microscaled (MXFP4 / MXFP8 / compressed-tensors FP4 codes with "
-                                 "block scales), which GPTQ's layer reader does not decode")
+        raise _unsupported(ckpt, "its weights arrive microscaled (MXFP4 / NVFP4 / MXFP8 / FP8 codes with block "
+                                 "scales, or a Quark export), which GPTQ's layer reader does not decode")
     model = config_model(root, dtype, lambda why: _unsupported(ckpt, why))
     prefix = text_prefix(ckpt.tensors)
     names = LayerNames.of(ckpt)

@@ -89,6 +89,10 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Count
                 parts = scheme.quantize(src, scale_mode)
             except QuantError as e:
                 raise QuantError(f"{where}: {e}") from None
+        if is_native:
+            # the error below is measured against the released (decoded) weight, not against a BF16 original
+            record.update(source_encoding=job.source.encoding,
+                          **native.loss_account(job.source, src, parts, scheme.name))
         if solved is not None:
             record["method"] = method
         timing["quantize_s"] += time.perf_counter() - t1

@@ -42,22 +42,30 @@ from quant.errors import QuantError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MXFP4", "FP8_UE8M0", "MXFP8", "CT_MXFP4", "CT_NVFP4", "FORMATS", "Format", "SCALE_SUFFIX", "Encoding",
-           "recognise", "scale_name", "decode", "decode_mxfp4", "decode_fp8_ue8m0", "decode_nvfp4", "to_quark_mxfp4",
-           "to_quark_mxfp8", "to_fp8_block", "scale_tensors", "PACKED_KINDS", "MX_KINDS", "encode_as"]
+__all__ = ["MXFP4", "FP8_UE8M0", "MXFP8", "CT_MXFP4", "CT_NVFP4", "MODELOPT_NVFP4", "QUARK_MXFP4", "QUARK_MXFP8",
+           "QUARK_FP8", "NVFP4_KINDS", "FORMATS", "Format", "SCALE_SUFFIX", "Encoding", "recognise", "scale_name",
+           "decode", "decode_mxfp4", "decode_fp8_ue8m0", "decode_nvfp4", "decode_fp8_scaled", "to_quark_mxfp4",
+           "to_quark_mxfp8", "to_quark_fp8", "to_fp8_block", "exact_blocks", "scale_tensors", "PACKED_KINDS",
+           "MX_KINDS", "encode_as"]
 
 MXFP4 = "mxfp4"
 FP8_UE8M0 = "fp8-ue8m0"
 MXFP8 = "mxfp8"
 CT_MXFP4 = "ct-mxfp4"
 CT_NVFP4 = "ct-nvfp4"
+MODELOPT_NVFP4 = "modelopt-nvfp4"
+QUARK_MXFP4 = "quark-mxfp4"
+QUARK_MXFP8 = "quark-mxfp8"
+QUARK_FP8 = "quark-fp8"
 SCALE_SUFFIX = ".scale"
 MX_BLOCK = 32
 FP8_BLOCKS = (128, 32)  # DeepSeek-V4: 128x128; DeepSeek-V4.1-Flash dense layers: 32x32
 CODE_DTYPES = ("I8", "U8")
 E8M0_DTYPES = ("F8_E8M0", "U8")
-PACKED_KINDS = (MXFP4, CT_MXFP4, CT_NVFP4)  # two E2M1 codes per stored byte
-MX_KINDS = (MXFP4, CT_MXFP4)  # E2M1 codes with E8M0 scales per [1, 32]: Quark MXFP4's own bytes
+PACKED_KINDS = (MXFP4, CT_MXFP4, CT_NVFP4, MODELOPT_NVFP4, QUARK_MXFP4)  # two E2M1 codes per stored byte
+MX_KINDS = (MXFP4, CT_MXFP4, QUARK_MXFP4)  # E2M1 codes with E8M0 scales per [1, 32]: Quark MXFP4's own bytes
+NVFP4_KINDS = (CT_NVFP4, MODELOPT_NVFP4)  # E2M1 codes, E4M3 scales per 16, one F32 global scale
+E8M0_FP8_KINDS = (MXFP8, QUARK_MXFP8, FP8_UE8M0)  # E4M3 codes with E8M0 scales over [rb, cb] blocks
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class Format:
     global_scale: str = ""
     consumed: tuple[str, ...] = ()
     release: str = ""
+    global_multiplies: bool = False  # NVFP4: ModelOpt's weight_scale_2 multiplies, compressed-tensors' divides
 
 
 FORMATS = (
@@ -90,6 +99,16 @@ FORMATS = (
     Format(CT_NVFP4, ".weight_packed", ".weight_scale", ("U8",), ("F8_E4M3",), ((1, 16),), True,
            global_scale=".weight_global_scale", consumed=(".input_global_scale",),
            release="compressed-tensors nvfp4-pack-quantized"),
+    Format(MODELOPT_NVFP4, ".weight", ".weight_scale", ("U8",), ("F8_E4M3",), ((1, 16),), True,
+           global_scale=".weight_scale_2", consumed=(".input_scale",), global_multiplies=True,
+           release="ModelOpt NVFP4 (MiniMax-M3.1-Flash's routed experts)"),
+    Format(QUARK_MXFP4, ".weight", ".weight_scale", ("U8",), ("U8",), ((1, MX_BLOCK),), True,
+           consumed=(".input_scale",), release="a Quark MXFP4 export (this tool's, AMD's)"),
+    Format(QUARK_MXFP8, ".weight", ".weight_scale", ("F8_E4M3",), E8M0_DTYPES, ((1, MX_BLOCK), (MX_BLOCK, MX_BLOCK)),
+           False, consumed=(".input_scale",),
+           release="a Quark MXFP8 export ([1, 32]; AMD's [32, 32] per-block spelling)"),
+    Format(QUARK_FP8, ".weight", ".weight_scale", ("F8_E4M3",), ("F32",), ((0, 0), (1, 0)), False,
+           consumed=(".input_scale",), release="a Quark FP8 export (per-tensor or per-channel F32 weight_scale)"),
 )
 
 
@@ -119,10 +138,17 @@ def scale_name(weight: str) -> str | None:
     return weight[: -len(".weight")] + SCALE_SUFFIX if weight.endswith(".weight") else None
 
 
-def _is_companion(fmt: Format, tensors, scale: str) -> bool:
+def _is_companion(fmt: Format, tensors, weight: str, scale: str) -> bool:
     """Whether `scale` (present) is this format's scale: a `weight_scale_inv` in F32/BF16 is block FP8's, not
-    MXFP8's, and a `weight_scale` is compressed-tensors' only beside `weight_packed`."""
-    return fmt.scale != ".weight_scale_inv" or tensors[scale].dtype in fmt.scale_dtypes
+    MXFP8's; a `weight_scale` beside a `weight` is a Quark or ModelOpt scale only when the pair's dtypes are one of
+    theirs (a BF16 weight with a stray `weight_scale` is a plain weight, its stray tensor judged elsewhere)."""
+    if fmt.scale == ".weight_scale_inv":
+        return tensors[scale].dtype in fmt.scale_dtypes
+    if fmt.weight == ".weight" and fmt.scale == ".weight_scale":
+        pair = (tensors[weight].dtype, tensors[scale].dtype)
+        return any(pair[0] in f.code_dtypes and pair[1] in f.scale_dtypes for f in FORMATS
+                   if (f.weight, f.scale) == (".weight", ".weight_scale"))
+    return True
 
 
 def scale_tensors(tensors) -> set[str]:
@@ -132,21 +158,28 @@ def scale_tensors(tensors) -> set[str]:
     for name in tensors:
         for fmt, module in _candidates(name):
             scale = module + fmt.scale
-            if scale in tensors and _is_companion(fmt, tensors, scale):
+            if scale in tensors and _is_companion(fmt, tensors, name, scale):
                 out.add(scale)
                 out.update(s for s in (module + fmt.global_scale if fmt.global_scale else "",
                                        *(module + c for c in fmt.consumed)) if s and s in tensors)
     return out
 
 
-def _expected(block: tuple[int, int], logical: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The scale shape of a weight of decoded shape `logical` under `block` (None: the input dim is not a whole
-    number of per-row groups)."""
+PER_TENSOR, PER_CHANNEL = (0, 0), (1, 0)  # FP8 scale "blocks": the whole tensor, one row
+
+
+def _expected(block: tuple[int, int], logical: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The scale shapes a weight of decoded shape `logical` may have under `block` (none: the input dim is not a
+    whole number of per-row groups)."""
     rows, k = logical[-2], logical[-1]
+    if block == PER_TENSOR:
+        return ((), (1,))
+    if block == PER_CHANNEL:
+        return ((rows,), (rows, 1))
     rb, cb = block
     if rb == 1 and k % cb:
-        return None
-    return (*logical[:-2], math.ceil(rows / rb), math.ceil(k / cb))
+        return ()
+    return ((*logical[:-2], math.ceil(rows / rb), math.ceil(k / cb)),)
 
 
 def recognise(tensors, weight: str, where: str = "") -> Encoding | None:
@@ -156,7 +189,7 @@ def recognise(tensors, weight: str, where: str = "") -> Encoding | None:
     where = where or weight
     for fmt, module in _candidates(weight):
         scale = module + fmt.scale
-        if scale not in tensors or not _is_companion(fmt, tensors, scale):
+        if scale not in tensors or not _is_companion(fmt, tensors, weight, scale):
             continue
         w, s = tensors[weight], tensors[scale]
         wshape, sshape = tuple(w.shape), tuple(s.shape)
@@ -179,7 +212,7 @@ def recognise(tensors, weight: str, where: str = "") -> Encoding | None:
             raise QuantError(f"{where}: {weight} {w.dtype} {list(wshape)} with {scale} {list(sshape)}: a {fmt.kind} "
                              f"weight must be {'at least ' if fmt.packed else ''}2-D")
         for block in fmt.blocks:
-            if _expected(block, logical) == sshape:
+            if sshape in _expected(block, logical):
                 glob = module + fmt.global_scale if fmt.global_scale else ""
                 if glob:
                     g = tensors.get(glob)
@@ -191,11 +224,15 @@ def recognise(tensors, weight: str, where: str = "") -> Encoding | None:
         if fmt.kind == MXFP4:
             raise QuantError(f"{where}: {weight} {w.dtype} {list(wshape)} with {scale} {list(sshape)} is not MXFP4 "
                              f"(expected a scale of shape [..., K/32] for packed codes [..., K/2])")
-        wanted = " or ".join(str(list(e)) for b in fmt.blocks if (e := _expected(b, logical)))
+        wanted = " or ".join(str(list(e)) for b in fmt.blocks for e in _expected(b, logical))
         raise QuantError(f"{where}: {weight} {w.dtype} {list(wshape)} with {scale} {list(sshape)} matches no "
-                         f"{fmt.kind} block size ({' or '.join(f'{r}x{c}' for r, c in fmt.blocks)}: scale "
+                         f"{fmt.kind} block size ({' or '.join(_block_label(b) for b in fmt.blocks)}: scale "
                          f"{wanted or 'none, the input dim is not a multiple of the group'})")
     return None
+
+
+def _block_label(block: tuple[int, int]) -> str:
+    return {PER_TENSOR: "per-tensor", PER_CHANNEL: "per-channel"}.get(block, f"{block[0]}x{block[1]}")
 
 
 def _bytes(t: "torch.Tensor") -> "torch.Tensor":
@@ -253,18 +290,20 @@ def decode_fp8_ue8m0(q: "torch.Tensor", scales: "torch.Tensor", block, what: str
 
 
 def decode_nvfp4(codes: "torch.Tensor", scales: "torch.Tensor", global_scale: "torch.Tensor",
-                 what: str = "NVFP4 weight") -> "torch.Tensor":
-    """fp32 [O, K] from packed E2M1 codes [O, K/2] (uint8), float8_e4m3fn scales [O, K/16] and the F32 global scale:
-    code * fp32(scale / global_scale), the reference's order of operations."""
+                 what: str = "NVFP4 weight", multiplies: bool = False) -> "torch.Tensor":
+    """fp32 [O, K] from packed E2M1 codes [O, K/2] (uint8), float8_e4m3fn scales [O, K/16] and the F32 global scale,
+    in each reference's order of operations: compressed-tensors code * fp32(scale / global_scale)
+    (forward_helpers._dequantize); ModelOpt (`multiplies`: `weight_scale_2` = amax / (6 * 448)) code *
+    fp32(scale * weight_scale_2) (vLLM 0.32 quantization/utils/nvfp4_emulation_utils.py dequantize_to_dtype,
+    :559-613: `tensor_sf.to(float32) * global_scale`, then times the E2M1 values)."""
     import torch
-
-    from quant.numerics import mxfp4
 
     packed = _bytes(codes)
     k = packed.shape[-1] * 2
     elements = _e2m1(packed)
     g = global_scale.reshape(-1)[:1].to(torch.float32)
-    local = scales.contiguous().view(torch.float8_e4m3fn).to(torch.float32) / g
+    block = scales.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    local = block * g if multiplies else block / g
     out = elements * local.repeat_interleave(16, -1)[..., :k]
     if not bool(torch.isfinite(out).all()):
         raise QuantError(f"{what}: non-finite values (a zero or non-finite global scale, or NaN scales)")
@@ -280,15 +319,31 @@ def _e2m1(packed: "torch.Tensor") -> "torch.Tensor":
     return table[pairs].reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def decode_fp8_scaled(q: "torch.Tensor", scale: "torch.Tensor", what: str = "FP8 weight") -> "torch.Tensor":
+    """fp32 [O, I] of an FP8 weight with an F32 per-tensor ([] / [1]) or per-channel ([O] / [O, 1]) scale: code *
+    scale, one fp32 product (vLLM's and Quark's dequantization)."""
+    import torch
+
+    s = scale.to(torch.float32)
+    s = s.reshape(-1, 1) if s.numel() == q.shape[0] and s.numel() > 1 else s.reshape(())
+    out = q.contiguous().view(torch.float8_e4m3fn).to(torch.float32) * s
+    if not bool(torch.isfinite(out).all()):
+        raise QuantError(f"{what}: non-finite values (NaN codes or a non-finite scale)")
+    return out
+
+
 def decode(encoding: Encoding, weight: "torch.Tensor", scale: "torch.Tensor", what: str = "",
            global_scale: "torch.Tensor | None" = None) -> "torch.Tensor":
     """The fp32 values of a stored weight and its scale tensor (and NVFP4's global scale) under `encoding`."""
     if encoding.kind in MX_KINDS:
         return decode_mxfp4(weight, scale, what or "MXFP4 weight")
-    if encoding.kind == CT_NVFP4:
+    if encoding.kind in NVFP4_KINDS:
         if global_scale is None:
             raise QuantError(f"{what or 'NVFP4 weight'}: no global scale")
-        return decode_nvfp4(weight, scale, global_scale, what or "NVFP4 weight")
+        return decode_nvfp4(weight, scale, global_scale, what or "NVFP4 weight",
+                            multiplies=encoding.kind == MODELOPT_NVFP4)
+    if encoding.kind == QUARK_FP8:
+        return decode_fp8_scaled(weight, scale, what or "FP8 weight")
     return decode_fp8_ue8m0(weight, scale, encoding.block, what or "FP8 weight")
 
 
@@ -315,6 +370,17 @@ def to_quark_mxfp8(q: "torch.Tensor", scales: "torch.Tensor", block: tuple[int, 
     _check_scales(scale_bytes, "FP8 weight")
     per_group = scale_bytes.repeat_interleave(rb, 0)[:o].repeat_interleave(cb // MX_BLOCK, 1)[:, : i // MX_BLOCK]
     return {"weight": q.contiguous().view(torch.float8_e4m3fn).clone(), "weight_scale": per_group.contiguous().clone()}
+
+
+def to_quark_fp8(q: "torch.Tensor", scale: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """Quark per-channel FP8 parts (float8_e4m3fn `weight` [O, I], F32 `weight_scale` [O]) of a Quark FP8 weight: the
+    same codes, a per-tensor scale written once per row (the same value for every element)."""
+    import torch
+
+    rows = q.shape[0]
+    s = scale.to(torch.float32).reshape(-1)
+    return {"weight": q.contiguous().view(torch.float8_e4m3fn).clone(),
+            "weight_scale": (s if s.numel() == rows else s[:1].expand(rows)).contiguous().clone()}
 
 
 def to_fp8_block(q: "torch.Tensor", scales: "torch.Tensor") -> dict[str, "torch.Tensor"]:
@@ -398,6 +464,50 @@ def encode_nvfp4(x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "to
     return packed, scales, global_scale.to(torch.float32)
 
 
+def encode_modelopt_nvfp4(x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """A 2-D weight as ModelOpt stores NVFP4: (uint8 packed E2M1 [O, I/2], float8_e4m3fn `weight_scale` [O, I/16],
+    F32 `weight_scale_2` []) with ModelOpt's rules (NVFP4QTensor: weight_scale_2 = amax / (6 * 448), each block's
+    scale fp8(amax_block / (6 * weight_scale_2)), elements the nearest E2M1 value of x / (scale * weight_scale_2),
+    even element in the low nibble)."""
+    import torch
+
+    x = x.float()
+    o, i = x.shape
+    scale_2 = (x.abs().amax().clamp(min=1e-12) / (6.0 * 448.0)).reshape(())
+    blocks = x.reshape(o, i // 16, 16)
+    scales = (blocks.abs().amax(-1) / (6.0 * scale_2)).clamp(max=448.0).to(torch.float8_e4m3fn)
+    # vLLM's reference arithmetic (ref_nvfp4_quant): x times 1 / (scale * (1 / global)), global = 1 / scale_2
+    step = scales.float() * (1.0 / (1.0 / scale_2))
+    scaled = (blocks * torch.where(step == 0, torch.zeros_like(step), 1.0 / step).unsqueeze(-1)).clamp(-6.0, 6.0)
+    return _pack_e2m1_even(scaled.reshape(o, i)), scales, scale_2.to(torch.float32)
+
+
+E2M1_EVEN_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints; a tie goes to the even code (RNE)
+
+
+def _pack_e2m1_even(scaled: "torch.Tensor") -> "torch.Tensor":
+    """Packed E2M1 codes of already-scaled values [O, I], rounded to nearest with ties to the even code (ModelOpt's
+    and vLLM's cast_to_fp4), even element in the low nibble."""
+    import torch
+
+    magnitude = scaled.abs()
+    index = torch.zeros_like(magnitude, dtype=torch.int64)
+    for code, bound in enumerate(E2M1_EVEN_BOUNDS, start=1):
+        above = magnitude > bound if code % 2 else magnitude >= bound  # odd codes lose their ties to even ones
+        index += above.to(torch.int64)
+    nibbles = index + (torch.signbit(scaled).to(torch.int64) << 3)
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8)
+
+
+def encode_quark_mxfp8_blocks(x: "torch.Tensor", block: int = MX_BLOCK) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """A 2-D weight as AMD's Quark MXFP8 releases with 2-D blocks spell it (DeepSeek-V4.1-Flash-MXFP4: float8_e4m3fn
+    `weight` [O, I], uint8 `weight_scale` [ceil(O/32), I/32], one E8M0 exponent per 32 x 32 block, vllm#57191)."""
+    import torch
+
+    q, scales = encode_fp8_ue8m0(x, block)
+    return q, scales.view(torch.uint8)
+
+
 def encode_as(kind: str, x: "torch.Tensor", block: int = 128) -> dict[str, "torch.Tensor"]:
     """A 2-D weight written in format `kind` as its release stores it: {tensor-name suffix: tensor} (the weight's
     suffix and its scales', FORMATS), under the release's scale rule (the encoders above); `block`: the square
@@ -420,5 +530,27 @@ def encode_as(kind: str, x: "torch.Tensor", block: int = 128) -> dict[str, "torc
     if kind == CT_NVFP4:
         codes, s, g = encode_nvfp4(x)
         return {fmt.weight: codes, fmt.scale: s, fmt.global_scale: g}
+    if kind == MODELOPT_NVFP4:
+        codes, s, g = encode_modelopt_nvfp4(x)
+        return {fmt.weight: codes, fmt.scale: s, fmt.global_scale: g,
+                ".input_scale": torch.tensor(8.0 / (6.0 * 448.0))}  # a static activation amax of 8
+    if kind == QUARK_MXFP8:
+        q, s = encode_quark_mxfp8_blocks(x)
+        return {fmt.weight: q, fmt.scale: s}
     raise QuantError(f"no release encoder for source format {kind!r} (use one of "
                      f"{', '.join(f.kind for f in FORMATS)})")
+
+
+def exact_blocks(x: "torch.Tensor", packed: "torch.Tensor", scales: "torch.Tensor") -> tuple[int, int]:
+    """(blocks whose MXFP4 encoding `packed` [R, K/2] / `scales` [R, K/32] reproduces the values x [R, K] exactly,
+    blocks): how much of a weight from another 4-bit format (NVFP4) went across without loss. Every scale mode of
+    quant.numerics.mxfp4 is exact on a block MXFP4 can hold exactly (tests/test_nvfp4_sources.py), so the count is
+    the number of such blocks."""
+    import torch
+
+    from quant.numerics import mxfp4
+
+    r, k = x.shape
+    back = mxfp4.dequantize_mxfp4(packed, scales, dtype=torch.float32).reshape(r, k // MX_BLOCK, MX_BLOCK)
+    same = (back == x.float().reshape(r, k // MX_BLOCK, MX_BLOCK)).all(-1)
+    return int(same.sum()), same.numel()

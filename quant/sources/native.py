@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from quant.checkpoint import Source
 from quant.errors import QuantError
-from quant.sources.microscaled import (FP8_UE8M0, MX_KINDS, MXFP4, MXFP8, PACKED_KINDS, Encoding, decode,
-                                       recognise, scale_tensors, to_fp8_block, to_quark_mxfp4, to_quark_mxfp8)
+from quant.sources.microscaled import (E8M0_FP8_KINDS, FP8_UE8M0, MX_KINDS, MXFP4, NVFP4_KINDS, PACKED_KINDS,
+                                       QUARK_FP8, Encoding, decode, exact_blocks, recognise, scale_tensors,
+                                       to_fp8_block, to_quark_fp8, to_quark_mxfp4, to_quark_mxfp8)
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +24,7 @@ MICROSCALED = "microscaled"  # Plan.source_format of a checkpoint whose weights 
 MXFP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4")  # targets whose weight is stored exactly as a native MXFP4 source
 MXFP8_SCHEME = "w_mxfp8_a_mxfp8"  # Quark MXFP8: F8_E4M3 weight + uint8 E8M0 weight_scale per [1, 32]
 FP8_BLOCK_SCHEME = "fp8-block"  # the official 128x128 block-FP8 target: F8_E4M3 + F32 weight_scale_inv
+FP8_CHANNEL_SCHEME = "fp8"  # Quark per-channel FP8: F8_E4M3 + F32 weight_scale [O]
 # compressed-tensors formats read here (compressed_tensors.config.CompressionFormat values); "dense" groups are BF16
 CT_FORMATS = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")
 
@@ -68,15 +70,28 @@ def native_source(ckpt: "Checkpoint", name: str, encoding: Encoding) -> NativeSo
 
 
 def passes_through(encoding: Encoding, scheme_name: str | None) -> bool:
-    """A weight whose target is the format it already has keeps its codes and scales bit for bit: MXFP4 (native
-    or compressed-tensors) into MXFP4; E8M0-scaled FP8 (MXFP8 [1, 32] / [32, 32], UE8M0 block FP8) into MXFP8,
-    each block's scale written for every [1, 32] group it covers; UE8M0 128x128 FP8 into 128x128 block FP8 (its E8M0
-    scales written as the F32 powers of two they are). NVFP4 has no Quark target here: it is decoded once."""
+    """A weight whose target is the format it already has keeps its codes and scales bit for bit: MXFP4 (native,
+    compressed-tensors or a Quark export) into MXFP4; E8M0-scaled FP8 (MXFP8 [1, 32] / [32, 32], UE8M0 block FP8)
+    into MXFP8, each block's scale written for every [1, 32] group it covers; UE8M0 128x128 FP8 into 128x128 block
+    FP8 (its E8M0 scales written as the F32 powers of two they are); a Quark FP8 export into per-channel FP8 (a
+    per-tensor scale written once per row). NVFP4 has no Quark target: it is decoded once (`exact_blocks`)."""
     if encoding.kind in MX_KINDS:
         return scheme_name in MXFP4_SCHEMES
-    if encoding.kind in (MXFP8, FP8_UE8M0) and scheme_name == MXFP8_SCHEME:
+    if encoding.kind in E8M0_FP8_KINDS and scheme_name == MXFP8_SCHEME:
         return encoding.block[1] % 32 == 0 and encoding.shape[-1] % 32 == 0
+    if encoding.kind == QUARK_FP8:
+        return scheme_name == FP8_CHANNEL_SCHEME
     return encoding.kind == FP8_UE8M0 and encoding.block == (128, 128) and scheme_name == FP8_BLOCK_SCHEME
+
+
+def loss_account(src: NativeSource, values: "torch.Tensor", parts: dict[str, "torch.Tensor"], scheme_name: str
+                 ) -> dict:
+    """For an NVFP4 weight requantized to MXFP4: how many of its 32-blocks went across exactly (`exact_blocks` of
+    `blocks`), beside the error the manifest records for every requantized weight. Other sources: nothing."""
+    if src.encoding not in NVFP4_KINDS or scheme_name not in MXFP4_SCHEMES or values.dim() != 2:
+        return {}
+    exact, blocks = exact_blocks(values, parts["weight"], parts["weight_scale"])
+    return {"exact_blocks": exact, "blocks": blocks}
 
 
 def read_codes(reader: "SourceReader", src: NativeSource) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -101,7 +116,9 @@ def passthrough_parts(reader: "SourceReader", src: NativeSource, scheme_name: st
     try:
         if src.encoding in MX_KINDS:
             return to_quark_mxfp4(codes, scales)
-        if src.encoding == MXFP8 or scheme_name == MXFP8_SCHEME:
+        if src.encoding == QUARK_FP8:
+            return to_quark_fp8(codes, scales)
+        if scheme_name == MXFP8_SCHEME:
             return to_quark_mxfp8(codes, scales, src.block)
         return to_fp8_block(codes, scales)
     except QuantError as e:
