@@ -238,6 +238,10 @@ class EngineRules:
     config_registry: list[str] = rule(
         [], "model types whose config.json the engine parses with a config class of its own, not transformers' "
             "AutoConfig (a model type neither knows: the engine cannot read config.json)")
+    not_modelled: dict[str, str] = rule(
+        {}, "what the release's classes declare that this profile leaves out on purpose, keyed as "
+            "scripts/check_engine_profile.py names the difference ('name_mappers.Glm5NextForConditionalGeneration'), "
+            "each with why (the checker prints it as a note, not a difference)")
     loader_dequantizes: dict[str, list[str]] = rule(
         {}, "regex of an unquantized module -> stored formats the loader dequantizes into it")
     row_parallel: list[str] = rule([], "regexes of row-parallel modules (TP splits their input)")
