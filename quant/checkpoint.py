@@ -36,7 +36,7 @@ SINGLE_FILE = "model.safetensors"
 # torch is imported lazily: the preflight reads only headers and must not pay torch's import time.
 TORCH_DTYPE_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
                      "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-                     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+                     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "F32": 4,
                "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}

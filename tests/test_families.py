@@ -78,7 +78,7 @@ def test_the_family_layer_imports_nothing_above_it():
     for mod, deps in graph.items():
         if mod.startswith("quant.families"):
             assert deps <= {"quant.errors", "quant.paths", "quant.families", "quant.families.schema",
-                            "quant.families.adapters"}, (mod, deps)
+                            "quant.families.adapters", "quant.families.sidecars"}, (mod, deps)
 
 
 # --------------------------------------------------------------------------------------- strict data files

@@ -21,6 +21,7 @@ from typing import Callable
 
 from quant.errors import QuantError
 from quant.families.schema import BadData, check_keys, load_yaml
+from quant.families.sidecars import Sidecar, parse_sidecars
 from quant.paths import MANIFESTS_DIR
 
 __all__ = ["Family", "BadData", "KEEP", "GENERIC", "MtpLayers", "families_dir", "family_names", "load_family",
@@ -33,7 +34,7 @@ GENERIC = "generic"
 # The keys a family file may hold (each read below); anything else is a misspelling.
 FAMILY_KEYS = ("family", "inherit", "model_types", "architectures", "required_config", "mtp", "fused_experts",
                "mtp_draft", "roles", "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished",
-               "adapter", "transformers_layer", "bf16_under_schemes", "toys", "transformers_since")
+               "adapter", "transformers_layer", "bf16_under_schemes", "toys", "transformers_since", "sidecars")
 MTP_KEYS = ("first_layer_key", "count_key", "keep")
 MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
                   "zero_embedding_at_position_0", "decoder_config", "unsupported")
@@ -114,6 +115,9 @@ class Family:
     # An engine release that runs an older transformers and registers no class of its own cannot read config.json
     # (quant/verify/schema.py). Read from transformers' wheels by scripts/release_parsing.py; never inherited.
     transformers_since: dict[str, str] = field(default_factory=dict)
+    # What the release ships beside its decoder weights and the engine needs: tables in the shards, a draft file
+    # beside them (quant/families/sidecars.py); carried over as stored and checked by the preflight; inherited
+    sidecars: list[Sidecar] = field(default_factory=list)
     file: Path | None = None
 
     def architecture_classes(self) -> list[str]:
@@ -295,6 +299,8 @@ def _load_family_file(path: Path) -> Family:
         architectures=architectures,
         toys=dict(toys),
         transformers_since=_transformers_since(data.get("transformers_since"), model_type_list, where),
+        sidecars=parse_sidecars(data["sidecars"], where) if "sidecars" in data else
+        list(parent.sidecars if parent else []),
         file=path,
     )
 

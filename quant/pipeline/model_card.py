@@ -77,8 +77,8 @@ def _role_table(tensors: dict) -> list[str]:
 def _kept_table(tensors: dict) -> list[str]:
     kept: dict[str, int] = defaultdict(int)
     for rec in tensors.values():
-        if rec.get("action") == "copy" and len(rec.get("source_shape") or []) == 2:
-            kept[rec.get("role") or "no role"] += 1
+        if rec.get("action") == "copy" and len(rec.get("source_shape") or []) == 2 and rec.get("role") != "sidecar":
+            kept[rec.get("role") or "no role"] += 1  # sidecars keep their release dtype: _sidecar_section
     lines = ["| role | BF16 weights | why |", "|---|---|---|"]
     for role, n in sorted(kept.items()):
         why = KEEP_REASONS.get(role, f"the recipe leaves the {role} role unquantized")
@@ -129,6 +129,7 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
         *_intro(manifest, config, source, words, serve_on), "",
         *_recipe_section(manifest), "",
         *_kept_section(manifest, config), "",
+        *_sidecar_section(manifest),
         *_error_section(manifest), "",
         *_serve_section(manifest, serve_on), "",
         *_accuracy_placeholder(), "",
@@ -178,6 +179,24 @@ def _kept_section(manifest: dict, config: dict) -> list[str]:
             f"engine looks it up by"
             f"{f', including {len(aliases)} engine-runtime aliases (MTP or wrapper names)' if aliases else ''}.",
             ]
+
+
+def _sidecar_section(manifest: dict) -> list[str]:
+    """The sidecars carried over as stored (quant_manifest.json `sidecars`); nothing when there are none."""
+    rows = []
+    for sidecar in manifest.get("sidecars") or []:
+        if sidecar.get("file"):
+            rows.append(f"| {sidecar['name']} | {sidecar['kind']} | `{sidecar['file']['name']}` | file | as stored |")
+        for name, rec in (sidecar.get("tensors") or {}).items():
+            shape = "x".join(map(str, rec["shape"])) if rec else "missing"
+            rows.append(f"| {sidecar['name']} | {sidecar['kind']} | `{name}` | {rec['dtype'] if rec else '-'} | "
+                        f"{shape} |")
+    if not rows:
+        return []
+    return ["## Sidecars (carried over as stored)", "",
+            "Declared by the source's config and copied byte for byte (sha256 of each in quant_manifest.json "
+            "`sidecars`); `quant verify-manifest` fails an export without them.", "",
+            "| sidecar | kind | tensor / file | dtype | shape |", "|---|---|---|---|---|", *rows, ""]
 
 
 def _error_section(manifest: dict) -> list[str]:

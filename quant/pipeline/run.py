@@ -31,6 +31,7 @@ from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, REC
                                    side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
+from quant.pipeline.sidecars import copy_sidecar_files, sidecar_records
 from quant.pipeline.source_files import (HubChanges, HubFiles, LocalChanges, LocalFiles, check_disk, side_file_names,
                                          source_reference, streamed_reference)
 from quant.pipeline.solver import SolveRequest, WeightSolver
@@ -123,6 +124,8 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total},
                                          "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     side = copy_side_files(src, output)
+    drafts = copy_sidecar_files(plan.family, src_config, src, output.root)  # .safetensors: not a side file
+    output.own(drafts)
     config = {k: v for k, v in src_config.items() if k != "quantization_config"}
     config["quantization_config"] = quantization_config(plan, src_config)
     manifest = {
@@ -130,7 +133,7 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
         "source": {"checkpoint": source_ref, "format": plan.source_format,
                    "shards": {r.source_file: {"sha256": r.source_sha256} for r in results}},
         "output": {"shards": {r.file: {"sha256": r.sha256, "bytes": r.bytes} for r in results},
-                   "copied_files": side},
+                   "copied_files": side + drafts},
         "mtp_layers": plan.mtp_layers,
         "run": {"devices": list(devices or [])},
         "engines": {"checked": list(checked_engines or []), "scheme_loads_in": list(plan.scheme.engines)},
@@ -140,6 +143,9 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
         "summary": summarize(results).to_json(),  # written with the manifest, below
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
+    sidecars = sidecar_records(plan.family, src_config, output.root, weight_map)
+    if sidecars:  # only where the family declares some and the config names them (other manifests unchanged)
+        manifest["sidecars"] = sidecars
     if recipe_file is not None:  # a user's recipe, saved beside the card whose reproduce line names it
         output.stage(RECIPE_FILE, Path(recipe_file).read_bytes())
         manifest["recipe_file"] = RECIPE_FILE

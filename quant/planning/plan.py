@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from quant import __version__
 from quant.checkpoint import FLOAT_DTYPES, SCALE_INV, Checkpoint, Source
 from quant.families import Family, mtp_layers, text_config
+from quant.families.sidecars import sidecar_pattern
 from quant.errors import QuantError
 from quant.planning.recipes import BF16, SCHEME, SECONDARY, Recipe
 from quant.planning.schemes import Scheme, secondary_scheme
@@ -105,6 +106,9 @@ class Planner:
         self.kept: list[str] = []
         self.quantized: dict[str, str] = {}
         self.scales = native.scale_tensors(ckpt.tensors) if self.format == native.MICROSCALED else set()
+        # Sidecar tensors (the family's `sidecars`: Engram tables) are carried over as stored, bytes unchanged:
+        # they are no linear any scheme applies to, and the engine loads them in their release dtype.
+        self.sidecar = sidecar_pattern(family.sidecars)
 
     def treatment(self, module: str) -> tuple[str | None, Scheme | None]:
         """(role, scheme) for a module; scheme None = stays BF16."""
@@ -200,6 +204,9 @@ class Planner:
         jobs: list[TensorJob] = []
         for info in sorted(self.ckpt.shard_tensors(file), key=lambda t: t.name):
             name = info.name
+            if self.sidecar is not None and self.sidecar.match(name):
+                jobs.append(TensorJob(name, "copy", Source(name, info.file), "sidecar"))
+                continue
             if name.endswith(SCALE_INV) and self.format == "fp8-block":
                 if name[: -len(SCALE_INV)] not in self.ckpt.tensors:
                     raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has no matching weight")

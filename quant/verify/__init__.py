@@ -20,6 +20,7 @@ from quant.verify.resolve import ProfileChecker, build_contexts
 from quant.verify.schema import (config_problems, model_config_problems, profile_config_problems,
                                  unparsed_model_type)
 from quant.verify.shapes import config_shapes, consistency_findings
+from quant.verify.sidecars import sidecar_findings
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 
@@ -52,6 +53,7 @@ def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None =
     findings += hygiene.integrity_findings(ckpt)
     shape_of = config_shapes(ckpt.config)
     findings += consistency_findings(ckpt, shape_of)
+    findings += sidecar_findings(ckpt)
     for profile in profiles:
         findings += model_config_problems(ckpt.config, profile)
     if is_block_fp8(ckpt.config):

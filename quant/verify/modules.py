@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from quant.checkpoint import Checkpoint, TensorInfo
+from quant.errors import QuantError
+from quant.families import family_for_config
+from quant.families.sidecars import sidecar_pattern
 from quant.families.shapes import LM_LAYER  # model.layers.N. and the VL wrappers' language-model layers
 
 
@@ -33,11 +36,21 @@ class Module:
         return w is not None and len(w.shape) == 2
 
 
+def _sidecar_tensors(config: dict):
+    """The family's sidecar tensors (Engram tables): no engine builds them from the quant config (vLLM's
+    ParallelEngramEmbedding has none), so they are no module here; quant/verify/sidecars.py checks them."""
+    try:
+        return sidecar_pattern(family_for_config(config).sidecars)
+    except QuantError:
+        return None
+
+
 def inventory(ckpt: Checkpoint) -> dict[str, Module]:
     modules: dict[str, Module] = {}
+    sidecar = _sidecar_tensors(ckpt.config)
     for name, info in ckpt.tensors.items():
         prefix, _, suffix = name.rpartition(".")
-        if not prefix:
+        if not prefix or (sidecar is not None and sidecar.match(name)):
             continue
         mod = modules.get(prefix)
         if mod is None:

@@ -1,0 +1,115 @@
+"""Sidecars: what a release ships beside its decoder weights that the engine needs but no quantizer should touch
+(DeepSeek-V4.1's FP8 Engram hash tables, a separate DSpark draft file), declared as data in the family file's
+`sidecars` key (manifests/families/deepseek_v4.yaml documents the keys).
+
+A sidecar is declared by a key of the (text) config: present and non-empty means the release must carry it. It is
+either tensors of the checkpoint (`tensors`: name templates over `{i}`, the declaring list's values, and `{k}`,
+their positions; each with the dtype and shape the engine allocates, arithmetic over the config's keys, lists
+indexable: `engram_num_embeddings[k]`), or a file beside the shards (`file`, possibly not in the index). The
+planner copies sidecar tensors as stored, the manifest lists them with the sha256 of their bytes, and the
+preflight (quant/verify/sidecars.py) fails an export that lacks one or whose dtype/shape differs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from quant.families.schema import BadData, check_keys
+
+__all__ = ["Sidecar", "Expected", "parse_sidecars", "sidecar_pattern", "expected_sidecars"]
+
+SIDECAR_KEYS = ("kind", "declared_by", "tensors", "file", "source")
+TENSOR_KEYS = ("dtype", "shape")
+KINDS = ("table", "draft", "file")
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    name: str
+    kind: str  # table (tensors in the shards) | draft | file (a file of its own beside the shards)
+    declared_by: str  # the text-config key declaring it
+    tensors: dict[str, dict] = field(default_factory=dict)  # name template -> {dtype, shape: [expr, ...]}
+    file: str | None = None
+    source: str = ""  # where the engine's dtype/shape come from (file:line), shown in findings
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One sidecar a config declares: its tensors with the dtype and shape the engine builds (shape None: a
+    formula the config cannot evaluate), or its file."""
+
+    sidecar: Sidecar
+    tensors: dict[str, tuple[str, tuple[int, ...] | None]]
+    file: str | None
+
+
+def parse_sidecars(value, where: str) -> list[Sidecar]:
+    """The family file's `sidecars: {name: spec}`, strictly (an unknown key is an error naming it)."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise BadData(f"{where}: sidecars must be a mapping of sidecar name -> spec")
+    out = []
+    for name, spec in value.items():
+        spec = check_keys(spec, SIDECAR_KEYS, where, f"sidecars.{name}")
+        kind, tensors, file = spec.get("kind"), spec.get("tensors") or {}, spec.get("file")
+        if kind not in KINDS or not isinstance(spec.get("declared_by"), str):
+            raise BadData(f"{where}: sidecars.{name} needs kind ({' | '.join(KINDS)}) and declared_by (a config key)")
+        if bool(tensors) == bool(file):
+            raise BadData(f"{where}: sidecars.{name} names tensors or a file (exactly one)")
+        for tensor, tspec in tensors.items():
+            tspec = check_keys(tspec, TENSOR_KEYS, where, f"sidecars.{name}.tensors.{tensor}")
+            if not isinstance(tspec.get("dtype"), str) or not isinstance(tspec.get("shape"), list):
+                raise BadData(f"{where}: sidecars.{name}.tensors.{tensor} needs dtype and shape [expr, ...]")
+        out.append(Sidecar(name, kind, spec["declared_by"], dict(tensors), file, str(spec.get("source", ""))))
+    return out
+
+
+def _template_regex(template: str) -> str:
+    return "^" + re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{k\}", r"\d+") + "$"
+
+
+def sidecar_pattern(sidecars: list[Sidecar]) -> re.Pattern | None:
+    """A regex matching every tensor any of `sidecars` can name (config-independent: the planner copies them)."""
+    parts = [_template_regex(t) for s in sidecars for t in s.tensors]
+    return re.compile("|".join(parts)) if parts else None
+
+
+def _values(text: dict) -> dict:
+    """The config's integers and lists of integers, the names a shape formula may use."""
+    def ok(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    return {k: v for k, v in text.items() if ok(v) or (isinstance(v, list) and v and all(ok(x) for x in v))}
+
+
+def _shape(exprs: list, values: dict) -> tuple[int, ...] | None:
+    dims = []
+    for expr in exprs:
+        try:
+            # The family's own manifest data evaluated over the config's integers (as quant.families.shapes does).
+            dim = eval(compile(str(expr), "<sidecar shape>", "eval"), {"__builtins__": {}}, values)
+        except (NameError, SyntaxError, TypeError, IndexError, ZeroDivisionError, ValueError):
+            return None
+        if not isinstance(dim, int) or dim <= 0:
+            return None
+        dims.append(dim)
+    return tuple(dims)
+
+
+def expected_sidecars(sidecars: list[Sidecar], text: dict) -> list[Expected]:
+    """The sidecars the text config `text` declares, each with the tensors (name -> (dtype, shape)) or file the
+    export must carry. A list-valued declaring key (engram_layer_ids) expands `{i}` over its values."""
+    out = []
+    for sidecar in sidecars:
+        declared = text.get(sidecar.declared_by)
+        if not declared:
+            continue
+        positions = list(enumerate(declared)) if isinstance(declared, list) else [(0, 0)]
+        tensors = {}
+        for k, i in positions:
+            values = {**_values(text), "k": k, "i": i}
+            for template, spec in sidecar.tensors.items():
+                tensors[template.format(i=i, k=k)] = (spec["dtype"], _shape(spec["shape"], values))
+        out.append(Expected(sidecar, tensors, sidecar.file))
+    return out

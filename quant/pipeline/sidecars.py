@@ -1,0 +1,61 @@
+"""The export's record of its sidecars (the family's `sidecars`, quant/families/sidecars.py): which tables or files
+the source's config declares, where each landed, its dtype, shape and the sha256 of its bytes as written (equal to
+the source's: the planner copies sidecar tensors, and a sidecar file is copied byte for byte here)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+from quant.families import load_family, text_config
+from quant.families.sidecars import expected_sidecars
+from quant.files import sha256_file
+from quant.safetensors_header import read_header
+
+__all__ = ["sidecar_records", "copy_sidecar_files"]
+
+
+def _tensor_sha256(path: Path, name: str) -> tuple[str, list[int], str]:
+    """(dtype, shape, sha256 of the tensor's bytes) of tensor `name` in the safetensors file `path`: its header and
+    its own byte range only."""
+    tensors, start, offsets = read_header(path)
+    dtype, shape = tensors[name]
+    begin, end = offsets[name]
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        digest = hashlib.sha256(f.read(end - begin)).hexdigest()
+    return dtype, list(shape), digest
+
+
+def copy_sidecar_files(family_name: str, config: dict, src: Path, out: Path) -> list[str]:
+    """Copy, byte for byte, each sidecar file the config declares and the source has (a draft beside the shards,
+    possibly not in the index). Returns the names copied."""
+    copied = []
+    for exp in expected_sidecars(load_family(family_name).sidecars, text_config(config)):
+        if exp.file and (Path(src) / exp.file).is_file():
+            shutil.copy2(Path(src) / exp.file, Path(out) / exp.file)
+            copied.append(exp.file)
+    return copied
+
+
+def sidecar_records(family_name: str, config: dict, out: Path, weight_map: dict[str, str]) -> list[dict]:
+    """quant_manifest.json `sidecars`: per declared sidecar its name, kind, declaring key and, per tensor, the
+    output shard, dtype, shape and sha256 (or the file and its sha256)."""
+    records = []
+    for exp in expected_sidecars(load_family(family_name).sidecars, text_config(config)):
+        record = {"name": exp.sidecar.name, "kind": exp.sidecar.kind, "declared_by": exp.sidecar.declared_by}
+        if exp.file:
+            path = Path(out) / exp.file
+            record["file"] = {"name": exp.file, "sha256": sha256_file(path) if path.is_file() else None}
+        else:
+            record["tensors"] = {}
+            for name in exp.tensors:
+                shard = weight_map.get(name)
+                if shard is None:
+                    record["tensors"][name] = None  # the source lacked it: the preflight names it
+                    continue
+                dtype, shape, digest = _tensor_sha256(Path(out) / shard, name)
+                record["tensors"][name] = {"file": shard, "dtype": dtype, "shape": shape, "sha256": digest}
+        records.append(record)
+    return records
