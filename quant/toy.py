@@ -28,6 +28,7 @@ from quant.errors import QuantError
 from quant.families import families_dir, load_family_file, mtp_count_key
 from quant.families.schema import BadData, check_keys
 from quant.paths import MANIFESTS_DIR
+from quant.toy_release import RELEASE_EXTRAS_KEYS, encode_rows, release_extras
 from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
 
 __all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard_size", "write_safetensors"]
@@ -39,9 +40,9 @@ MANIFEST_KEYS = ("order", "quantization_config", "perturbations")
 TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
             "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb_base", "perturb", "config_json_renames",
             "renames", "fp8_block", "native", "release_files", "layout", "release_format",
-            "release_ignore")
+            "release_ignore", "release_extras")
 TOY_MTP_KEYS = ("layer_prefix", "extras_prefix", "extras", "fused_experts", "layer_type", "mlp_layer_type", "drop")
-TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config")
+TOY_NATIVE_KEYS = ("mxfp4", "fp8_ue8m0", "bf16_tensors", "quantization_config", "fp8_block")
 TOY_FP8_KEYS = ("quantize", "modules_to_not_convert", "keep_unmatched_modules", "fused_experts",
                 "quantization_config")
 
@@ -107,6 +108,7 @@ class ToyFamily:
     layout: dict | None = None  # every tensor of a family transformers has no class for (quant/toy_layout.py)
     release_format: str | None = None  # the release's storage (a source format) the toy is written in by default
     release_ignore: tuple[str, ...] = ()  # the release's own ignore list for it (else the format's, per module)
+    release_extras: dict | None = None  # what the release adds to the transformers model (quant/toy_release.py)
     family: str | None = None  # the model family whose file defines the toy
     file: Path | None = None  # that file
 
@@ -138,6 +140,7 @@ def _manifest(path: Path = TOYS_MANIFEST, families: Path | None = None) -> dict:
             check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
             check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
             check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
+            check_keys(spec.get("release_extras"), RELEASE_EXTRAS_KEYS, where, "release_extras")
             found[name] = (family.name, file, _with_perturb_base(spec, tables, where))
     missing = [n for n in found if n not in order]
     if missing:
@@ -216,6 +219,7 @@ def toy_family(name: str) -> ToyFamily:
         layout=dict(spec["layout"]) if spec.get("layout") else None,
         release_format=spec.get("release_format"),
         release_ignore=tuple(spec.get("release_ignore") or ()),
+        release_extras=dict(spec["release_extras"]) if spec.get("release_extras") else None,
         family=family,
         file=file,
     )
@@ -308,9 +312,13 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     _cast_f32(tensors, family.f32_tensors)
     _perturb(tensors, family.perturb, generator)
     config_json = _release_config_json(family, config_json, n_main, n_mtp)
+    if family.release_extras:  # DeepSeek-V4.1: Engram, DSpark heads, vision, nested config (quant/toy_release.py)
+        tensors, config_json = release_extras(family.release_extras, tensors, config_json, n_mtp, seed)
     if family.native and not fp8_block:
         tensors = _microscale(tensors, family.native)
         config_json["quantization_config"] = dict(family.native.get("quantization_config") or {})
+    if family.release_extras and not fp8_block:
+        tensors = encode_rows(tensors, family.release_extras.get("fp8_rows"))
     if fp8_block:
         tensors = _quantize_fp8_block(tensors, family.fp8)
         config_json["quantization_config"] = _quantization_config(family.fp8, tensors, n_main + n_mtp)
@@ -583,7 +591,7 @@ def _microscale(tensors: dict, native: dict) -> dict:
         if name.endswith(".weight") and any(p.search(name) for p in mx):
             out[name], out[name[: -len("weight")] + "scale"] = encode_mxfp4_release(value)
         elif name.endswith(".weight") and any(p.search(name) for p in fp8):
-            out[name], out[name[: -len("weight")] + "scale"] = encode_fp8_ue8m0(value)
+            out[name], out[name[: -len("weight")] + "scale"] = encode_fp8_ue8m0(value, native.get("fp8_block", 128))
         elif any(p.search(name) for p in bf16):
             out[name] = value.to(torch.bfloat16)
         else:

@@ -9,7 +9,9 @@ A layout names each tensor under a group: `model` (once), a layer kind (`layer` 
 log(U(1, 16)), the rest zero: a per-head parameter the release stores padded to another length). Shapes are
 arithmetic over the config's integers, nested dicts flattened with "_" (linear_attn_config.head_dim ->
 linear_attn_config_head_dim). Layer kinds: `{listed_in: KEY, base: 0|1}` (the layer index, plus base, is in the
-list at KEY, dotted for nested dicts), `{below: KEY}` or `{from: KEY}` (the index against an integer key).
+list at KEY, dotted for nested dicts; shapes may use `n`, the layer's position in that list, to index a per-layer
+list key such as engram_num_embeddings[n]), `{below: KEY}` or `{from: KEY}` (the index against an integer key).
+The vision group's shapes also read the text config's keys as text_<key>.
 
 Same name, seed and overrides give byte-identical files (seeded generator, fixed order).
 """
@@ -34,6 +36,8 @@ def _flat(config: dict, prefix: str = "") -> dict[str, int]:
             out.update(_flat(value, f"{prefix}{key}_"))
         elif isinstance(value, int) and not isinstance(value, bool):
             out[prefix + key] = value
+        elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            out[prefix + key] = list(value)  # per-layer sizes (engram_num_embeddings[n])
     return out
 
 
@@ -44,6 +48,15 @@ def _lookup(config: dict, dotted: str):
             raise QuantError(f"toy layout: config has no key {dotted!r}")
         value = value[part]
     return value
+
+
+def _position(layer: int, rules: dict, text: dict) -> dict:
+    """{"n": the layer's position in the list of its first `listed_in` kind} (a per-layer size's index)."""
+    for rule in rules.values():
+        listed = _lookup(text, rule["listed_in"]) if "listed_in" in rule else []
+        if layer + int(rule.get("base", 0)) in listed:
+            return {"n": listed.index(layer + int(rule.get("base", 0)))}
+    return {}
 
 
 def _kinds_of(layer: int, rules: dict, text: dict) -> list[str]:
@@ -95,7 +108,8 @@ def layout_checkpoint(layout: dict, config: dict, text_key: str | None, seed: in
     config = copy.deepcopy(config)
     text = config[text_key] if text_key else config
     values = _flat(text)
-    vision = _flat(config.get("vision_config") or {})
+    # The vision group's shapes read vision_config's keys, and the text config's as text_<key> (an aligner's output).
+    vision = {**{f"text_{k}": v for k, v in values.items()}, **_flat(config.get("vision_config") or {})}
     std = float(text.get("initializer_range", 0.02))
     generator = torch.Generator().manual_seed(seed)
     groups = layout.get("groups") or {}
@@ -117,9 +131,10 @@ def layout_checkpoint(layout: dict, config: dict, text_key: str | None, seed: in
     experts = int(_lookup(text, layout["experts_key"])) if "experts_key" in layout else 0
     for i in range(int(text["num_hidden_layers"])):
         kinds = _kinds_of(i, rules, text)
+        env = {**values, **_position(i, rules, text)}
         for kind in kinds:
             for name, value in (groups.get(kind) or {}).items():
-                add(name.format(i=i), value, values)
+                add(name.format(i=i), value, env)
         if layout.get("expert_kind") in kinds:
             for e in range(experts):
                 for name, value in (groups.get("expert") or {}).items():

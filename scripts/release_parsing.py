@@ -62,6 +62,11 @@ def sglang_registry(z: zipfile.ZipFile) -> set[str]:
     model_types = _class_model_types(z, "sglang/srt/configs/")
     found = {model_types[c] for c in classes if c in model_types}
     found |= set(re.findall(r'_CONFIG_REGISTRY\["([\w-]+)"\]\s*=', src))
+    # 0.5.23: _CONFIG_REGISTRY.update({cls.model_type: cls for cls in DEEPSEEK_V41_CONFIG_CLASSES}), a tuple of the
+    # module sglang/srt/configs/<module>.py imported above it: every model_type that module's classes declare.
+    for tuple_name in re.findall(r"_CONFIG_REGISTRY\.update\(\s*\{cls\.model_type: cls for cls in (\w+)\}", src):
+        module = re.search(rf"from sglang\.srt\.configs\.(\w+) import [^\n]*\b{tuple_name}\b", src).group(1)
+        found |= set(re.findall(r'model_type = "([\w-]+)"', z.read(f"sglang/srt/configs/{module}.py").decode()))
     return found
 
 

@@ -1,0 +1,108 @@
+"""Sidecars (issue #43 items 2 and 4, DeepSeek-V4.1): the Engram tables its config declares (engram_layer_ids) are
+carried over as stored, listed in quant_manifest.json with the sha256 of their bytes, and the preflight fails an
+export that lacks one or stores one in another shape than vLLM allocates (exit 1, README's exit-code table)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quant.families.schema import BadData
+from quant.families.sidecars import parse_sidecars
+from quant.safetensors_header import read_header
+
+TABLE = "layers.1.engram.embed.weight"
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from quant.pipeline.run import quantize_checkpoint
+    from quant.toy import build_toy
+
+    root = tmp_path_factory.mktemp("sidecars")
+    src = build_toy("deepseek-v4.1", root / "t")
+    quantize_checkpoint(src, root / "t-mx")
+    return src, root / "t-mx"
+
+
+def _bytes_sha256(shard: Path, name: str) -> str:
+    _, start, offsets = read_header(shard)
+    begin, end = offsets[name]
+    with open(shard, "rb") as f:
+        f.seek(start + begin)
+        return hashlib.sha256(f.read(end - begin)).hexdigest()
+
+
+def _verify(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quant", "verify-manifest", str(path), "--json"],
+                          capture_output=True, text=True)
+
+
+def _errors(run: subprocess.CompletedProcess) -> list[dict]:
+    return [f for f in json.loads(run.stdout)["findings"] if f["severity"] == "error"]
+
+
+def _rewrite(export: Path, out: Path, change) -> Path:
+    """A copy of the export whose shard is rewritten by `change(tensors)` (the index follows it)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export, out)
+    shard = out / "model.safetensors"
+    tensors = load_file(shard)
+    change(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_declared_tables_are_carried_as_stored_and_listed(export):
+    src, out = export
+    manifest = json.loads((out / "quant_manifest.json").read_text())
+    [engram] = manifest["sidecars"]
+    assert (engram["name"], engram["kind"], engram["declared_by"]) == ("engram", "table", "engram_layer_ids")
+    assert sorted(engram["tensors"]) == [f"layers.{i}.engram.embed.{p}" for i in (0, 1) for p in ("scale", "weight")]
+    for name, rec in engram["tensors"].items():
+        assert rec["sha256"] == _bytes_sha256(src / "model.safetensors", name)
+        assert rec["sha256"] == _bytes_sha256(out / rec["file"], name)
+        assert manifest["tensors"][name]["action"] == "copy" and manifest["tensors"][name]["role"] == "sidecar"
+    assert engram["tensors"][TABLE] | {"sha256": None} == {"file": "model.safetensors", "dtype": "F8_E4M3",
+                                                           "shape": [384, 64], "sha256": None}
+    assert engram["tensors"]["layers.1.engram.embed.scale"]["dtype"] == "F8_E8M0"
+    assert "## Sidecars" in (out / "README.md").read_text()
+    # The routed experts (stored MXFP4) pass through bit for bit, the DSpark stage's included.
+    assert manifest["tensors"]["mtp.0.ffn.experts.0.w1"]["action"] == "passthrough"
+    assert _verify(out).returncode == 0
+
+
+def test_an_export_without_its_engram_table_is_a_named_failure(export, tmp_path):
+    _, out = export
+    broken = _rewrite(out, tmp_path / "no-engram", lambda t: [t.pop(n) for n in list(t) if ".engram.embed." in n])
+    run = _verify(broken)
+    assert run.returncode == 1, run.stdout + run.stderr
+    named = {f["tensor"] for f in _errors(run) if "engram sidecar (engram_layer_ids)" in f["message"]}
+    assert named == {f"layers.{i}.engram.embed.{p}" for i in (0, 1) for p in ("scale", "weight")}
+
+
+def test_a_table_of_another_shape_is_a_named_failure(export, tmp_path):
+    _, out = export
+    broken = _rewrite(out, tmp_path / "short", lambda t: t.update({TABLE: t[TABLE][:-1].clone()}))
+    run = _verify(broken)
+    assert run.returncode == 1, run.stdout + run.stderr
+    [error] = _errors(run)
+    assert error["tensor"] == TABLE and "engram sidecar (engram_layer_ids)" in error["message"]
+    assert "[383, 64] but the engine allocates F8_E4M3 [384, 64]" in error["message"]
+
+
+def test_a_misspelled_sidecar_key_is_refused():
+    with pytest.raises(BadData, match="declard_by"):
+        parse_sidecars({"t": {"kind": "table", "declard_by": "x", "tensors": {}}}, "f.yaml")
+    with pytest.raises(BadData, match="tensors or a file"):
+        parse_sidecars({"t": {"kind": "draft", "declared_by": "x"}}, "f.yaml")
