@@ -322,8 +322,9 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     if fp8_block:
         tensors = _quantize_fp8_block(tensors, family.fp8)
         config_json["quantization_config"] = _quantization_config(family.fp8, tensors, n_main + n_mtp)
-    if source_format:
-        tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, source_format)
+    fmt = source_format or (None if fp8_block else family.release_format)
+    if fmt:
+        tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, fmt)
 
     _write_files(family, directory, tensors, config_json, max_shard_size)
 
@@ -634,7 +635,7 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
                          f"quantized (--fp8-block or a microscaled release)")
     family = family_for_config(config_json)
     roles = spec["roles"] if isinstance(spec["roles"], dict) else dict.fromkeys(spec["roles"], spec.get("encode"))
-    out, kept = {}, []
+    out, kept, encoded = {}, [], {}
     for tensor, value in tensors.items():
         module = tensor[: -len(".weight")] if tensor.endswith(".weight") else None
         if module is None or value.dim() != 2 or "embed" in module or value.shape[-1] % 32:
@@ -644,12 +645,15 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
         if role in roles:
             for suffix, part in encode_as(roles[role], value, spec.get("fp8_block", 128)).items():
                 out[module + suffix] = part
+            encoded[module] = roles[role]
         else:
             out[tensor] = value
             kept.append(module)
     config = json.loads(json.dumps(spec["quantization_config"]))
     if spec.get("ignore_key"):
         config[spec["ignore_key"]] = list(spec.get("ignore_extra") or []) + sorted(kept)
+    if spec.get("layers_key"):  # ModelOpt MIXED_PRECISION: each quantized module's algorithm, by module name
+        config[spec["layers_key"]] = {module: spec["layer_algos"][kind] for module, kind in sorted(encoded.items())}
     return out, config
 
 
