@@ -297,6 +297,9 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     if family.layout:
         return _write_layout_toy(family, directory, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
                                  overrides=overrides, source_format=source_format)
+    if fp8_block and family.release_format:
+        raise QuantError(f"toy {family.name}: no block-FP8 release of this model (its release is "
+                         f"{family.release_format})")
     config, n_main, n_mtp = _model_config(family, overrides)
     fused = family.fused_experts
     if fp8_block and family.fp8.fused_experts is not None:

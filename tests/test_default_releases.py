@@ -42,7 +42,7 @@ def test_quantize_and_verify_manifest_agree_on_the_default_export(toy, toy_facto
 # this architecture"); the rest follow from the releases' wheels (scripts/release_parsing.py: the transformers each
 # requires, its own config registry) and the first transformers release that knows each type.
 CANNOT_READ = {
-    "sglang==0.5.12": {"minimax-m3", "kimi-k3", "glm5-next", "qwen4-exp", "deepseek-v4.1"},
+    "sglang==0.5.12": {"minimax-m3", "minimax-m3.1-flash", "kimi-k3", "glm5-next", "qwen4-exp", "deepseek-v4.1"},
     "sglang==0.5.19": {"glm5-next", "qwen4-exp", "deepseek-v4.1"},
     # no transformers release knows kimi_k3 or deepseek_v41 (engines register their own)
     "transformers==5.23": {"kimi-k3", "deepseek-v4.1"},
