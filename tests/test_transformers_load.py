@@ -58,7 +58,12 @@ def strict_load(path: Path) -> dict:
 
 # Toys of families transformers has no class for (toys.yaml `layout`: Kimi-K3) cannot load here; tests/test_toy.py
 # asserts that transformers still lacks each one, and the SGLang tier loads them.
-TRANSFORMERS_TOYS = tuple(name for name in TOY_NAMES if toy_family(name).config_class)
+# Nor can a toy written as a release transformers has no config class for (DeepSeek-V4.1: `release_extras`), nor a
+# toy stored in a format transformers does not read (MiniMax-M3.1-Flash's ModelOpt NVFP4 experts: tests/test_toy.py
+# reloads its decoded copy, and its dequantized exports load strictly here).
+TRANSFORMERS_TOYS = tuple(name for name in TOY_NAMES
+                          if toy_family(name).config_class and not toy_family(name).release_extras)
+STRICT_TOYS = tuple(name for name in TRANSFORMERS_TOYS if not toy_family(name).release_format)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def toys(tmp_path_factory) -> dict[str, Path]:
     return {name: build_toy(name, root / name) for name in TRANSFORMERS_TOYS}
 
 
-@pytest.mark.parametrize("name", TRANSFORMERS_TOYS)
+@pytest.mark.parametrize("name", STRICT_TOYS)
 def test_every_toy_loads_strictly(toys, name):
     assert strict_load(toys[name]) == {"missing": [], "unexpected": [], "mismatched": []}
 

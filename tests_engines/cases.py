@@ -88,6 +88,11 @@ VLLM_LOADS_ONLY: dict[str, dict] = {
         "reason": "loads; its forward calls FlashInfer's Gemma RMSNorm (minimax_m3/nvidia/model.py:139), GPU-only: "
                   "a load check, no values"},
 }
+# MiniMax-M3.1-Flash (issue #43) is MiniMax-M3's model stored as released (NVFP4 experts, MXFP8 attention): its
+# exports are MiniMax-M3 checkpoints, built, loaded and stopped as M3's. The release itself is no vLLM tier case (it
+# is not what this tool writes; SGLang's CPU refusal of its NVFP4 MoE is recorded in SGLANG_PREFLIGHT_MISSES).
+VLLM_LOADS_ONLY["minimax-m3.1-flash"] = VLLM_LOADS_ONLY["minimax-m3"]
+RELEASE_FORMAT_TOYS = ("minimax-m3.1-flash",)  # exports only: the toy is no BF16 checkpoint
 
 
 def unsupported(case: "Case") -> str | None:
@@ -155,7 +160,8 @@ NEW_FAMILIES = ("glm4.7", "deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m
 def cases() -> list[Case]:
     out = [Case(t, "bf16") for t in ("qwen3-moe", "deepseek-v3", "glm5", "qwen3.5") + NEW_FAMILIES]
     runnable = ("qwen3-moe", "deepseek-v3", "glm5", "qwen3.5") + tuple(t for t in NEW_FAMILIES
-                                                                      if t not in UNSUPPORTED_ON_CPU)
+                                                                      if t not in UNSUPPORTED_ON_CPU) \
+        + RELEASE_FORMAT_TOYS
     for toy in runnable:
         for scheme, recipe in (("w_mxfp4_a_mxfp4", "experts-only"), ("w_mxfp4_a_mxfp4", "all-linear"),
                                ("w_mxfp4", "experts-only"), ("fp8-block", "all-linear")):

@@ -236,27 +236,8 @@ def _load_family_file(path: Path) -> Family:
         check_keys(data["mtp_draft"], MTP_DRAFT_KEYS, where, "mtp_draft")
     check_keys(data.get("decoder_layer"), DECODER_LAYER_KEYS, where, "decoder_layer")
     check_keys(data.get("mtp_unpublished"), MTP_UNPUBLISHED_KEYS, where, "mtp_unpublished")
-    roles: dict[str, list[re.Pattern]] = {KEEP: []}
-    if parent:
-        for role, patterns in parent.roles.items():
-            roles.setdefault(role, []).extend(patterns)
-    if not isinstance(data.get("roles") or {}, dict):
-        raise BadData(f"{where}: roles must be a mapping of role -> regexes")
-    for role, patterns in (data.get("roles") or {}).items():
-        # A family's own patterns go before the inherited ones of the same role.
-        roles[role] = _patterns(patterns, f"{where}: roles.{role}") + roles.get(role, [])
-    shapes = []
-    for pattern, formula in (data.get("shapes") or {}).items():
-        if isinstance(formula, dict):
-            # {model_type: dims, default: dims, layer_types: {layer type: dims}}: a module name that several
-            # layer kinds share (GLM-5.3-Flash's self_attn.o_proj, KDA or MLA) is sized by its layer's type
-            formula = {k: ({t: tuple(v) for t, v in d.items()} if k == "layer_types" else tuple(d))
-                       for k, d in formula.items()}
-        elif isinstance(formula, list):
-            formula = tuple(formula)
-        elif formula is not None:  # null: modules the text config does not size (a vision tower's)
-            raise BadData(f"{where}: shapes[{pattern!r}] must be a list of dimensions, {{model_type: list}} or null")
-        shapes.append((_compile(pattern, f"{where}: shapes"), formula))
+    roles = _roles(data.get("roles"), parent, where)
+    shapes = _shapes(data.get("shapes"), where)
     recipes = {}  # a release recipe describes one published release: never inherited
     for name, spec in (data.get("release_recipes") or {}).items():
         recipes[name] = dict(check_keys(spec, RELEASE_RECIPE_KEYS, where, f"release_recipes.{name}"))
@@ -303,6 +284,36 @@ def _load_family_file(path: Path) -> Family:
         list(parent.sidecars if parent else []),
         file=path,
     )
+
+
+def _roles(value, parent: Family | None, where: str) -> dict[str, list[re.Pattern]]:
+    """role -> regexes: the family's own patterns before the inherited ones of the same role."""
+    roles: dict[str, list[re.Pattern]] = {KEEP: []}
+    if parent:
+        for role, patterns in parent.roles.items():
+            roles.setdefault(role, []).extend(patterns)
+    if not isinstance(value or {}, dict):
+        raise BadData(f"{where}: roles must be a mapping of role -> regexes")
+    for role, patterns in (value or {}).items():
+        roles[role] = _patterns(patterns, f"{where}: roles.{role}") + roles.get(role, [])
+    return roles
+
+
+def _shapes(value, where: str) -> list:
+    """(regex, formula) pairs of the family's own `shapes`."""
+    shapes = []
+    for pattern, formula in (value or {}).items():
+        if isinstance(formula, dict):
+            # {model_type: dims, default: dims, layer_types: {layer type: dims}}: a module name that several
+            # layer kinds share (GLM-5.3-Flash's self_attn.o_proj, KDA or MLA) is sized by its layer's type
+            formula = {k: ({t: tuple(v) for t, v in d.items()} if k == "layer_types" else tuple(d))
+                       for k, d in formula.items()}
+        elif isinstance(formula, list):
+            formula = tuple(formula)
+        elif formula is not None:  # null: modules the text config does not size (a vision tower's)
+            raise BadData(f"{where}: shapes[{pattern!r}] must be a list of dimensions, {{model_type: list}} or null")
+        shapes.append((_compile(pattern, f"{where}: shapes"), formula))
+    return shapes
 
 
 def _transformers_since(value, model_type_list: list[str], where: str) -> dict[str, str]:

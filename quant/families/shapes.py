@@ -26,8 +26,11 @@ def _numbers(config: dict) -> dict[str, int]:
         adapter = family_for_config(config).adapter  # a release spelling the formulas cannot reach (MiniMax-M3)
     except QuantError:
         adapter = None
-    return {k: v for k, v in text_config(adapter(config) if adapter else config).items()
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40}
+    text = text_config(adapter(config) if adapter else config)
+    numbers = {k: v for k, v in text.items() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40}
+    # a list's length sizes modules too (DeepSeek-V4.1's DSpark main_proj reads len(dspark_target_layer_ids))
+    numbers.update({f"len_{k}": len(v) for k, v in text.items() if isinstance(v, list) and v})
+    return numbers
 
 
 def evaluate(expression, values: dict[str, int]) -> int | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from quant.checkpoint import FLOAT_DTYPES, Checkpoint
 from quant.families import text_config
 from quant.engines import Profile
+from quant.verify.modules import decoder_tensors
 from quant.verify.report import Finding
 from quant.verify.shapes import FP8_BLOCK, ShapeOf, block_grid
 
@@ -315,7 +316,7 @@ def block_fp8_findings(ckpt: Checkpoint, profiles: list[Profile], shape_of: Shap
     if not isinstance(skip, list):
         out.append(_all(f"{QCFG}.modules_to_not_convert", "modules_to_not_convert must be a list", "write a list"))
         skip = []
-    tensors = ckpt.tensors
+    tensors = decoder_tensors(ckpt)  # sidecar tables (Engram) keep the release's own scales
     for name, info in sorted(tensors.items()):
         if name.endswith(".weight_scale_inv"):
             weight = tensors.get(name[: -len("_scale_inv")])

@@ -45,6 +45,12 @@ def _sidecar_tensors(config: dict):
         return None
 
 
+def decoder_tensors(ckpt: Checkpoint) -> dict:
+    """The checkpoint's tensors but its sidecars': what the quantization config describes."""
+    sidecar = _sidecar_tensors(ckpt.config)
+    return {n: t for n, t in ckpt.tensors.items() if sidecar is None or not sidecar.match(n)}
+
+
 def inventory(ckpt: Checkpoint) -> dict[str, Module]:
     modules: dict[str, Module] = {}
     sidecar = _sidecar_tensors(ckpt.config)
