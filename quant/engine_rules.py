@@ -171,6 +171,11 @@ class Mtp:
                       "(spec_names -> spec_prefix, the rest -> decoder_prefix, per draft class)")
     draft_layers: Literal["all", "first"] = rule(
         "all", "the declared MTP layers the draft loads: every one, or the first (model.layers.{N}) only")
+    draft_names: dict[str, list[BuildPrefix]] = rule(
+        {}, "checkpoint: architecture -> regex renames, applied in order, of an MTP layer's checkpoint module to the "
+            "name the draft builds it under and looks it up by in the quant config it shares with the target "
+            "(vLLM's GLM-5.3-Flash draft: model.language_model.layers.{N}.* -> model.layers.{N}.*); none: the "
+            "checkpoint's names")
     exclude_runtime_names: bool = rule(
         False, "the exclude entries written for a module of a layer the draft loads also name it by the draft's "
                "runtime name (nextn: a draft class that matches exclude without remapping it needs that spelling)")
@@ -240,7 +245,7 @@ class EngineRules:
             "AutoConfig (a model type neither knows: the engine cannot read config.json)")
     not_modelled: dict[str, str] = rule(
         {}, "what the release's classes declare that this profile leaves out on purpose, keyed as "
-            "scripts/check_engine_profile.py names the difference ('name_mappers.Glm5NextForConditionalGeneration'), "
+            "scripts/check_engine_profile.py names the difference ('name_mappers.<architecture>'), "
             "each with why (the checker prints it as a note, not a difference)")
     loader_dequantizes: dict[str, list[str]] = rule(
         {}, "regex of an unquantized module -> stored formats the loader dequantizes into it")

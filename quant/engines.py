@@ -297,7 +297,8 @@ class Profile:
     def mtp_draft_name(self, module: str, config: dict) -> str | None:
         """The name this release's draft builds checkpoint module `module` under: the NextN runtime name
         (mtp.draft_naming: nextn; "eh_proj" -> "model.eh_proj", "mlp.shared_experts.gate_proj" ->
-        "model.decoder.mlp.shared_experts.gate_proj") or the checkpoint's; None when the draft does not load it
+        "model.decoder.mlp.shared_experts.gate_proj") or the checkpoint's, renamed where the architecture's draft
+        builds it under another name (mtp.draft_names); None when the draft does not load it
         (not in a layer it loads, or a skipped module: embed_tokens and shared_head.head come from the target)."""
         mtp = split_mtp(module, config)
         if mtp is None or mtp[0] not in self.draft_layers(config):
@@ -305,12 +306,18 @@ class Profile:
         rule = self.rules.mtp
         sub = mtp[1]
         if rule.draft_naming == "checkpoint":
-            return module
+            return self.draft_renamer(config).name(module)
         if any(s in sub for s in rule.skip):
             return None
         if any(s in sub for s in rule.spec_names):
             return f"{rule.spec_prefix}.{sub}"
         return f"{rule.decoder_prefix}.{sub}"
+
+    def draft_renamer(self, config: dict) -> Renamer:
+        """How a checkpoint-named draft renames its MTP layers' modules for this architecture (mtp.draft_names;
+        Renamer() = the checkpoint's names)."""
+        rules = self.rules.mtp.draft_names.get(architecture(config)) or []
+        return Renamer(prefixes=tuple((r.match, r.replace, ()) for r in rules))  # one module each (no `into`)
 
     def draft_moe_coarse(self) -> str:
         """The NextN draft's FusedMoE prefix (decoder_prefix.moe_coarse)."""

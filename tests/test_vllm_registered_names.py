@@ -66,15 +66,9 @@ GLM5_NEXT = {
     "model.visual.merger.proj.weight": "visual.merger.proj.weight",
     "lm_head.weight": "language_model.lm_head.weight",
 }
-# engines.yaml gives GLM-5.3-Flash no vLLM mapper: its MTP draft (Glm5NextMTP) builds layer N as model.layers.{N}.*
-# against the target's mapped exclude, which this profile's checkpoint-named draft cannot say (quant/engines.py
-# needs a per-architecture draft rename); with the mapper alone every default export is predicted to fail vLLM.
-GLM5_NEXT_UNMODELLED = pytest.mark.xfail(
-    strict=True, reason="vLLM's GLM-5.3-Flash mapper is not in engines.yaml: its MTP draft's names are not modelled")
-
 EXPECTED = {"qwen4-exp": QWEN4_EXP, "kimi-k3": KIMI_K3,
             "glm5-next": GLM5_NEXT}
-TOYS = [pytest.param("qwen4-exp"), pytest.param("kimi-k3"), pytest.param("glm5-next", marks=GLM5_NEXT_UNMODELLED)]
+TOYS = ["qwen4-exp", "kimi-k3", "glm5-next"]
 
 
 def _config(ckpt: Path) -> dict:
@@ -239,3 +233,60 @@ def test_a_split_ple_key_value_pair_is_the_fused_error(checkpoint_spelled, tmp_p
     (out / "config.json").write_text(json.dumps(config, indent=2))
     errors = _target_errors(out, config)
     assert any("ple.kv_proj" in f.message for f in errors), [f.message for f in errors][:3]
+
+
+# ---- GLM-5.3-Flash's MTP draft ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_glm5_next_draft_builds_the_mtp_layer_as_model_layers(release):
+    """Glm5NextMTP builds MTP layer N as model.layers.{N}.* and looks it up in the target's quant config, whose exclude
+    the target's mapper rewrote (engines.yaml vllm mtp.draft_names): the checkpoint-named entry is mapped away from the
+    draft's name, so the quantizer writes model.layers.{N}.* too (checked against vLLM's own classes by
+    tests_engines/test_vllm_mappers.py)."""
+    p = profile("vllm", release)
+    config = {"architectures": ["Glm5NextForConditionalGeneration"],
+              "text_config": {"num_hidden_layers": 4, "num_nextn_predict_layers": 1}}
+    module = "model.language_model.layers.4.mlp.shared_experts.gate_proj"
+    assert p.mtp_draft_name(module, config) == "model.layers.4.mlp.shared_experts.gate_proj"
+    assert p.quant_config_exclude([module], config) == ["language_model.model.layers.4.mlp.shared_experts.gate_proj"]
+    assert p.draft_exclude_names(module, config) == ["model.layers.4.mlp.shared_experts.gate_proj"]
+    from quant.engines import exclude_aliases
+
+    assert "model.layers.4.mlp.shared_experts.gate_proj" in exclude_aliases(module, config)
+    # a main-model layer is no draft module: no draft name, no draft entry
+    assert p.mtp_draft_name("model.language_model.layers.1.mlp.shared_experts.gate_proj", config) is None
+
+
+@pytest.fixture(scope="module")
+def glm5_next_export(toy_factory, tmp_path_factory):
+    from quant.pipeline import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("glm5-next-default") / "export"
+    quantize_checkpoint(toy_factory("glm5-next"), out, log=lambda m: None)  # the self-check runs: it must pass
+    return out
+
+
+def test_glm5_next_default_export_loads_with_its_draft(glm5_next_export):
+    from quant.verify import verify_checkpoint
+
+    report = verify_checkpoint(glm5_next_export, engines=[f"vllm=={r}" for r in RELEASES])
+    assert not report.errors, [f.message for f in report.errors][:3]
+
+
+def test_glm5_next_draft_needs_the_model_layers_entries(glm5_next_export, tmp_path):
+    """Without the model.layers.{N}.* entries the draft's BF16 modules are built quantized in every release (the
+    target's mapper turns the checkpoint-named and the language_model.model.* entries into names the draft does not
+    use); the main model is unaffected."""
+    from quant.verify import verify_checkpoint
+
+    out = tmp_path / "dropped"
+    shutil.copytree(glm5_next_export, out)
+    config = _config(out)
+    first = config["text_config"]["num_hidden_layers"]
+    q = config["quantization_config"]
+    q["exclude"] = [e for e in q["exclude"] if not e.startswith(f"model.layers.{first}.")]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    errors = verify_checkpoint(out, engines=["vllm==0.32"]).errors
+    assert errors and all(f".layers.{first}." in f.tensor for f in errors), [f.tensor for f in errors]
+    assert all(f"vLLM builds model.layers.{first}." in f.message for f in errors), errors[0].message
+    assert not _target_errors(out, config)

@@ -95,8 +95,10 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     if rules.mtp.draft_naming == "nextn":
         contexts.append(_nextn_draft(profile, config, mtp_modules, packed))
     else:
+        # The draft shares the target's quant config (its exclude and layer_quant_config rewritten with the target's
+        # mapper) and builds the MTP layers under the checkpoint's names or its own (mtp.draft_names).
         contexts.append(BuildContext(
-            "draft", _identity_units(mtp_modules, packed, group_experts, True, cache),
+            "draft", _identity_units(mtp_modules, packed, group_experts, True, cache, profile.draft_renamer(config)),
             contexts[0].exclude, contexts[0].layer_config,
             _any_of(rules.never_quantized + rules.mtp.never_quantized)))
     contexts[-1].whole_fused = whole  # the draft class inherits the target's packed mapping (engines.yaml)
