@@ -174,7 +174,7 @@ class Mtp:
     draft_names: dict[str, list[BuildPrefix]] = rule(
         {}, "checkpoint: architecture -> regex renames, applied in order, of an MTP layer's checkpoint module to the "
             "name the draft builds it under and looks it up by in the quant config it shares with the target "
-            "(vLLM's GLM-5.3-Flash draft: model.language_model.layers.{N}.* -> model.layers.{N}.*); none: the "
+            "(a wrapper's draft building model.language_model.layers.{N}.* as model.layers.{N}.*); none: the "
             "checkpoint's names")
     exclude_runtime_names: bool = rule(
         False, "the exclude entries written for a module of a layer the draft loads also name it by the draft's "
