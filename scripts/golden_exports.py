@@ -100,7 +100,9 @@ def all_cases() -> list[dict]:
         for scheme in SCHEMES:
             for recipe in builtin_recipes()["recipes"]:
                 cases.append(dict(toy=toy, source="bf16", scheme=scheme, recipe=recipe, method="rtn"))
-        if toy_family(toy).config_class is None:  # a layout toy (Kimi-K3): no block-FP8 release, --fp8-block refused
+        family = toy_family(toy)
+        # a layout toy (Kimi-K3) or a toy stored as its release (MiniMax-M3.1-Flash): --fp8-block is refused
+        if family.config_class is None or family.release_format:
             continue
         for scheme in SCHEMES:
             cases.append(dict(toy=toy, source="fp8", scheme=scheme, recipe="experts-only", method="rtn"))
