@@ -5,9 +5,11 @@
 A sidecar is declared by a key of the (text) config: present and non-empty means the release must carry it. It is
 either tensors of the checkpoint (`tensors`: name templates over `{i}`, the declaring list's values, and `{k}`,
 their positions; each with the dtype and shape the engine allocates, arithmetic over the config's keys, lists
-indexable: `engram_num_embeddings[k]`), or a file beside the shards (`file`, possibly not in the index). The
-planner copies sidecar tensors as stored, the manifest lists them with the sha256 of their bytes, and the
-preflight (quant/verify/sidecars.py) fails an export that lacks one or whose dtype/shape differs.
+indexable: `engram_num_embeddings[k]`), or a file beside the shards (`file`, possibly in the index). The planner
+copies sidecar tensors as stored and leaves a sidecar file out of its shards (the pipeline copies it byte for
+byte), the manifest lists them with the sha256 of their bytes, and the preflight (quant/verify/sidecars.py) fails
+an export that lacks one or whose dtype/shape differs. A sidecar file's tensors stay modules to the preflight's
+quantization_config checks: an engine builds a draft with the target's quantization_config.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from quant.families.schema import BadData, check_keys
 
-__all__ = ["Sidecar", "Expected", "parse_sidecars", "sidecar_pattern", "expected_sidecars"]
+__all__ = ["Sidecar", "Expected", "parse_sidecars", "sidecar_pattern", "expected_sidecars", "sidecar_files"]
 
 SIDECAR_KEYS = ("kind", "declared_by", "tensors", "file", "source")
 TENSOR_KEYS = ("dtype", "shape")
@@ -113,3 +115,9 @@ def expected_sidecars(sidecars: list[Sidecar], text: dict) -> list[Expected]:
                 tensors[template.format(i=i, k=k)] = (spec["dtype"], _shape(spec["shape"], values))
         out.append(Expected(sidecar, tensors, sidecar.file))
     return out
+
+
+def sidecar_files(sidecars: list[Sidecar], text: dict) -> set[str]:
+    """The files of the sidecars the text config `text` declares: shipped beside the shards, never planned as one
+    (the pipeline copies them byte for byte)."""
+    return {exp.file for exp in expected_sidecars(sidecars, text) if exp.file}

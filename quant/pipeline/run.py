@@ -31,7 +31,7 @@ from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, REC
                                    side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
-from quant.pipeline.sidecars import copy_sidecar_files, sidecar_records
+from quant.pipeline.sidecars import copy_sidecar_files, sidecar_index, sidecar_records
 from quant.pipeline.source_files import (HubChanges, HubFiles, LocalChanges, LocalFiles, check_disk, side_file_names,
                                          source_reference, streamed_reference)
 from quant.pipeline.solver import SolveRequest, WeightSolver
@@ -121,11 +121,13 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     are published only after the self-check (`Output.publish`). Returns the manifest."""
     weight_map = {name: r.file for r in results for name in r.tensors}
     total = sum(r.bytes for r in results)
-    output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total},
-                                         "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     side = copy_side_files(src, output)
     drafts = copy_sidecar_files(plan.family, src_config, src, output.root)  # .safetensors: not a side file
     output.own(drafts)
+    draft_map, draft_bytes = sidecar_index(output.root, drafts)
+    output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total + draft_bytes},
+                                         "weight_map": dict(sorted({**weight_map, **draft_map}.items()))},
+                                        indent=2))
     config = {k: v for k, v in src_config.items() if k != "quantization_config"}
     config["quantization_config"] = quantization_config(plan, src_config)
     manifest = {

@@ -13,7 +13,7 @@ from quant.families.sidecars import expected_sidecars
 from quant.files import sha256_file
 from quant.safetensors_header import read_header
 
-__all__ = ["sidecar_records", "copy_sidecar_files"]
+__all__ = ["sidecar_records", "copy_sidecar_files", "sidecar_index"]
 
 
 def _tensor_sha256(path: Path, name: str) -> tuple[str, list[int], str]:
@@ -37,6 +37,19 @@ def copy_sidecar_files(family_name: str, config: dict, src: Path, out: Path) -> 
             shutil.copy2(Path(src) / exp.file, Path(out) / exp.file)
             copied.append(exp.file)
     return copied
+
+
+def sidecar_index(out: Path, copied: list[str]) -> tuple[dict[str, str], int]:
+    """(weight_map entries, tensor bytes) of the sidecar files copied into `out`: the export's index lists them,
+    since an engine that finds an index reads only the files it names (SGLang 0.5.23 model_loader/weight_utils.py
+    filter_duplicate_safetensors_files :757-808, which drops every other *.safetensors at :807), and SGLang loads a
+    bundled DSpark draft from the target's own directory (speculative_hook.py:720-735)."""
+    entries, total = {}, 0
+    for name in copied:
+        tensors, _, offsets = read_header(Path(out) / name)
+        entries.update(dict.fromkeys(tensors, name))
+        total += sum(end - begin for begin, end in offsets.values())
+    return entries, total
 
 
 def sidecar_records(family_name: str, config: dict, out: Path, weight_map: dict[str, str]) -> list[dict]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from quant import __version__
 from quant.checkpoint import FLOAT_DTYPES, SCALE_INV, Checkpoint, Source
 from quant.families import Family, mtp_layers, text_config
-from quant.families.sidecars import sidecar_pattern
+from quant.families.sidecars import sidecar_files, sidecar_pattern
 from quant.errors import QuantError
 from quant.planning.recipes import BF16, SCHEME, SECONDARY, Recipe
 from quant.planning.schemes import Scheme, secondary_scheme
@@ -162,6 +162,14 @@ class Planner:
             self.quantized[module] = scheme.name
             jobs.append(TensorJob(module, "quantize", source, role, scheme.name))
 
+    def keep_sidecar_linears(self, files: set[str]) -> None:
+        """A sidecar file's 2-D weights join the kept modules, so the export's exclude names them: an engine builds
+        the draft with the target's quantization_config (SGLang 0.5.23 configs/minimax_vl.py:110) and would make
+        a BF16 draft linear quantized, which its BF16 weight cannot load into."""
+        for info in sorted((t for t in self.ckpt.tensors.values() if t.file in files), key=lambda t: t.name):
+            if info.name.endswith(".weight") and len(info.shape) == 2:
+                self.kept.append(info.name[: -len(".weight")])
+
     def add_native(self, jobs: list[TensorJob], name: str, info, encoding) -> None:
         """A microscaled weight: passthrough when its target is its own format, else decoded exactly once (kept
         BF16: dequantize; another scheme: quantize)."""
@@ -238,9 +246,14 @@ def make_plan(ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, 
         if not any(_layer_of(n) == layer for n in ckpt.tensors):
             raise QuantError(f"{ckpt.root / 'config.json'}: declares MTP layer model.layers.{layer} "
                              f"({planner.mtp.count_key}) but no tensor of that layer is stored")
-    n = len(ckpt.files)
+    # A sidecar file (MiniMax-M3.1's DSpark draft) is copied byte for byte beside the shards (quant/pipeline/
+    # sidecars.py), never planned as one: none of its tensors is quantized or written twice.
+    side = sidecar_files(family.sidecars, planner.config)
+    planner.keep_sidecar_linears(side)
+    files = [f for f in ckpt.files if f not in side]
+    n = len(files)
     shards = []
-    for i, file in enumerate(ckpt.files):
+    for i, file in enumerate(files):
         out = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         shards.append(ShardJob(out, file, ckpt.file_size(file), planner.shard_jobs(file)))
     settings = {"tool": "moe-quant", "version": __version__, "scheme": scheme.name, "scale_mode": scale_mode,
