@@ -28,7 +28,7 @@ from quant.errors import QuantError
 from quant.families import families_dir, load_family_file, mtp_count_key
 from quant.families.schema import BadData, check_keys
 from quant.paths import MANIFESTS_DIR
-from quant.toy_release import RELEASE_EXTRAS_KEYS, encode_rows, release_extras
+from quant.toy_release import FILE_KEYS, RELEASE_EXTRAS_KEYS, encode_rows, merge_into, release_extras, release_file
 from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
 
 __all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard_size", "write_safetensors"]
@@ -141,6 +141,7 @@ def _manifest(path: Path = TOYS_MANIFEST, families: Path | None = None) -> dict:
             check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
             check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
             check_keys(spec.get("release_extras"), RELEASE_EXTRAS_KEYS, where, "release_extras")
+            check_keys((spec.get("release_extras") or {}).get("file"), FILE_KEYS, where, "release_extras.file")
             found[name] = (family.name, file, _with_perturb_base(spec, tables, where))
     missing = [n for n in found if n not in order]
     if missing:
@@ -315,8 +316,10 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     _cast_f32(tensors, family.f32_tensors)
     _perturb(tensors, family.perturb, generator)
     config_json = _release_config_json(family, config_json, n_main, n_mtp)
+    side_file = None  # a file the release ships beside the shards (MiniMax-M3.1's DSpark draft)
     if family.release_extras:  # DeepSeek-V4.1: Engram, DSpark heads, vision, nested config (quant/toy_release.py)
         tensors, config_json = release_extras(family.release_extras, tensors, config_json, n_mtp, seed)
+        side_file, config_json = release_file(family.release_extras, config_json, seed)
     if family.native and not fp8_block:
         tensors = _microscale(tensors, family.native)
         config_json["quantization_config"] = dict(family.native.get("quantization_config") or {})
@@ -329,7 +332,7 @@ def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard
     if fmt:
         tensors, config_json["quantization_config"] = _in_source_format(tensors, config_json, fmt)
 
-    _write_files(family, directory, tensors, config_json, max_shard_size)
+    _write_files(family, directory, tensors, config_json, max_shard_size, side_file)
 
 
 def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
@@ -361,9 +364,12 @@ def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, ma
 
 
 def _write_files(family: ToyFamily, directory: Path, tensors: dict, config_json: dict,
-                 max_shard_size: int | None) -> None:
-    """A toy's files: the shards, config.json, generation config, tokenizer and the release's side files."""
+                 max_shard_size: int | None, side_file: tuple[str, dict] | None = None) -> None:
+    """A toy's files: the shards (and a file of the release's own beside them), config.json, generation config,
+    tokenizer and the release's side files."""
     write_safetensors(tensors, directory, max_shard_size)
+    if side_file:
+        _write_side_file(directory, *side_file)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     _write_generation_config(directory, config_json)
     save_toy_tokenizer(directory)
@@ -533,18 +539,6 @@ def _perturb(tensors: dict, perturb: dict[str, float], generator) -> None:
             tensors[name] = (value.float() + noise).to(value.dtype)
 
 
-def _merge_into(base: dict, extra: dict) -> dict:
-    """Merge `extra` into `base`; a None in `extra` removes the key (a transformers spelling the release lacks)."""
-    for key, value in extra.items():
-        if value is None:
-            base.pop(key, None)
-        elif isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge_into(base[key], value)
-        else:
-            base[key] = value
-    return base
-
-
 def _release_config_json(family: ToyFamily, config_json: dict, n_main: int, n_mtp: int) -> dict:
     """config.json as the real release writes it: MTP layers counted apart, release-only keys (those that
     select code paths in vLLM/SGLang but that transformers' config class does not write), key spellings."""
@@ -562,7 +556,7 @@ def _release_config_json(family: ToyFamily, config_json: dict, n_main: int, n_mt
     for old, new in family.config_json_renames.items():
         if old in text:
             text[new] = text.pop(old)
-    return _merge_into(config_json, copy.deepcopy(family.release_config))
+    return merge_into(config_json, copy.deepcopy(family.release_config))
 
 
 def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
@@ -691,6 +685,27 @@ def write_safetensors(tensors: dict, directory: Path, max_shard_size: int | None
         index = {"metadata": {"total_size": total_size}, "weight_map": split.tensor_to_filename}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return list(split.filename_to_tensors)
+
+
+def _write_side_file(directory: Path, name: str, tensors: dict) -> None:
+    """A safetensors file the release ships beside its shards (MiniMax-M3.1's DSpark draft), listed in the index
+    (written here for a single-shard toy): SGLang 0.5.23 reads only the index's files when there is one
+    (model_loader/weight_utils.py:807), and a sharded release has one."""
+    from safetensors.torch import save
+
+    from quant.safetensors_header import read_header
+
+    (directory / name).write_bytes(save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"}))
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:
+        main, _, offsets = read_header(directory / "model.safetensors")
+        index = {"metadata": {"total_size": sum(e - b for b, e in offsets.values())},
+                 "weight_map": dict.fromkeys(main, "model.safetensors")}
+    index["metadata"]["total_size"] += sum(v.numel() * v.element_size() for v in tensors.values())
+    index["weight_map"].update(dict.fromkeys(tensors, name))
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _write_generation_config(directory: Path, config_json: dict) -> None:

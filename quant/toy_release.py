@@ -10,6 +10,10 @@ Applied after transformers' save and the release's config fixes, before the rele
            a name's `{last}` is the last MTP stage (DSpark heads live on mtp.{last})
   fp8_rows regexes of tables stored as float8_e4m3fn with one E8M0 `.scale` per 32 entries of a row (the Engram
            tables' storage, vLLM's ParallelEngramEmbedding block_size 32)
+  file     a safetensors file the release ships beside its shards (MiniMax-M3.1's DSpark draft): {name, config:
+           the config.json keys declaring it (merged in, as release_config is), layout: its tensors in
+           quant/toy_layout.py's syntax over the text config's keys read over the top level's}; written as stored
+           (no release storage format applies) and listed in the index
 """
 
 from __future__ import annotations
@@ -19,9 +23,22 @@ import re
 
 from quant.errors import QuantError
 
-__all__ = ["RELEASE_EXTRAS_KEYS", "release_extras", "encode_rows"]
+__all__ = ["RELEASE_EXTRAS_KEYS", "FILE_KEYS", "release_extras", "release_file", "encode_rows", "merge_into"]
 
-RELEASE_EXTRAS_KEYS = ("drop", "nest", "layout", "fp8_rows")
+RELEASE_EXTRAS_KEYS = ("drop", "nest", "layout", "fp8_rows", "file")
+FILE_KEYS = ("name", "config", "layout")
+
+
+def merge_into(base: dict, extra: dict) -> dict:
+    """Merge `extra` into `base`; a None in `extra` removes the key (a transformers spelling the release lacks)."""
+    for key, value in extra.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge_into(base[key], value)
+        else:
+            base[key] = value
+    return base
 
 
 def _nest(config_json: dict, nest: dict) -> dict:
@@ -59,6 +76,21 @@ def release_extras(spec: dict, tensors: dict, config_json: dict, n_mtp: int, see
             raise QuantError(f"toy release_extras: the layout names tensors transformers already wrote: {clash[:3]}")
         tensors = {**tensors, **extra}
     return tensors, config_json
+
+
+def release_file(spec: dict, config_json: dict, seed: int) -> tuple[tuple[str, dict] | None, dict]:
+    """((file name, tensors) or None, config.json) of the toy's `release_extras.file`: the keys declaring it merged
+    into config.json, its tensors laid out over the text config read over the top level (quant.families.
+    text_config: a wrapper release may declare it at the top, as MiniMax-M3.1 does its dspark_* keys)."""
+    from quant.families import text_config
+    from quant.toy_layout import layout_checkpoint
+
+    file = spec.get("file")
+    if not file:
+        return None, config_json
+    config_json = merge_into(copy.deepcopy(config_json), copy.deepcopy(file.get("config") or {}))
+    tensors, _ = layout_checkpoint(file["layout"], text_config(config_json), None, seed + 3)
+    return (file["name"], tensors), config_json
 
 
 def encode_rows(tensors: dict, patterns) -> dict:

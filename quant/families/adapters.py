@@ -27,6 +27,28 @@ def minimax_m3_sparse_attention(config: dict) -> dict:
     return {**config, "text_config": {**text, **flat}} if text is inner else {**config, **flat}
 
 
+def minimax_m3_dspark(config: dict) -> dict:
+    """MiniMax-M3.1 sizes its DSpark draft (the family's `dspark` sidecar file) in dspark_config.ffn_hidden_size and
+    text_config.dflash_config.target_layer_ids; the shape formulas read them as SGLang 0.5.23's
+    configure_minimax_m3_dspark resolves them: dspark_ffn_hidden_size (its fallback spelling, configs/minimax_vl.py
+    :82-84) and dspark_target_layer_ids (:101, whose length sizes fc's input). Keys the config already has win."""
+    inner = config.get("text_config")
+    text = inner if isinstance(inner, dict) else config
+    draft = config.get("dspark_config") or text.get("dspark_config")
+    dflash = text.get("dflash_config")
+    found = {"dspark_ffn_hidden_size": draft.get("ffn_hidden_size") if isinstance(draft, dict) else None,
+             "dspark_target_layer_ids": dflash.get("target_layer_ids") if isinstance(dflash, dict) else None}
+    flat = {k: v for k, v in found.items() if v is not None and k not in text and k not in config}
+    if not flat:
+        return config
+    return {**config, "text_config": {**text, **flat}} if text is inner else {**config, **flat}
+
+
+def minimax_m3(config: dict) -> dict:
+    """MiniMax-M3's release spellings the formulas cannot reach: its indexer's sizes, then M3.1's DSpark draft's."""
+    return minimax_m3_dspark(minimax_m3_sparse_attention(config))
+
+
 def kimi_linear_attention(config: dict) -> dict:
     """Kimi-Linear / Kimi-K3 size their KDA layers in text_config.linear_attn_config (num_heads, head_dim,
     short_conv_kernel_size: SGLang 0.5.23 configs/kimi_linear.py, models/kimi_k3.py KimiK3DeltaAttention); the shape
@@ -41,5 +63,6 @@ def kimi_linear_attention(config: dict) -> dict:
     return {**config, "text_config": {**text, **flat}} if text is inner else {**config, **flat}
 
 
-ADAPTERS: dict[str, Callable[[dict], dict]] = {"minimax_m3_sparse_attention": minimax_m3_sparse_attention,
+ADAPTERS: dict[str, Callable[[dict], dict]] = {"minimax_m3": minimax_m3,
+                                                "minimax_m3_sparse_attention": minimax_m3_sparse_attention,
                                                 "kimi_linear_attention": kimi_linear_attention}
