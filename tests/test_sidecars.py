@@ -106,3 +106,58 @@ def test_a_misspelled_sidecar_key_is_refused():
         parse_sidecars({"t": {"kind": "table", "declard_by": "x", "tensors": {}}}, "f.yaml")
     with pytest.raises(BadData, match="tensors or a file"):
         parse_sidecars({"t": {"kind": "draft", "declared_by": "x"}}, "f.yaml")
+
+
+# MiniMax-M3.1-Flash's DSpark draft: a file of its own beside the shards (the minimax_m3_vl family's `dspark`
+# sidecar), declared by the top-level dspark_block_size SGLang 0.5.23 reads (dspark_config.py:162-174).
+DRAFT = "dspark.safetensors"
+
+
+@pytest.fixture(scope="module")
+def draft_export(tmp_path_factory):
+    from quant.pipeline.run import quantize_checkpoint
+    from quant.toy import build_toy
+
+    root = tmp_path_factory.mktemp("draft")
+    src = build_toy("minimax-m3.1-flash", root / "t")
+    quantize_checkpoint(src, root / "t-mx")
+    return src, root / "t-mx"
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_draft_file_is_carried_byte_for_byte_listed_and_never_planned(draft_export):
+    src, out = draft_export
+    manifest = json.loads((out / "quant_manifest.json").read_text())
+    assert manifest["sidecars"] == [{"name": "dspark", "kind": "draft", "declared_by": "dspark_block_size",
+                                     "file": {"name": DRAFT, "sha256": _file_sha256(src / DRAFT)}}]
+    assert (out / DRAFT).read_bytes() == (src / DRAFT).read_bytes()
+    assert DRAFT in manifest["output"]["copied_files"] and DRAFT not in manifest["output"]["shards"]
+    # No draft tensor is planned (quantized or rewritten into a shard), yet the index lists them all: SGLang reads
+    # only the index's files (weight_utils.py:807) and loads the bundled draft from this directory.
+    draft_tensors = set(read_header(src / DRAFT)[0])
+    assert draft_tensors and not draft_tensors & set(manifest["tensors"])
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {n for n, f in weight_map.items() if f == DRAFT} == draft_tensors
+    # The draft's linears are named in the exclude: SGLang builds the draft with the target's quantization_config.
+    assert "language_model.model.dspark.layers.0.decoder_layer.self_attn.q_proj" in manifest["exclude"]
+    assert f"`{DRAFT}`" in (out / "README.md").read_text()
+    assert _verify(out).returncode == 0
+
+
+def test_an_export_without_its_draft_file_is_a_named_failure(draft_export, tmp_path):
+    _, out = draft_export
+    broken = tmp_path / "no-draft"
+    shutil.copytree(out, broken)
+    (broken / DRAFT).unlink()
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != DRAFT}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    run = _verify(broken)
+    assert run.returncode == 1, run.stdout + run.stderr
+    [error] = _errors(run)
+    assert error["tensor"] == DRAFT
+    assert "declares the dspark sidecar (dspark_block_size) but the export has no file dspark.safetensors" \
+        in error["message"]
