@@ -632,7 +632,7 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
                          f"quantized (--fp8-block or a microscaled release)")
     family = family_for_config(config_json)
     roles = spec["roles"] if isinstance(spec["roles"], dict) else dict.fromkeys(spec["roles"], spec.get("encode"))
-    out, kept, encoded = {}, [], {}
+    out, kept = {}, []
     for tensor, value in tensors.items():
         module = tensor[: -len(".weight")] if tensor.endswith(".weight") else None
         if module is None or value.dim() != 2 or "embed" in module or value.shape[-1] % 32:
@@ -642,15 +642,12 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
         if role in roles:
             for suffix, part in encode_as(roles[role], value, spec.get("fp8_block", 128)).items():
                 out[module + suffix] = part
-            encoded[module] = roles[role]
         else:
             out[tensor] = value
             kept.append(module)
     config = json.loads(json.dumps(spec["quantization_config"]))
     if spec.get("ignore_key"):
         config[spec["ignore_key"]] = list(spec.get("ignore_extra") or []) + sorted(kept)
-    if spec.get("layers_key"):  # ModelOpt MIXED_PRECISION: each quantized module's algorithm, by module name
-        config[spec["layers_key"]] = {module: spec["layer_algos"][kind] for module, kind in sorted(encoded.items())}
     return out, config
 
 

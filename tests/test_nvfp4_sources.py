@@ -1,5 +1,6 @@
-"""NVFP4 sources with no BF16 original (issue #43): ModelOpt's layout (MiniMax-M3.1-Flash's routed experts) read from
-headers, decoded as ModelOpt/vLLM decode it, requantized to MXFP4 with the loss against the released NVFP4 in the
+"""NVFP4 sources with no BF16 original (issue #43): ModelOpt's layout (nvidia/*-NVFP4) and compressed-tensors' (the
+layout SGLang 0.5.23 reads MiniMax-M3.1-Flash's routed experts in) read from headers, decoded as each reference
+decodes it, requantized to MXFP4 with the loss against the released NVFP4 in the
 manifest and every block MXFP4 can hold exactly carried over exactly; the release's MXFP8 layers carried over bit for
 bit. The decoder and the toy encoder are checked against vLLM's own NVFP4 code in
 tests_engines/test_source_formats_reference.py."""
@@ -96,23 +97,28 @@ def _export(flash, recipe: str):
     return out, json.loads((out / "quant_manifest.json").read_text())
 
 
-def test_minimax_m31_flash_toy_is_stored_as_released(flash):
+def test_minimax_m31_flash_toy_is_stored_as_sglang_reads_it(flash):
+    """The config contract of SGLang 0.5.23's minimax_m3_nvfp4 method (arg_groups/model_overrides/minimax_m3.py:
+    18-34, layers/quantization/minimax_m3_nvfp4.py:83-103): MXFP8 [1, 32] projections declared by quant_method mxfp8,
+    compressed-tensors NVFP4 routed experts named by moe_quant_algo / moe_quant_format."""
     from safetensors import safe_open
 
     qc = json.loads((flash / "toy" / "config.json").read_text())["quantization_config"]
-    assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "MIXED_PRECISION")
+    assert (qc["quant_method"], qc["weight_block_size"], qc["moe_quant_algo"], qc["moe_quant_format"],
+            qc["group_size"]) == ("mxfp8", [1, 32], "NVFP4", "nvfp4-pack-quantized", 16)
+    assert (qc["kv_cache_quant_algo"], qc["attention_quant_algo"], qc["index_k_quant_type"]) == ("FP8", "FP8", "nvfp4")
     with safe_open(str(flash / "toy" / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_slice(k) for k in f.keys()}
+        tensors = {k: Info_of(f.get_slice(k)) for k in f.keys()}
     kinds = {}
     for name in tensors:
-        enc = ms.recognise({k: Info_of(v) for k, v in tensors.items()}, name) if name.endswith(".weight") else None
+        enc = ms.recognise(tensors, name) if name.endswith((".weight", ".weight_packed")) else None
         if enc is not None:
             kinds[enc.module] = enc.kind
-    algos = {m: e["quant_algo"] for m, e in qc["quantized_layers"].items()}
-    assert algos == {m: {ms.MODELOPT_NVFP4: "NVFP4", ms.MXFP8: "MXFP8"}[k] for m, k in kinds.items()}
-    assert {k for m, k in kinds.items() if ".experts." in m} == {ms.MODELOPT_NVFP4}
+    assert {k for m, k in kinds.items() if ".experts." in m} == {ms.CT_NVFP4}
     assert {k for m, k in kinds.items() if ".self_attn." in m} == {ms.MXFP8}
     assert not any(".shared_experts." in m or ".mlp." in m for m in kinds)
+    assert set(qc["ignored_layers"]) >= {m for m in (n.rsplit(".", 1)[0] for n in tensors)
+                                         if ".shared_experts." in m and m not in kinds}
 
 
 class Info_of:
@@ -123,16 +129,16 @@ class Info_of:
 def test_the_nvfp4_to_mxfp4_loss_is_in_the_manifest_per_tensor(flash):
     out, manifest = _export(flash, "experts-only")
     experts = {n: r for n, r in manifest["tensors"].items() if r.get("role") == "routed_experts"}
-    assert experts and all(r["source_encoding"] == ms.MODELOPT_NVFP4 for r in experts.values())
+    assert experts and all(r["source_encoding"] == ms.CT_NVFP4 for r in experts.values())
     assert all(r["action"] == "quantize" and r["rel_mse"] > 0 and 0 <= r["exact_blocks"] < r["blocks"]
                for r in experts.values())
     assert {r["blocks"] for r in experts.values()} == {128 * 160 // 32, 160 * 128 // 32}
     source = load_file(str(flash / "toy" / "model.safetensors"))
     name = next(iter(experts))
     enc = ms.recognise(headers({k[len(name):]: v for k, v in source.items() if k.startswith(name + ".")}, name),
-                       f"{name}.weight")
-    released = ms.decode(enc, source[f"{name}.weight"], source[f"{name}.weight_scale"],
-                         global_scale=source[f"{name}.weight_scale_2"])
+                       f"{name}.weight_packed")
+    released = ms.decode(enc, source[f"{name}.weight_packed"], source[f"{name}.weight_scale"],
+                         global_scale=source[f"{name}.weight_global_scale"])
     shard = load_file(str(out / "model.safetensors"))
     ours = mxfp4.dequantize_mxfp4(shard[f"{name}.weight"], shard[f"{name}.weight_scale"], dtype=torch.float32)
     d = (ours - released).reshape(-1)

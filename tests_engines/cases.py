@@ -89,8 +89,10 @@ VLLM_LOADS_ONLY: dict[str, dict] = {
                   "a load check, no values"},
 }
 # MiniMax-M3.1-Flash (issue #43) is MiniMax-M3's model stored as released (NVFP4 experts, MXFP8 attention): its
-# exports are MiniMax-M3 checkpoints, built, loaded and stopped as M3's. The release itself is no vLLM tier case (it
-# is not what this tool writes; SGLang's CPU refusal of its NVFP4 MoE is recorded in SGLANG_PREFLIGHT_MISSES).
+# exports are MiniMax-M3 checkpoints, built, loaded and stopped as M3's. The release itself is no vLLM tier case:
+# vLLM 0.32 reads quant_method mxfp8 as MXFP8 throughout (modelopt.py ModelOptMxFp8Config) and has no NVFP4-expert
+# variant (no moe_quant_format anywhere in it), while SGLang 0.5.23's minimax_m3_nvfp4 method builds and loads it (its
+# bf16 case in the SGLang tier).
 VLLM_LOADS_ONLY["minimax-m3.1-flash"] = VLLM_LOADS_ONLY["minimax-m3"]
 RELEASE_FORMAT_TOYS = ("minimax-m3.1-flash",)  # exports only: the toy is no BF16 checkpoint
 
@@ -796,14 +798,8 @@ def sglang_cases() -> list[SglangCase]:
 # preflight's pass, so that modelling one (or the engine changing) fails the expectation and the entry goes. Keys:
 # (case name, release).
 SGLANG_PREFLIGHT_MISSES: dict[tuple[str, str], dict] = {
-    # (0.5.12's FP8 per-channel MLA kv_b_proj failure is engines.yaml schemes.module_failures)
-    # MiniMax-M3.1-Flash as released (issue #43; run 2026-12-05): SGLang 0.5.23 builds its ModelOpt NVFP4 experts only
-    # on Blackwell, or with moe_runner_backend=marlin on SM80+, and refuses on this CPU while building the MoE layer.
-    # The preflight judges what a checkpoint declares against what a release loads, not the GPU it runs on, so this
-    # stays a recorded miss; the MXFP4 export of the same toy loads in 0.5.23 (its export case).
-    ("minimax-m3.1-flash-bf16", "0.5.23"): {
-        "main": Expected("build-error", r"^ValueError: Current platform does not support NVFP4 quantization with the "
-                         r"selected MoE backend", r"\.mlp\.experts$")},
+    # (none now: 0.5.12's FP8 per-channel MLA kv_b_proj failure is engines.yaml schemes.module_failures; the
+    # minimax-m3.1-flash release, stored as SGLang's minimax_m3_nvfp4 method reads it, builds and loads in 0.5.23)
 }
 
 
@@ -844,14 +840,15 @@ SGLANG_BROKEN: dict[tuple[str, str], dict[str, Expected]] = {
     # or the attention's fused_qkv_a_proj_with_mqa (linear.py:274, the uint8 parameter and the BF16 tensor in the
     # message), the shared experts' gate_up_proj (linear.py:725, no message), the routed experts (a size mismatch of
     # the packed half width), or a loader comparing the packed half width with the BF16 tensor ("param_data.shape=...
-    # != loaded_weight.shape=...", first seen in the whole make test-engines run of 2026-11-26). All observed here.
+    # != loaded_weight.shape=...", first seen in the whole make test-engines run of 2026-11-26), or the indexer's wq_b
+    # (the whole run of 2026-12-05). All observed here.
     ("decoder-aliases-dropped", "0.5.12"): {"main": Expected("loaded"), "draft": Expected(
         "load-error", r"^(AssertionError: (param\.shape=torch\.Size\(\[\d+, \d+\]\) param\.dtype=torch\.uint8 "
                       r"loaded_weight\.shape=torch\.Size\(\[\d+, \d+\]\) loaded_weight\.dtype=torch\.bfloat16|"
                       r"param_data\.shape=torch\.Size\(\[\d+, \d+\]\) != loaded_weight\.shape=torch\.Size\(\[\d+, \d+\]\))?|"
                       r"RuntimeError: The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at "
                       r"non-singleton dimension 1)$",
-        r"^model\.layers\.2\.(eh_proj|self_attn\.\w+|mlp\.shared_experts\.\w+|mlp\.experts)$")},
+        r"^model\.layers\.2\.(eh_proj|self_attn\.(indexer\.)?\w+|mlp\.shared_experts\.\w+|mlp\.experts)$")},
     ("decoder-aliases-dropped", "0.5.23"): {"main": Expected("loaded"), "draft": Expected("loaded")},
     **{("fused-qkv-aliases-dropped", r): {
         which: Expected("load-error", "^AssertionError: " + _SHAPES, r"^model\.layers\.[02]\.self_attn\.qkv_proj$")
