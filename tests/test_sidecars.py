@@ -20,15 +20,19 @@ from quant.safetensors_header import read_header
 TABLE = "layers.1.engram.embed.weight"
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
+def _toy_and_export(tmp_path_factory, toy: str) -> tuple[Path, Path]:
     from quant.pipeline.run import quantize_checkpoint
     from quant.toy import build_toy
 
-    root = tmp_path_factory.mktemp("sidecars")
-    src = build_toy("deepseek-v4.1", root / "t")
+    root = tmp_path_factory.mktemp(toy)
+    src = build_toy(toy, root / "t")
     quantize_checkpoint(src, root / "t-mx")
     return src, root / "t-mx"
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    return _toy_and_export(tmp_path_factory, "deepseek-v4.1")
 
 
 def _bytes_sha256(shard: Path, name: str) -> str:
@@ -115,13 +119,7 @@ DRAFT = "dspark.safetensors"
 
 @pytest.fixture(scope="module")
 def draft_export(tmp_path_factory):
-    from quant.pipeline.run import quantize_checkpoint
-    from quant.toy import build_toy
-
-    root = tmp_path_factory.mktemp("draft")
-    src = build_toy("minimax-m3.1-flash", root / "t")
-    quantize_checkpoint(src, root / "t-mx")
-    return src, root / "t-mx"
+    return _toy_and_export(tmp_path_factory, "minimax-m3.1-flash")
 
 
 def _file_sha256(path: Path) -> str:

@@ -31,7 +31,7 @@ from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, REC
                                    side_files)
 from quant.pipeline.progress import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
-from quant.pipeline.sidecars import copy_sidecar_files, sidecar_index, sidecar_records
+from quant.pipeline.sidecars import sidecar_files_present, sidecar_index, sidecar_records
 from quant.pipeline.source_files import (HubChanges, HubFiles, LocalChanges, LocalFiles, check_disk, side_file_names,
                                          source_reference, streamed_reference)
 from quant.pipeline.solver import SolveRequest, WeightSolver
@@ -104,14 +104,13 @@ def quantization_config(plan: Plan, config: dict) -> dict:
                                      secondary_patterns(plan, config))
 
 
-def copy_side_files(src: Path, output: Output) -> list[str]:
-    """Tokenizer, generation config, chat template...: every top-level file that is not weights or ours, each
-    recorded as ours as soon as it is copied."""
-    copied = side_files(src)
-    for name in copied:
+def copy_files(src: Path, output: Output, names: list[str]) -> list[str]:
+    """Copy `names` from the source into OUT byte for byte, recorded as ours as soon as they are copied: the side
+    files (tokenizer, generation config, chat template...) and the family's sidecar files (a separate draft)."""
+    for name in names:
         shutil.copy2(src / name, output.root / name)
-    output.own(copied)
-    return copied
+    output.own(names)
+    return names
 
 
 def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, results: list[ShardResult],
@@ -121,9 +120,8 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     are published only after the self-check (`Output.publish`). Returns the manifest."""
     weight_map = {name: r.file for r in results for name in r.tensors}
     total = sum(r.bytes for r in results)
-    side = copy_side_files(src, output)
-    drafts = copy_sidecar_files(plan.family, src_config, src, output.root)  # .safetensors: not a side file
-    output.own(drafts)
+    side = copy_files(src, output, side_files(src))
+    drafts = copy_files(src, output, sidecar_files_present(plan.family, src_config, src))  # not side files: weights
     draft_map, draft_bytes = sidecar_index(output.root, drafts)
     output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total + draft_bytes},
                                          "weight_map": dict(sorted({**weight_map, **draft_map}.items()))},
@@ -145,7 +143,7 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
         "summary": summarize(results).to_json(),  # written with the manifest, below
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
-    sidecars = sidecar_records(plan.family, src_config, output.root, weight_map)
+    sidecars = sidecar_records(plan.family, src_config, output.root, weight_map, output.sha256)
     if sidecars:  # only where the family declares some and the config names them (other manifests unchanged)
         manifest["sidecars"] = sidecars
     if recipe_file is not None:  # a user's recipe, saved beside the card whose reproduce line names it

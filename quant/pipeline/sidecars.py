@@ -5,15 +5,15 @@ the source's: the planner copies sidecar tensors, and a sidecar file is copied b
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
+from typing import Callable
 
 from quant.families import load_family, text_config
 from quant.families.sidecars import expected_sidecars
 from quant.files import sha256_file
 from quant.safetensors_header import read_header
 
-__all__ = ["sidecar_records", "copy_sidecar_files", "sidecar_index"]
+__all__ = ["sidecar_records", "sidecar_files_present", "sidecar_index"]
 
 
 def _tensor_sha256(path: Path, name: str) -> tuple[str, list[int], str]:
@@ -28,15 +28,11 @@ def _tensor_sha256(path: Path, name: str) -> tuple[str, list[int], str]:
     return dtype, list(shape), digest
 
 
-def copy_sidecar_files(family_name: str, config: dict, src: Path, out: Path) -> list[str]:
-    """Copy, byte for byte, each sidecar file the config declares and the source has (a draft beside the shards,
-    possibly not in the index). Returns the names copied."""
-    copied = []
-    for exp in expected_sidecars(load_family(family_name).sidecars, text_config(config)):
-        if exp.file and (Path(src) / exp.file).is_file():
-            shutil.copy2(Path(src) / exp.file, Path(out) / exp.file)
-            copied.append(exp.file)
-    return copied
+def sidecar_files_present(family_name: str, config: dict, src: Path) -> list[str]:
+    """The sidecar files the config declares and the source has (a draft beside the shards, possibly not in the
+    index): copied into OUT byte for byte, as the side files are."""
+    return [exp.file for exp in expected_sidecars(load_family(family_name).sidecars, text_config(config))
+            if exp.file and (Path(src) / exp.file).is_file()]
 
 
 def sidecar_index(out: Path, copied: list[str]) -> tuple[dict[str, str], int]:
@@ -52,15 +48,17 @@ def sidecar_index(out: Path, copied: list[str]) -> tuple[dict[str, str], int]:
     return entries, total
 
 
-def sidecar_records(family_name: str, config: dict, out: Path, weight_map: dict[str, str]) -> list[dict]:
+def sidecar_records(family_name: str, config: dict, out: Path, weight_map: dict[str, str],
+                    file_sha256: Callable[[Path], str | None] = sha256_file) -> list[dict]:
     """quant_manifest.json `sidecars`: per declared sidecar its name, kind, declaring key and, per tensor, the
-    output shard, dtype, shape and sha256 (or the file and its sha256)."""
+    output shard, dtype, shape and sha256 (or the file and its sha256, from `file_sha256`: the run's own record of
+    what it wrote, so a multi-GB draft is read once)."""
     records = []
     for exp in expected_sidecars(load_family(family_name).sidecars, text_config(config)):
         record = {"name": exp.sidecar.name, "kind": exp.sidecar.kind, "declared_by": exp.sidecar.declared_by}
         if exp.file:
             path = Path(out) / exp.file
-            record["file"] = {"name": exp.file, "sha256": sha256_file(path) if path.is_file() else None}
+            record["file"] = {"name": exp.file, "sha256": file_sha256(path) if path.is_file() else None}
         else:
             record["tensors"] = {}
             for name in exp.tensors:

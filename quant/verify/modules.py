@@ -36,27 +36,22 @@ class Module:
         return w is not None and len(w.shape) == 2
 
 
-def _sidecar_tensors(config: dict):
-    """The family's sidecar tensors (Engram tables): no engine builds them from the quant config (vLLM's
-    ParallelEngramEmbedding has none), so they are no module here; quant/verify/sidecars.py checks them."""
-    try:
-        return sidecar_pattern(family_for_config(config).sidecars)
-    except QuantError:
-        return None
-
-
 def decoder_tensors(ckpt: Checkpoint) -> dict:
-    """The checkpoint's tensors but its sidecars': what the quantization config describes."""
-    sidecar = _sidecar_tensors(ckpt.config)
+    """The checkpoint's tensors but its sidecars' (Engram tables): no engine builds those from the quantization
+    config (vLLM's ParallelEngramEmbedding has none), so they are no module here; quant/verify/sidecars.py checks
+    them."""
+    try:
+        sidecar = sidecar_pattern(family_for_config(ckpt.config).sidecars)
+    except QuantError:
+        sidecar = None
     return {n: t for n, t in ckpt.tensors.items() if sidecar is None or not sidecar.match(n)}
 
 
 def inventory(ckpt: Checkpoint) -> dict[str, Module]:
     modules: dict[str, Module] = {}
-    sidecar = _sidecar_tensors(ckpt.config)
-    for name, info in ckpt.tensors.items():
+    for name, info in decoder_tensors(ckpt).items():
         prefix, _, suffix = name.rpartition(".")
-        if not prefix or (sidecar is not None and sidecar.match(name)):
+        if not prefix:
             continue
         mod = modules.get(prefix)
         if mod is None:
