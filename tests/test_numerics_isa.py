@@ -55,3 +55,30 @@ def test_compiled_kernels_match_eager_on_each_isa(isa, tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["isa"].lower() == isa and not result["broken"], result
     assert result["mismatches"] == [], result
+
+
+SHARED_CACHE_SCRIPT = r"""
+import json, torch
+from quant.numerics import fp8
+x = torch.randn(2053, 1027, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # odd row count: a tail
+q, s = fp8.quantize_fp8_per_channel(x, compiled=True)
+r, t = fp8.quantize_fp8_per_channel(x, compiled=False)
+print(json.dumps({"isa": torch.backends.cpu.get_cpu_capability(),
+                  "equal": torch.equal(q.view(torch.uint8), r.view(torch.uint8)) and torch.equal(s, t)}))
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "avx512"} <= set(_isas()), reason="needs a CPU with AVX2 and AVX-512")
+def test_one_inductor_cache_serves_every_isa(tmp_path):
+    """Issue #48: a kernel compiled under ATEN_CPU_CAPABILITY=avx2, then served from the same inductor cache to a
+    process on the machine's own AVX-512, aborted with a corrupted heap (inductor's cache did not key on the ISA;
+    quant/numerics/_compile.key_inductor_cache_on_isa). Each run, in this order, must finish with the eager bytes."""
+    base = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    base.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), QUANT_CACHE_DIR=str(tmp_path / "kernels"),
+                QUANT_NO_COMPILE="0", QUANT_NO_AOT="1")
+    for isa in ("avx2", None, "avx512", "default"):
+        env = {**base, **({"ATEN_CPU_CAPABILITY": isa} if isa else {})}
+        proc = subprocess.run([sys.executable, "-c", SHARED_CACHE_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, f"ATEN_CPU_CAPABILITY={isa}: exit {proc.returncode}\n{proc.stderr[-1500:]}"
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["equal"], isa

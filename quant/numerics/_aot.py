@@ -126,6 +126,14 @@ class _Call(torch.nn.Module):
         return self.fn(*args)
 
 
+def isa_simdlen() -> int:
+    """The vector width in bits inductor generates code for in this process (ATEN_CPU_CAPABILITY picks it; 0 for
+    `default`, no vectors)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return pick_vec_isa().bit_width()
+
+
 def simd_candidates() -> list[int | None]:
     """Vector widths to try per kernel: the ISA's own (None), and 256 bits on AVX-512 machines. Which is faster
     depends on the kernel and the machine: on a 2-core AVX-512 VM the MXFP4 kernels ran 1.8x faster with 256-bit
@@ -176,8 +184,8 @@ def build_package(name: str, fn: Callable, example: Sequence[torch.Tensor], dyna
         configs = {"aot_inductor.metadata": {"quant_returns_tuple": "1" if returns_tuple else "0",
                                              "quant_kernel": json.dumps([name, signature(example)]),
                                              "quant_simdlen": str(simdlen or "native")}}
-        if simdlen:
-            configs["cpp.simdlen"] = simdlen
+        # Always explicit: the width is then part of inductor's cache key (see _compile.key_inductor_cache_on_isa).
+        configs["cpp.simdlen"] = simdlen or isa_simdlen()
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
         built.append(tmp)
     if len(built) > 1:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quant.numerics._aot import AotCache, build_package
+from quant.numerics._aot import AotCache, build_package, isa_simdlen
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,22 @@ def wants_compiled(size: int, compiled: bool | None = None) -> bool | None:
             return False
         compiled = True if size >= COMPILE_MIN_ELEMENTS else None
     return None if compiled and Kernel.any_broken else compiled
+
+
+def key_inductor_cache_on_isa() -> None:
+    """Put the vector width inductor generates code for into its cache key, before the first compile.
+
+    Inductor picks its CPU vector ISA from ATEN_CPU_CAPABILITY, but its on-disk FX-graph cache keys entries on
+    its config, not on that variable. A graph compiled under `avx2` (8-float vectors) and served from the same
+    cache to a default-ISA AVX-512 process is recompiled there with 16-float `Vectorized<float>`: its full-vector
+    stores, stepping 8 at a time, write 8 floats past the end of the output (the FP8 row scales) and glibc aborts
+    on the corrupted heap ("double free or corruption", issue #48). `cpp.simdlen` is part of the key, and set to
+    the width inductor would pick anyway it changes no generated code. Same class of bug as pytorch/pytorch#184444
+    (the thread count left out of that key)."""
+    from torch._inductor import config
+
+    if config.cpp.simdlen is None:
+        config.cpp.simdlen = isa_simdlen()
 
 
 class Kernel:
@@ -80,6 +96,7 @@ class Kernel:
             return self.eager(*args)
         with self._lock:
             if self._compiled is None:
+                key_inductor_cache_on_isa()
                 self._compiled = torch.compile(self.eager)
         # Only the leading (block) dimension varies between tensors: one dynamic kernel instead of one per shape.
         for a in args:
