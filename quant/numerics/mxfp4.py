@@ -362,15 +362,15 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def _error_sums(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[sum of squared quantization errors, sum of squares of x] over x [R, K] and its MXFP4 encoding: fp32 sums
-    per row, added up in fp64. Codes are decoded arithmetically, not through `_dequantize`'s table: compiled,
+    """[sum of squared quantization errors, sum of squares of x] over x [R, K] and its MXFP4 encoding, summed in
+    fp64 (each error is one IEEE fp32 operation, the same on every CPU; fp32 sums rounded differently per vector ISA). Codes are decoded arithmetically, not through `_dequantize`'s table: compiled,
     a table lookup is a gather the vectoriser cannot handle (six times slower here)."""
     rows = x.shape[0]
     xf = x.to(torch.float32).view(rows, -1, BLOCK // 2, 2)
     q = torch.stack((e2m1_values(packed & 0xF), e2m1_values(packed >> 4)), dim=-1).view(rows, -1, BLOCK // 2, 2)
-    d = xf - q * scale_values(scales).view(rows, -1, 1, 1)
-    per_row = torch.stack(((d * d).sum(dim=(1, 2, 3)), (xf * xf).sum(dim=(1, 2, 3))))
-    return per_row.to(torch.float64).sum(dim=1)
+    d = (xf - q * scale_values(scales).view(rows, -1, 1, 1)).to(torch.float64)
+    xd = xf.to(torch.float64)
+    return torch.stack(((d * d).sum(), (xd * xd).sum()))
 
 
 def _example_error_args(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
