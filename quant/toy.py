@@ -293,6 +293,13 @@ def _check_destination(out: Path, force: bool) -> None:
 
 def _write_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
                overrides: dict, source_format: str | None = None) -> None:
+    with _cpu_independent_numerics():
+        _write_toy_files(family, directory, fp8_block=fp8_block, max_shard_size=max_shard_size, seed=seed,
+                         overrides=overrides, source_format=source_format)
+
+
+def _write_toy_files(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
+                     overrides: dict, source_format: str | None = None) -> None:
     import torch
 
     if family.layout:
@@ -462,6 +469,47 @@ def _transformers_checkpoint(family: ToyFamily, config, *, seed: int, fused_expe
             del tensors[name]
         tensors.update(block)
     return tensors, config_json
+
+
+def _cpu_independent_numerics():
+    """A context in which float32/bf16 random draws (randn, rand, normal_, uniform_) and exp, log, expm1, log1p are
+    computed in float64 and rounded: the toy is then the same bytes on every CPU and under every ATEN_CPU_CAPABILITY.
+
+    ATen's float32 normal_ and uniform_ (bf16's go through them) are vectorised per ISA and round differently under
+    avx2 and default, and its float32 exp/log go through MKL's vector math, whose last bit follows the CPU (an Intel
+    Xeon and an AMD EPYC gave different GLM-5.3-Flash toys: transformers initialises dt_bias as log(-expm1(-exp(u)))
+    of a uniform u). float64 draws are one scalar rule and a float64 result rounded to float32 does not depend on
+    the last bit. Intercepted at the dispatcher (aten ops), so nn.init's wrappers are covered too."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    reduced = (torch.float32, torch.bfloat16, torch.float16)
+    draws = {aten.normal_, aten.uniform_}
+    factories = {aten.randn, aten.rand}
+    functions = {aten.exp: aten.exp, aten.log: aten.log, aten.expm1: aten.expm1, aten.log1p: aten.log1p,
+                 aten.exp_: aten.exp, aten.log_: aten.log, aten.expm1_: aten.expm1, aten.log1p_: aten.log1p}
+
+    class Float64Numerics(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            packet = func.overloadpacket
+            if packet in factories and kwargs.get("dtype", torch.get_default_dtype()) in reduced:
+                return func(*args, **{**kwargs, "dtype": torch.float64}).to(kwargs.get("dtype",
+                                                                                   torch.get_default_dtype()))
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor) or x.dtype not in reduced or x.device.type != "cpu":
+                return func(*args, **kwargs)
+            if packet in draws:
+                value = torch.empty(x.shape, dtype=torch.float64)
+                func(value, *args[1:], **kwargs)
+                return x.copy_(value)
+            if packet in functions and len(args) == 1 and not kwargs:
+                value = functions[packet].default(x.to(torch.float64)).to(x.dtype)
+                return x.copy_(value) if packet is not functions[packet] else value
+            return func(*args, **kwargs)
+
+    return Float64Numerics()
 
 
 def _saved(model, fused_experts: bool, renames=()) -> tuple[dict, dict]:
