@@ -63,11 +63,8 @@ lock:
 	mv $(LOCK).new $(LOCK)
 	rm -rf $(LOCK_VENV)
 
-# ATen's AVX2 kernels on every x86_64 machine, so the demo prints the README's figures (AVX-512 rounds the toy's
-# float32 forward otherwise and flips an answer or two).
-AVX2 := $(shell grep -q ' avx2' /proc/cpuinfo 2>/dev/null && echo avx2)
 demo: $(VENV)/.installed
-	$(if $(AVX2),ATEN_CPU_CAPABILITY=$${ATEN_CPU_CAPABILITY:-avx2}) $(VENV)/bin/quant demo $(DEMO_OUT)
+	$(VENV)/bin/quant demo $(DEMO_OUT)
 
 # The declared layers (pyproject.toml, [tool.importlinter]) first; pytest exits 5 when it collects no tests, which
 # is not a failure of the suite.

@@ -44,7 +44,7 @@ def command(
     timeout: int = typer.Option(3600, help="Seconds per server request"),
     batch_size: int = typer.Option(16, help="In-process batch size"),
     device: Optional[str] = typer.Option(None, help="In-process torch device (default: cuda if available)"),
-    dtype: str = typer.Option("bfloat16", help="In-process compute dtype: bfloat16 | float32"),
+    dtype: str = typer.Option("bfloat16", help="In-process compute dtype: bfloat16 | float32 | float64 (float64: the same answers on every CPU)"),
     thinking: Optional[str] = typer.Option(None, help="Reasoning models: on | off, the chat template's thinking "
                                            "switch (enable_thinking / thinking); reasoning is kept out of answer "
                                            "extraction. Default: the template's own"),

@@ -133,6 +133,8 @@ def qdq_activation(x: torch.Tensor, fmt: ActivationFormat) -> torch.Tensor:
     (DeepSeek's dynamic per-token-group activation quantization), both by quant.numerics.fp8's per-row rule."""
     if x.numel() == 0:
         return x
+    if x.dtype == torch.float64:  # an eval run in float64: the quantizers take float32 (engines feed bf16)
+        return qdq_activation(x.to(torch.float32), fmt).to(torch.float64)
     if fmt.kind == "mxfp4":
         packed, scales = mxfp4.quantize_mxfp4(x, fmt.scale_mode)
         return mxfp4.dequantize_mxfp4(packed, scales, dtype=x.dtype)

@@ -128,3 +128,18 @@ def visible_accelerators() -> int:
 def auto_devices(workers: int, accelerators: int) -> list[str]:
     """`--devices auto`: one worker per visible GPU, else `workers` CPU workers."""
     return [f"cuda:{i}" for i in range(accelerators)] if accelerators else ["cpu"] * max(1, workers)
+
+
+def usable_cpu_attention() -> None:
+    """Keep torch's CPU attention on kernels this process's ATen build can run.
+
+    torch 2.13 picks its bfloat16 flash-attention CPU kernel's AMX path from what the CPU has, not from the vector
+    ISA ATen runs with: under ATEN_CPU_CAPABILITY=avx2 (or default) on an AMX Xeon every bf16
+    scaled_dot_product_attention raises "pack_vnni2 is only supported when avx512 is supported". There the flash
+    kernel is switched off (the math kernel is the reference it approximates); everywhere else nothing changes."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "ZVECTOR", "VSX", "NEON", "SVE256") \
+            or not os.path.exists("/proc/cpuinfo") or " amx_bf16" not in open("/proc/cpuinfo").read():
+        return
+    torch.backends.cuda.enable_flash_sdp(False)  # torch's one switch for the flash kernel, CPU's included

@@ -454,6 +454,8 @@ def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    from quant.process import usable_cpu_attention
+
     import transformers
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -473,6 +475,7 @@ def test_reloads_with_transformers_and_gives_finite_logits(bf16_toys, name):
     auto = AutoModelForImageTextToText if config["model_type"] in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES \
         else AutoModelForCausalLM
     cls = getattr(transformers, config["architectures"][0], auto)
+    usable_cpu_attention()  # as the eval loads a model: torch's AMX attention under a forced AVX2 ISA cannot run
     model = cls.from_pretrained(path)
     ids = AutoTokenizer.from_pretrained(path)(GSM8K_STYLE[:64], return_tensors="pt")["input_ids"]
     with torch.no_grad():
