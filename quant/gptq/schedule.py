@@ -187,7 +187,7 @@ class Workers:
     the manifest's `worker` records repeat between runs on the same devices. CPU workers each get
     `process.cpu_threads(workers)` intra-op threads (OpenMP keeps the count per thread), one worker keeps the
     caller's; so no result may depend on the thread count: the float64 Cholesky factorisation, whose MKL rounding
-    does, always runs on one thread (`solve._one_cpu_thread`; tests/test_gptq_determinism.py). Devices of one kind
+    does, always runs on one thread (`solve.one_cpu_thread`; tests/test_gptq_determinism.py). Devices of one kind
     give identical bytes; a CPU worker beside CUDA ones would not (different kernels)."""
 
     def __init__(self, devices: list[str]):

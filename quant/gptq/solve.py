@@ -36,9 +36,9 @@ def damped_inverse_factor(h: torch.Tensor, damp: torch.Tensor) -> tuple[torch.Te
     """Upper Cholesky factor of H^-1 for each H [E, K, K] (fp32), after adding damp[e] * mean(diag H[e]) to the
     diagonal. Columns no calibration token reached (zero diagonal) get 1, so they are rounded to nearest and
     spread no error. A matrix that is still not positive definite gets ten times the damping, up to three times.
-    Computed on one intra-op thread on CPU (`_one_cpu_thread`): the same bytes in any worker.
+    Computed on one intra-op thread on CPU (`one_cpu_thread`): the same bytes in any worker.
     Returns (factor [E, K, K], the damping used [E])."""
-    with _one_cpu_thread(h.device):
+    with one_cpu_thread(h.device):
         h = h.to(torch.float64).clone()
         k = h.shape[-1]
         diag = h.diagonal(dim1=-2, dim2=-1)
@@ -61,7 +61,7 @@ def damped_inverse_factor(h: torch.Tensor, damp: torch.Tensor) -> tuple[torch.Te
 
 
 @contextlib.contextmanager
-def _one_cpu_thread(device: torch.device):
+def one_cpu_thread(device: torch.device):
     """One intra-op thread for the calling thread (CPU tensors), its own count back after.
 
     Why: MKL's LAPACK (potrf, potri) rounds differently with different thread counts, and the solver's fp32 factor
@@ -116,10 +116,13 @@ def gptq_mxfp4(weight: torch.Tensor, hessian: torch.Tensor, scale_mode: str = "e
 
 def output_error(weight: torch.Tensor, values: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     """Relative output error on the calibration inputs, per matrix: tr(D H D^T) / tr(W H W^T) with D = W - Q, i.e.
-    ||X (W - Q)^T||^2 / ||X W^T||^2 over the tokens that built H. [E] fp32 (0 where the output is zero)."""
+    ||X (W - Q)^T||^2 / ||X W^T||^2 over the tokens that built H. [E] fp32 (0 where the output is zero).
+
+    The traces are summed in float64: an fp32 reduction over R x K rounds by the thread count, and the manifest of a
+    run on ranks (each on its share of the cores) recorded other errors than one process's."""
     w = weight.to(torch.float32)
     d = w - values
     h = hessian.to(torch.float32)
-    num = ((d @ h) * d).sum(dim=(-2, -1))
-    den = ((w @ h) * w).sum(dim=(-2, -1))
-    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(den))
+    num = ((d @ h).double() * d.double()).sum(dim=(-2, -1))
+    den = ((w @ h).double() * w.double()).sum(dim=(-2, -1))
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(den)).to(torch.float32)
