@@ -10,7 +10,7 @@ import traceback
 import typer
 
 from quant.errors import QuantError, machine_failure
-from quant.process import exit_now
+from quant.process import exit_now, supervise
 
 app = typer.Typer(
     name="quant",
@@ -63,6 +63,10 @@ _register()
 
 
 def main() -> None:
+    # The command runs in a child process whose native crash becomes one line and exit 70 (quant.process.supervise)
+    supervised = supervise()
+    if supervised is not None:
+        exit_now(supervised)
     # Output piped into `head` and the like: die quietly of SIGPIPE as Unix tools do (exit 141 in the shell),
     # instead of a traceback or a misleading exit code from the next write to a closed pipe.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)

@@ -3,7 +3,8 @@ allocator, the garbage collector around torch's import, the compute threads of a
 
 Each measure says what it saves and where it was measured; none changes a result, only the time or memory it
 takes. `quant/__init__.py` calls `thread_env()` (it must run before torch loads OpenMP), the quantize command
-calls `reuse_freed_memory()`, the pipeline uses `frozen_imports` and `set_threads`, the CLI `exit_now`. And the
+calls `reuse_freed_memory()`, the pipeline uses `frozen_imports` and `set_threads`, the CLI `exit_now` and
+`supervise` (each command in a child process, whose native crash becomes one line). And the
 accelerators the process can use (`visible_accelerators`, `auto_devices`: what `--devices auto` means, for the
 run and its dry run alike).
 """
@@ -143,3 +144,72 @@ def usable_cpu_attention() -> None:
             or not os.path.exists("/proc/cpuinfo") or " amx_bf16" not in open("/proc/cpuinfo").read():
         return
     torch.backends.cuda.enable_flash_sdp(False)  # torch's one switch for the flash kernel, CPU's included
+
+
+# -------------------------------------------------------------------------------------------- native crashes
+SUPERVISED_ENV = "QUANT_SUPERVISED"  # set for the child by its supervisor (and removed again by the child)
+NO_SUPERVISOR_ENV = "QUANT_NO_SUPERVISOR"
+CRASH_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE")
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_decided = False
+
+
+def supervise() -> int | None:
+    """Run this command line again in a child process and wait for it: its exit code, or None in the child itself
+    (and where supervision is off: QUANT_NO_SUPERVISOR=1, or not a POSIX system), which then runs the command.
+
+    Why: a native fault (a heap corruption in a compiled kernel, a segfault in a library) kills the process before
+    any Python code can report it, and reached the user as glibc's "double free or corruption" and exit 134. Seen
+    from a parent it is one line and exit 70 (a bug, as the README's table says). Any other death by a signal is
+    passed on as it is (the parent dies of the same signal: a shell's 141 for SIGPIPE, what torchrun reports for
+    a killed rank). Signals sent to the parent are passed to the child; a terminal's Ctrl-C reaches both already.
+    The child dies with its parent (PR_SET_PDEATHSIG), so killing the parent never leaves it running."""
+    import signal
+    import subprocess
+
+    global _decided
+    if _decided:  # `quant` runs quant.cli's main after its own: one decision per process
+        return None
+    _decided = True
+    if os.environ.pop(SUPERVISED_ENV, None) is not None or os.environ.get(NO_SUPERVISOR_ENV, "") not in ("", "0") \
+            or os.name != "posix" or not hasattr(signal, "sigwaitinfo"):
+        return None
+    watched = {getattr(signal, name) for name in _FORWARDED} | {signal.SIGCHLD}
+    signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    try:
+        child = subprocess.Popen(sys.orig_argv, env={**os.environ, SUPERVISED_ENV: "1"},
+                                 preexec_fn=lambda: _child_setup(watched))
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
+        return None
+    while child.poll() is None:
+        info = signal.sigtimedwait(watched, 1.0)
+        # si_code <= 0: sent by a process (kill, sigqueue, tgkill) to this one; a terminal's (SI_KERNEL) and the
+        # child's SIGCHLD are not passed on
+        if info is not None and info.si_signo != signal.SIGCHLD and info.si_code <= 0:
+            child.send_signal(info.si_signo)
+    if child.returncode >= 0:
+        return child.returncode
+    died_of = signal.Signals(-child.returncode)
+    if died_of.name in CRASH_SIGNALS:
+        sys.stderr.write(f"error: internal error (the process died of {died_of.name}: a native crash in torch, a "
+                         "compiled kernel or a library); please report it (PYTHONFAULTHANDLER=1 prints where)\n")
+        sys.stderr.flush()
+        return 70
+    if died_of not in (signal.SIGKILL, signal.SIGSTOP):  # the two whose disposition cannot be set
+        signal.signal(died_of, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
+    os.kill(os.getpid(), died_of)
+    return 128 + died_of
+
+
+def _child_setup(blocked: set) -> None:
+    """In the child, before exec: the signals the supervisor blocked unblocked, and death with the parent."""
+    import ctypes
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux; elsewhere there is no such call)
+    except (OSError, AttributeError):
+        pass
