@@ -40,7 +40,7 @@ print(json.dumps({"isa": torch.backends.cpu.get_cpu_capability(), "mismatches": 
 def _isas() -> list[str]:
     import torch
 
-    native = torch.backends.cpu.get_cpu_capability().lower()  # the suite pins avx2 on x86_64 (conftest.py)
+    native = torch.backends.cpu.get_cpu_capability().lower()  # what this process runs (ATEN_CPU_CAPABILITY or the CPU)
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     found = {isa for isa, flag in (("avx2", " avx2"), ("avx512", " avx512bw")) if flag in flags}
     return sorted({native} | found)
