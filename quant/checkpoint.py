@@ -118,6 +118,11 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum((self.root / f).stat().st_size for f in self.files if (self.root / f).is_file())
 
+    def has_file(self, name: str) -> bool:
+        """Whether the checkpoint holds file `name` (a path relative to its root); a Hub checkpoint answers from the
+        repository's file list, without fetching anything."""
+        return (self.root / name).is_file()
+
 
 def is_safe_relative(name: str) -> bool:
     """A file name from an index that stays inside the checkpoint directory."""

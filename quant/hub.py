@@ -311,6 +311,9 @@ class HubCheckpoint(Checkpoint):
     def repo_bytes(self) -> int:
         return sum(size or 0 for size in self.sizes.values())
 
+    def has_file(self, name: str) -> bool:
+        return name in self.sizes
+
     def open_shard(self, file: str) -> _HubShard:
         return _HubShard(self.repo, file)
 

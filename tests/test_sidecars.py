@@ -159,3 +159,31 @@ def test_an_export_without_its_draft_file_is_a_named_failure(draft_export, tmp_p
     assert error["tensor"] == DRAFT
     assert "declares the dspark sidecar (dspark_block_size) but the export has no file dspark.safetensors" \
         in error["message"]
+
+
+def test_a_hub_export_with_a_draft_file_is_preflighted_as_its_local_copy(draft_export, tmp_path):
+    """Issue #49: `verify-manifest ORG/NAME` on a MiniMax-M3.1-Flash export served by the test hub exited 70
+    (`'PurePosixPath' object has no attribute 'is_file'`): the draft file's presence is read from the repository's
+    file list (Checkpoint.has_file). With the draft and without it, the same exit code and findings as the local copy."""
+    import os
+
+    from hub_server import HubServer
+
+    _, out = draft_export
+    broken = tmp_path / "no-draft"
+    shutil.copytree(out, broken, ignore=shutil.ignore_patterns(".quant-*"))
+    (broken / DRAFT).unlink()
+    server = HubServer().start()
+    try:
+        server.add_repo("org/flash", out)
+        server.add_repo("org/flash-no-draft", broken)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        env.update(HF_ENDPOINT=server.url, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf_home"))
+        for repo, local in (("org/flash", out), ("org/flash-no-draft", broken)):
+            remote = subprocess.run([sys.executable, "-m", "quant", "verify-manifest", repo, "--json"], env=env,
+                                    capture_output=True, text=True, timeout=120)
+            here = _verify(local)
+            assert (remote.returncode, remote.stderr) == (here.returncode, here.stderr), remote.stderr
+            assert _errors(remote) == json.loads(json.dumps(_errors(here)).replace(str(local), repo))
+    finally:
+        server.stop()

@@ -39,7 +39,7 @@ def _tensor_findings(exp: Expected, ckpt: Checkpoint) -> list[Finding]:
 
 def _file_finding(exp: Expected, ckpt: Checkpoint) -> list[Finding]:
     side = exp.sidecar
-    if (ckpt.root / exp.file).is_file():
+    if ckpt.has_file(exp.file):
         return []
     return [Finding("error", "all", (), exp.file,
                     f"config.json declares the {side.name} sidecar ({side.declared_by}) but the export has no file "
