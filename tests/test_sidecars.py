@@ -187,3 +187,30 @@ def test_a_hub_export_with_a_draft_file_is_preflighted_as_its_local_copy(draft_e
             assert _errors(remote) == json.loads(json.dumps(_errors(here)).replace(str(local), repo))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "no-stream"])
+def test_a_hub_source_with_a_draft_file_quantizes_to_the_local_bytes(draft_export, tmp_path, streamed):
+    """Issue #49: `quant quantize ORG/NAME OUT --max-disk 20MB` of MiniMax-M3.1-Flash never fetched its draft
+    (a .safetensors file no shard job reads) and failed its own self-check after all the work. The streamed and the
+    download-first runs now give the local export's shards, index and draft."""
+    import os
+
+    from hub_server import HubServer
+
+    src, local = draft_export
+    server = HubServer().start()
+    try:
+        server.add_repo("org/flash", src, content_sha=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        env.update(HF_ENDPOINT=server.url, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf_home"))
+        out = tmp_path / "out"
+        mode = ["--max-disk", "20MB"] if streamed else ["--no-stream"]
+        run = subprocess.run([sys.executable, "-m", "quant", "quantize", "org/flash", str(out), "--no-progress",
+                              *mode], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+    finally:
+        server.stop()
+    for name in sorted(p.name for p in local.glob("*.safetensors")) + ["model.safetensors.index.json"]:
+        assert (out / name).read_bytes() == (local / name).read_bytes(), name
+    assert _verify(out).returncode == 0

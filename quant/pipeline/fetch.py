@@ -30,8 +30,9 @@ from quant.planning.plan import ShardJob
 
 class ShardFetcher:
     def __init__(self, source: HubCheckpoint, scratch: Path, todo: list[ShardJob], budget: int | None,
-                 span: int, base_bytes: int = 0):
+                 span: int, base_bytes: int = 0, fetched_whole: tuple[str, ...] = ()):
         self.source, self.scratch, self.todo, self.budget, self.span = source, scratch, todo, budget, span
+        self.fetched_whole = set(fetched_whole)  # fetched before the shards and kept (a draft file): never forgotten
         self.use = SourceUse.of(todo)
         self.index = {s.file: i for i, s in enumerate(todo)}
         self.users = {f: sum(f in needs for needs in self.use.needs) for f in self.use.first}
@@ -119,7 +120,7 @@ class ShardFetcher:
     def prepare(self) -> None:
         """Keep what an earlier run fetched and this one needs first; delete the rest of the downloads."""
         self.scratch.mkdir(exist_ok=True)
-        repo_files = [f for f in self.source.sizes if f.endswith(".safetensors")]
+        repo_files = [f for f in self.source.sizes if f.endswith(".safetensors") and f not in self.fetched_whole]
         for f in repo_files:
             size = self.source.file_size(f)
             keep = f in self.use.first and self.use.first[f] < self.span

@@ -121,7 +121,8 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
     weight_map = {name: r.file for r in results for name in r.tensors}
     total = sum(r.bytes for r in results)
     side = copy_files(src, output, side_files(src))
-    drafts = copy_files(src, output, sidecar_files_present(plan.family, src_config, src))  # not side files: weights
+    drafts = copy_files(src, output, sidecar_files_present(plan.family, src_config,
+                                                           lambda name: (Path(src) / name).is_file()))  # weights
     draft_map, draft_bytes = sidecar_index(output.root, drafts)
     output.stage(INDEX_FILE, json.dumps({"metadata": {"total_size": total + draft_bytes},
                                          "weight_map": dict(sorted({**weight_map, **draft_map}.items()))},

@@ -28,11 +28,12 @@ def _tensor_sha256(path: Path, name: str) -> tuple[str, list[int], str]:
     return dtype, list(shape), digest
 
 
-def sidecar_files_present(family_name: str, config: dict, src: Path) -> list[str]:
-    """The sidecar files the config declares and the source has (a draft beside the shards, possibly not in the
-    index): copied into OUT byte for byte, as the side files are."""
+def sidecar_files_present(family_name: str, config: dict, has_file: Callable[[str], bool]) -> list[str]:
+    """The sidecar files the config declares and the source has (`has_file`: a directory's, or a Hub repository's
+    file list; a draft beside the shards, possibly not in the index): copied into OUT byte for byte, as the side
+    files are."""
     return [exp.file for exp in expected_sidecars(load_family(family_name).sidecars, text_config(config))
-            if exp.file and (Path(src) / exp.file).is_file()]
+            if exp.file and has_file(exp.file)]
 
 
 def sidecar_index(out: Path, copied: list[str]) -> tuple[dict[str, str], int]:

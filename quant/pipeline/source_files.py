@@ -73,11 +73,13 @@ class HubFiles:
 
     def __enter__(self) -> "HubFiles":
         self.root.mkdir(exist_ok=True)
-        names = side_file_names(self.source)
+        drafts = draft_file_names(self.source)
+        names = side_file_names(self.source) + drafts
         for name in names:
             download(self.source, name, self.root)
         side = sum(self.source.file_size(n) for n in names)
-        self.fetcher = ShardFetcher(self.source, self.root, self.todo, self.budget, self.span, base_bytes=side)
+        self.fetcher = ShardFetcher(self.source, self.root, self.todo, self.budget, self.span, base_bytes=side,
+                                    fetched_whole=tuple(drafts))
         self.fetcher.__enter__()
         if self.fetcher.kept:
             self.log(f"resuming: {self.fetcher.kept} source shard(s) fetched and verified by the earlier run kept")
@@ -177,13 +179,22 @@ def side_file_names(source: HubCheckpoint) -> list[str]:
                   and f not in OWN_FILES and any(fnmatch.fnmatchcase(f, p) for p in HUB_PATTERNS))
 
 
+def draft_file_names(source: HubCheckpoint) -> list[str]:
+    """The sidecar files (a separate draft) the source's config declares and its repository holds: weights, not
+    side files, fetched whole before the shards (a streamed run copies them from what it fetched)."""
+    from quant.families import family_for_config
+    from quant.pipeline.sidecars import sidecar_files_present
+
+    return sidecar_files_present(family_for_config(source.config).name, source.config, source.has_file)
+
+
 def check_disk(plan: Plan, source: HubCheckpoint, budget: int | None, workers: int, look_ahead: int) -> int:
     """Refuse a budget the run cannot keep to, before any work: the largest set of source files one step of the run
     holds (the shards `workers` read at once and `look_ahead` more, with the files they share), plus the side
     files. Returns that figure."""
     sizes = {f: source.file_size(f) for f in source.sizes}
     need, where = required_disk(plan.shards, sizes, workers + look_ahead)
-    need += sum(source.file_size(n) for n in side_file_names(source))
+    need += sum(source.file_size(n) for n in side_file_names(source) + draft_file_names(source))
     if budget is not None and need > budget:
         shard = plan.shards[where]
         raise QuantError(f"--max-disk {_gb(budget)}: too small to stream {source.ref.label}: the run needs "
