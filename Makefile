@@ -24,7 +24,7 @@ help:
 test-wheel: $(VENV)/.installed
 	rm -rf dist && $(PY) -m pip wheel -q --no-deps -w dist .
 	$(PYTHON) -m venv $(WHEEL_WORK)/venv
-	$(WHEEL_WORK)/venv/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) --upgrade pip setuptools
 	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) "$(TORCH_PIN)"
 	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) dist/*.whl
 	cd $(WHEEL_WORK) && PATH=$(WHEEL_WORK)/venv/bin:$$PATH sh -ec '\
@@ -46,20 +46,21 @@ WHEEL_WORK := $(shell mktemp -u -d /tmp/moe-quant-wheel-XXXXXX)
 
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) $(PIP_LOCKED) --upgrade pip setuptools
 	$(PY) $(PIP_LOCKED) "$(TORCH_PIN)"
 	$(PY) $(PIP_LOCKED) -e ".[test]"
 	touch $@
 
 # Refresh the lock: the newest releases pyproject.toml admits, resolved in a scratch venv with only the torch pin,
-# frozen into constraints.txt. Then `make test` (the goldens record the versions they were made with) and commit.
+# frozen into constraints.txt (--all: pip and setuptools too, which every venv installs through the lock first). Then `make test` (the goldens record the versions they were made with) and commit.
 LOCK_VENV := $(shell mktemp -u -d /tmp/moe-quant-lock-XXXXXX)
 lock:
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LOCK_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]"
-	{ sed -n '1,3p' $(LOCK); $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK).new
+	{ sed -n '1,3p' $(LOCK); $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | sed 's/+cpu$$//'; } \
+		> $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 	rm -rf $(LOCK_VENV)
 
