@@ -446,7 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     engine, _, version = args.release.partition("==")
     if engine not in SCHEME_CLASSES or not version:
         parser.error(f"expected sglang==VERSION or vllm==VERSION, got {args.release!r}")
-    profile = profile_for(engine, version, args.profiles)
+    from quant.errors import QuantError
+
+    try:
+        profile = profile_for(engine, version, args.profiles)
+    except QuantError as e:  # a missing, unreadable or malformed --profiles file: one line, as the CLI says it
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     facts, mappers = read_release(engine, version, profile_architectures(profile.rules))
     if args.json:
         print(json.dumps({**facts, "profile_start": profile_start(facts)}, indent=1, sort_keys=True))

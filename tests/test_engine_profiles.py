@@ -12,6 +12,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from quant.cli import app
@@ -115,3 +116,24 @@ def test_033_does_not_probe_expert_leaves_in_layer_quant_config(tmp_path):
         lambda layer: [f"model.layers.{layer}.mlp.experts.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]))
     code, data = verify(full, "vllm==0.33")
     assert code == 0 and data["errors"] == 0
+
+
+@pytest.mark.parametrize("shape", ["missing", "malformed", "list", "directory"])
+def test_check_engine_profile_refuses_a_bad_profiles_file_in_one_line(shape, tmp_path):
+    """Issue #49: `scripts/check_engine_profile.py --profiles F` printed a traceback for each of these."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "engines.yaml"
+    if shape == "malformed":
+        target.write_text("engines: [\n")
+    elif shape == "list":
+        target.write_text("- 1\n- 2\n")
+    elif shape == "directory":
+        target.mkdir()
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_engine_profile.py"
+    run = subprocess.run([sys.executable, str(script), "vllm==0.32.0", "--profiles", str(target)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {target}"), run.stderr
