@@ -541,3 +541,17 @@ def test_fix_never_replaces_an_existing_file_without_overwrite(tmp_path):
     assert "--overwrite" in str(result.exception) and mine.read_text() == "a user's file"
     result = runner.invoke(app, [str(ckpt), "--fix", str(mine), "--overwrite"])
     assert result.exit_code in (0, 1) and mine.read_text() != "a user's file"
+
+
+def test_an_absurd_expert_count_is_named_by_its_key(toy_factory, tmp_path):
+    """Issue #49: a config declaring 10^12 routed experts was refused without naming the key it was read from."""
+    import shutil
+
+    from quant.verify import verify_checkpoint
+
+    ckpt = Path(shutil.copytree(toy_factory("deepseek-v3"), tmp_path / "absurd"))
+    config = json.loads((ckpt / "config.json").read_text())
+    config["n_routed_experts"] = 10 ** 12
+    (ckpt / "config.json").write_text(json.dumps(config))
+    messages = [f.message for f in verify_checkpoint(ckpt).findings if "experts config.json declares" in f.message]
+    assert messages and all("1000000000000" in m and "(n_routed_experts)" in m for m in messages), messages

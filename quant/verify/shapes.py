@@ -69,8 +69,9 @@ def layout_findings(ckpt, shape_of: ShapeOf) -> list:
                                f"engines size it {list(want)} from config.json ([experts, out, in])",
                                f"re-export {name} as {list(want)}", "tensor layout"))
     cfg = text_config(ckpt.config)
-    experts = next((cfg[k] for k in ("n_routed_experts", "num_experts", "num_local_experts")
-                    if isinstance(cfg.get(k), int)), None)
+    key = next((k for k in ("n_routed_experts", "num_experts", "num_local_experts") if isinstance(cfg.get(k), int)),
+               None)
+    experts = cfg[key] if key else None
     if not experts:
         return out
     leaf = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -86,7 +87,7 @@ def layout_findings(ckpt, shape_of: ShapeOf) -> list:
             missing = [i for i in range(len(indices) + 5) if i not in indices and i < experts][:5]
             out.append(Finding("error", "all", (), f"{coarse}.{missing[0]}.{proj}.weight",
                                f"{coarse} has {present} of the {experts} {proj} experts config.json declares "
-                               f"(missing: {', '.join(map(str, missing))}{' ...' if experts - present > 5 else ''}); "
+                               f"({key}), missing: {', '.join(map(str, missing))}{' ...' if experts - present > 5 else ''}; "
                                "the engines build all of them and leave the missing ones uninitialised",
                                "export every expert", "tensor layout"))
     return out
