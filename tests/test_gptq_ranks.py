@@ -287,3 +287,21 @@ def test_ranks_on_every_core_give_one_process_bytes_under_each_isa(isa, tmp_path
         for name in one:
             assert got[name] == one[name], (ranks, name)
         assert _without_solvers(_manifest(outs[ranks])) == _without_solvers(_manifest(outs[None])), ranks
+
+
+def test_the_rank_killed_is_the_one_named_not_the_one_the_launcher_stopped():
+    """Issue #49: rank 1 of 2 killed under `--ranks`: the line blamed "rank 0 of 2 died (SIGTERM)", the launcher's
+    own SIGTERM to the survivor, whose timestamp (whole seconds) tied with the killed rank's."""
+    import signal
+    from types import SimpleNamespace
+
+    from quant.gptq.ranks import lost_rank
+
+    def failure(sig, ts):
+        return SimpleNamespace(exitcode=-sig, timestamp=ts)
+
+    same_second = {0: failure(signal.SIGTERM, 100), 1: failure(signal.SIGKILL, 100)}
+    assert lost_rank(same_second)[0] == 1
+    assert lost_rank({0: failure(signal.SIGTERM, 99), 1: failure(signal.SIGKILL, 100)})[0] == 1
+    assert lost_rank({0: failure(signal.SIGKILL, 100), 1: failure(signal.SIGTERM, 100)})[0] == 0
+    assert lost_rank({0: failure(signal.SIGTERM, 101), 1: failure(signal.SIGTERM, 100)})[0] == 1  # then the clock

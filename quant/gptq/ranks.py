@@ -378,6 +378,16 @@ def run_command(ranks: Ranks, lead, solve_checkpoint) -> None:
     ranks.close()
 
 
+def lost_rank(failures: dict) -> tuple[int, object]:
+    """(rank, failure) of the rank that was lost, from the launcher's failures (rank -> ProcessFailure: exitcode,
+    negative for a signal, and a timestamp). The launcher ends the survivors with SIGTERM once one rank is gone, and
+    its timestamps are whole seconds: a rank that died of another signal is the one lost, whatever the clock says;
+    then the earliest, then the lowest rank."""
+    signalled = {r: f for r, f in failures.items() if f.exitcode < 0}
+    dead = {r: f for r, f in signalled.items() if f.exitcode != -signal.SIGTERM} or signalled or failures
+    return min(dead.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+
+
 def launch_local(count: int, argv: list[str]) -> int:
     """`quant quantize ... --ranks N`: run the same command (`argv`, --ranks taken out) as N ranks on this machine
     under torch's elastic launcher (what torchrun runs: a rendezvous on a free local port, one process per rank,
@@ -417,8 +427,7 @@ def launch_local(count: int, argv: list[str]) -> int:
         said = [codes[r] for r in sorted(codes) if codes[r] > 0 and codes[r] != RankLost.exit_code]
         if said:
             return said[0]
-        dead = {r: f for r, f in e.failures.items() if f.exitcode < 0} or e.failures
-        rank, failure = min(dead.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        rank, failure = lost_rank(e.failures)
         how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         raise RankLost(f"GPTQ rank {rank} of {count} died ({how}); the layers solved so far are kept in "
                        f"OUT/.quant-gptq/: run the same command again to resume") from None
