@@ -214,3 +214,25 @@ def test_a_hub_source_with_a_draft_file_quantizes_to_the_local_bytes(draft_expor
     for name in sorted(p.name for p in local.glob("*.safetensors")) + ["model.safetensors.index.json"]:
         assert (out / name).read_bytes() == (local / name).read_bytes(), name
     assert _verify(out).returncode == 0
+
+
+def test_a_nan_byte_in_an_engram_tables_scale_is_found_by_scales(export, tmp_path):
+    """Issue #49: a 0xFF (E8M0 NaN) byte in an Engram table's `.scale` passed `verify-manifest --scales`, which read
+    only tensors named like weight scales. Every F8_E8M0 tensor is a scale."""
+    import torch
+
+    _, out = export
+    scale = "layers.1.engram.embed.scale"
+
+    def nan_byte(tensors):
+        raw = tensors[scale].view(torch.uint8).clone()
+        raw.view(-1)[0] = 0xFF
+        tensors[scale] = raw.view(torch.float8_e8m0fnu)
+
+    broken = _rewrite(out, tmp_path / "nan-scale", nan_byte)
+    assert _verify(broken).returncode == 0  # the headers are fine: only the scale scan can see it
+    run = subprocess.run([sys.executable, "-m", "quant", "verify-manifest", str(broken), "--scales", "--json"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert any("0xFF" in f["message"] and "layers.1.engram.embed" in (f["tensor"] + f["message"])
+               for f in _errors(run)), _errors(run)

@@ -7,8 +7,8 @@ or 0xFF (E8M0's NaN: the expert outputs NaN), and FP8 scales of zero, inf or NaN
 
 Detection is pure functions over arrays (`e8m0_issues`, `float_issues`, `e4m3_issues`), the file walking is
 `scan_scales`. What counts as a scale: the tensors named `*.weight_scale`, `*.weight_scale_inv`,
-`*.weight_scale_2`, `*.input_scale`, `*.output_scale`, `*.{q,k,v}_scale` (and gpt-oss' U8 `*_scales`). U8 (and
-F8_E8M0) scales are E8M0 when the config's quantization_config declares an MX format (Quark `scale_format:
+`*.weight_scale_2`, `*.input_scale`, `*.output_scale`, `*.{q,k,v}_scale` (and gpt-oss' U8 `*_scales`), and every
+F8_E8M0 tensor whatever its name (a sidecar table's `.scale`). U8 scales are E8M0 when the config's quantization_config declares an MX format (Quark `scale_format:
 e8m0` / fp4 dtypes, `quant_method: mxfp4`, ...); float scales (F32/BF16/F16) are FP8/INT scales; F8_E4M3 scales
 are NVFP4's block scales.
 
@@ -84,6 +84,8 @@ def declares_mx(config: dict) -> bool:
 def scale_kind(name: str, dtype: str, mx: bool) -> str | None:
     """"e8m0", "float", "e4m3" or None (not a scale tensor, or one this check does not read) for tensor `name`
     of safetensors dtype `dtype`; `mx`: the config declares an MX format (`declares_mx`)."""
+    if dtype == "F8_E8M0":  # a dtype only scales have, whatever the name (DeepSeek-V4.1's Engram `.scale` tables)
+        return "e8m0"
     last = name.rsplit(".", 1)[-1]
     if last not in SCALE_SUFFIXES and not (last.endswith("_scales") and dtype in E8M0_DTYPES):
         return None
