@@ -123,6 +123,13 @@ class Checkpoint:
         repository's file list, without fetching anything."""
         return (self.root / name).is_file()
 
+    def file_header(self, name: str) -> dict:
+        """{tensor: (dtype, shape)} from the header of safetensors file `name`, one the index may not list (a draft
+        file beside the shards). ValueError or OSError when it cannot be read."""
+        from quant.safetensors_header import read_header
+
+        return read_header(self.root / name)[0]
+
 
 def is_safe_relative(name: str) -> bool:
     """A file name from an index that stays inside the checkpoint directory."""

@@ -314,6 +314,14 @@ class HubCheckpoint(Checkpoint):
     def has_file(self, name: str) -> bool:
         return name in self.sizes
 
+    def file_header(self, name: str) -> dict:
+        header = self.repo.fetch_header(name, UNINDEXED_HEADER) if self.repo is not None else None
+        if header is None:
+            raise OSError(f"{self.root / name}: no such file in the repository")
+        if isinstance(header, Exception):
+            raise header
+        return header[0]
+
     def open_shard(self, file: str) -> _HubShard:
         return _HubShard(self.repo, file)
 

@@ -236,3 +236,37 @@ def test_a_nan_byte_in_an_engram_tables_scale_is_found_by_scales(export, tmp_pat
     assert run.returncode == 1, run.stdout + run.stderr
     assert any("0xFF" in f["message"] and "layers.1.engram.embed" in (f["tensor"] + f["message"])
                for f in _errors(run)), _errors(run)
+
+
+def _unindex_draft(ckpt: Path) -> None:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != DRAFT}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_source_whose_index_omits_its_draft_exports_it_indexed_and_excluded(draft_export, tmp_path):
+    """Issue #49: a draft file in the source but not in its index was copied without exclude entries for its
+    linears, and the export failed its own self-check (16 errors) after all the work. Its header says what it holds."""
+    from quant.pipeline.run import quantize_checkpoint
+
+    src, local = draft_export
+    unindexed = Path(shutil.copytree(src, tmp_path / "src", ignore=shutil.ignore_patterns(".quant-*")))
+    _unindex_draft(unindexed)
+    out = tmp_path / "out"
+    quantize_checkpoint(unindexed, out, log=lambda m: None)
+    manifest, expected = (json.loads((d / "quant_manifest.json").read_text()) for d in (out, local))
+    assert manifest["exclude"] == expected["exclude"]
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {n for n, f in weight_map.items() if f == DRAFT} == set(read_header(src / DRAFT)[0])
+    assert _verify(out).returncode == 0
+
+
+def test_an_export_whose_index_omits_its_draft_is_a_named_failure(draft_export, tmp_path):
+    """Issue #49: SGLang reads only the files an index names; an export whose index leaves the draft out passed."""
+    _, out = draft_export
+    broken = Path(shutil.copytree(out, tmp_path / "unindexed", ignore=shutil.ignore_patterns(".quant-*")))
+    _unindex_draft(broken)
+    run = _verify(broken)
+    assert run.returncode == 1, run.stdout + run.stderr
+    [error] = _errors(run)
+    assert error["tensor"] == DRAFT and "lists none of its tensors" in error["message"], error

@@ -166,9 +166,16 @@ class Planner:
         """A sidecar file's 2-D weights join the kept modules, so the export's exclude names them: an engine builds
         the draft with the target's quantization_config (SGLang 0.5.23 configs/minimax_vl.py:110) and would make
         a BF16 draft linear quantized, which its BF16 weight cannot load into."""
-        for info in sorted((t for t in self.ckpt.tensors.values() if t.file in files), key=lambda t: t.name):
-            if info.name.endswith(".weight") and len(info.shape) == 2:
-                self.kept.append(info.name[: -len(".weight")])
+        shapes = {t.name: tuple(t.shape) for t in self.ckpt.tensors.values() if t.file in files}
+        for file in sorted(files):  # a draft file the source's index leaves out: its own header says what it holds
+            if not any(t.file == file for t in self.ckpt.tensors.values()) and self.ckpt.has_file(file):
+                try:
+                    shapes.update({n: tuple(shape) for n, (_, shape) in self.ckpt.file_header(file).items()})
+                except (OSError, ValueError) as e:
+                    raise QuantError(f"{self.ckpt.root / file}: cannot read its header ({e})") from None
+        for name in sorted(shapes):
+            if name.endswith(".weight") and len(shapes[name]) == 2:
+                self.kept.append(name[: -len(".weight")])
 
     def add_native(self, jobs: list[TensorJob], name: str, info, encoding) -> None:
         """A microscaled weight: passthrough when its target is its own format, else decoded exactly once (kept

@@ -7,7 +7,7 @@ missing); vLLM's loader would fail on a shape mismatch only deep in ParallelEngr
 
 from __future__ import annotations
 
-from quant.checkpoint import Checkpoint
+from quant.checkpoint import INDEX_FILE, Checkpoint
 from quant.errors import QuantError
 from quant.families import family_for_config, text_config
 from quant.families.sidecars import Expected, expected_sidecars
@@ -40,7 +40,15 @@ def _tensor_findings(exp: Expected, ckpt: Checkpoint) -> list[Finding]:
 def _file_finding(exp: Expected, ckpt: Checkpoint) -> list[Finding]:
     side = exp.sidecar
     if ckpt.has_file(exp.file):
-        return []
+        if ckpt.index is None or exp.file in ckpt.files:
+            return []
+        # SGLang reads only the files an index names (model_loader/weight_utils.py filter_duplicate_safetensors_files,
+        # :807 in 0.5.23): a draft file the index leaves out is never loaded
+        return [Finding("error", "all", (), exp.file,
+                        f"config.json declares the {side.name} sidecar ({side.declared_by}) and the export has "
+                        f"{exp.file}, but {INDEX_FILE} lists none of its tensors: an engine that finds an index reads "
+                        "only the files it names, so the draft is never loaded",
+                        f"add {exp.file}'s tensors to {INDEX_FILE}'s weight_map (quant quantize does)", RULE)]
     return [Finding("error", "all", (), exp.file,
                     f"config.json declares the {side.name} sidecar ({side.declared_by}) but the export has no file "
                     f"{exp.file}", f"copy {exp.file} from the source byte for byte", RULE)]
