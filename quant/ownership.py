@@ -367,6 +367,18 @@ class Claim:
                 self._add_file(name, (hashes or {}).get(name))
         self.save()
 
+    def adopt(self, name: str, written: Path) -> None:
+        """Rename the finished file `written` (in a scratch directory of ours) to `name`, recorded as ours before the
+        rename: a run stopped between the two leaves either no file there or one that is ours, never one it would
+        later call foreign. Its bytes are read once (the record's sha256 is the digest's too: a rename keeps the
+        inode and mtime)."""
+        st = os.stat(written)
+        digest = sha256_file(written)
+        self._add_file(name, (st.st_size, digest))
+        self.save()
+        os.replace(written, self.root / name)
+        self._digests[name] = ((st.st_ino, st.st_size, st.st_mtime_ns), digest)
+
     def add_dirs(self, names) -> None:
         """Record directories this command makes (each holds outputs of their own, with their own records)."""
         for name in names:

@@ -270,3 +270,34 @@ def test_an_export_whose_index_omits_its_draft_is_a_named_failure(draft_export, 
     assert run.returncode == 1, run.stdout + run.stderr
     [error] = _errors(run)
     assert error["tensor"] == DRAFT and "lists none of its tensors" in error["message"], error
+
+
+def test_a_run_stopped_while_copying_side_files_resumes_after_the_draft_changed(draft_export, tmp_path, monkeypatch):
+    """Issue #49: a run killed while copying side files, rerun after the source's draft changed, refused its own
+    earlier copy ("exists and was not written by this tool ... even with --overwrite"): the copy stood under its
+    final name before it was recorded. Copies now go through OUT's scratch directory and are recorded first."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from quant.pipeline.run import quantize_checkpoint
+
+    src = Path(shutil.copytree(draft_export[0], tmp_path / "src"))
+    out = tmp_path / "out"
+    copy = shutil.copy2
+
+    def stopped_after_a_copy(a, b, *args, **kwargs):
+        copy(a, b, *args, **kwargs)
+        if Path(a).name == "tokenizer.json":
+            raise KeyboardInterrupt  # as a kill lands right after a side file's bytes are copied
+
+    monkeypatch.setattr(shutil, "copy2", stopped_after_a_copy)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(src, out, log=lambda m: None)
+    monkeypatch.undo()
+    tensors = load_file(str(src / DRAFT))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + torch.ones_like(tensors[name])  # the source's draft changes
+    save_file(tensors, str(src / DRAFT), metadata={"format": "pt"})
+    quantize_checkpoint(src, out, log=lambda m: None)
+    assert (out / DRAFT).read_bytes() == (src / DRAFT).read_bytes()
+    assert _verify(out).returncode == 0

@@ -131,6 +131,10 @@ class Output:
         """Record files this run wrote, with their size and sha256 (from `hashes` where already known)."""
         self.hold.add(list(names), hashes)
 
+    def place(self, name: str, written: Path) -> None:
+        """Move `written` (a finished file in OUT's scratch directory) to `name`, recorded as ours first."""
+        self.hold.adopt(name, written)
+
     @property
     def tmp_dir(self) -> Path:
         return self.root / TMP_DIR

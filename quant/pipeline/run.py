@@ -107,9 +107,11 @@ def quantization_config(plan: Plan, config: dict) -> dict:
 def copy_files(src: Path, output: Output, names: list[str]) -> list[str]:
     """Copy `names` from the source into OUT byte for byte, recorded as ours as soon as they are copied: the side
     files (tokenizer, generation config, chat template...) and the family's sidecar files (a separate draft)."""
-    for name in names:
-        shutil.copy2(src / name, output.root / name)
-    output.own(names)
+    output.tmp_dir.mkdir(exist_ok=True)
+    for name in names:  # through OUT's scratch directory: a run killed mid-copy leaves no half file under `name`
+        partial = output.tmp_dir / f"copy-{name}"
+        shutil.copy2(src / name, partial)
+        output.place(name, partial)
     return names
 
 
