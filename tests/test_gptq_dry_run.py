@@ -42,12 +42,7 @@ def _quantize(src: Path, out: Path, *extra: str) -> tuple[int, str]:
                                 stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         peak = 0
         while proc.poll() is None:
-            try:
-                status = Path(f"/proc/{proc.pid}/status").read_text()
-            except OSError:  # exited between poll() and the read
-                break
-            hwm = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
-            peak = max(peak, int(hwm.group(1)) * 1024 if hwm else 0)
+            peak = max(peak, _tree_hwm(proc.pid))
             time.sleep(0.02)
         proc.wait()
         log.seek(0)
@@ -55,6 +50,22 @@ def _quantize(src: Path, out: Path, *extra: str) -> tuple[int, str]:
     assert proc.returncode == 0, text
     assert peak > 0, "no /proc/PID/status reading"
     return peak, text
+
+
+def _tree_hwm(pid: int) -> int:
+    """The largest peak RSS (VmHWM) of `pid` and its descendants: `quant` runs the command in a child process
+    (quant.process.supervise), whose memory is the run's."""
+    peak, pids = 0, [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            pids += Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:  # exited between poll() and the read
+            continue
+        hwm = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+        peak = max(peak, int(hwm.group(1)) * 1024 if hwm else 0)
+    return peak
 
 
 @pytest.fixture(scope="module")
