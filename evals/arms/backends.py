@@ -257,17 +257,16 @@ def _causal_lm(load_dir: Path, dtype):
     """transformers' causal LM for the checkpoint; a vision-language wrapper AutoModelForCausalLM has no class for
     (Kimi-K2.5, MiniMax-M3) is loaded as its image-text-to-text model, which generates from text alone and maps
     the release's tensor names itself."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
+    from quant.model_exec.mtp import experts_options
     from quant.process import usable_cpu_attention
 
     usable_cpu_attention()
     config = AutoConfig.from_pretrained(load_dir)
-    # torch's grouped_mm, transformers' default for fused experts, has no float64 kernel; batched_mm (bmm) has
-    options = {"experts_implementation": "batched_mm"} if dtype == torch.float64 else {}
+    options = experts_options(dtype)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText.from_pretrained(load_dir, dtype=dtype, **options)
     return AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype, **options)

@@ -259,8 +259,9 @@ class MtpDraft(torch.nn.Module):
         return self.layers[step % len(self.layers)](next_tokens, hidden, positions, attention_mask)
 
 
-def _experts_options(dtype) -> dict:
-    """torch's grouped_mm, transformers' default for fused experts, has no float64 kernel; batched_mm (bmm) has."""
+def experts_options(dtype) -> dict:
+    """from_pretrained/from_config options for `dtype`: torch's grouped_mm, transformers' default for fused experts,
+    has no float64 kernel; batched_mm (bmm) has."""
     return {"experts_implementation": "batched_mm"} if dtype == torch.float64 else {}
 
 
@@ -282,7 +283,7 @@ def load_draft(root: Path, *, dtype=None, device: str = "cpu") -> MtpDraft | Non
     eps = text_config(config).get("rms_norm_eps", 1e-6)
     heads = []
     for names in layers:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **_experts_options(dtype))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **experts_options(dtype))
         decoder = model.get_decoder()
         keys = {k: tuple(v.shape) for k, v in decoder.state_dict().items()}
         state = block_state(keys, names, reader)
@@ -320,7 +321,7 @@ class MtpBlock:
         device, dtype = stack.device, stack.dtype
         cfg = draft_config(stack.ckpt.root, family_for_config(stack.ckpt.config))
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **_experts_options(dtype))
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **experts_options(dtype))
         decoder = model.get_decoder()
         decoder.embed_tokens = None  # fed inputs_embeds; the embedding is set below
         materialize(decoder, device)

@@ -168,7 +168,7 @@ class Planner:
         a BF16 draft linear quantized, which its BF16 weight cannot load into."""
         shapes = {t.name: tuple(t.shape) for t in self.ckpt.tensors.values() if t.file in files}
         for file in sorted(files):  # a draft file the source's index leaves out: its own header says what it holds
-            if not any(t.file == file for t in self.ckpt.tensors.values()) and self.ckpt.has_file(file):
+            if file not in self.ckpt.files and self.ckpt.has_file(file):
                 try:
                     shapes.update({n: tuple(shape) for n, (_, shape) in self.ckpt.file_header(file).items()})
                 except (OSError, ValueError) as e:
