@@ -301,3 +301,17 @@ def test_a_run_stopped_while_copying_side_files_resumes_after_the_draft_changed(
     quantize_checkpoint(src, out, log=lambda m: None)
     assert (out / DRAFT).read_bytes() == (src / DRAFT).read_bytes()
     assert _verify(out).returncode == 0
+
+
+def test_a_draft_file_in_out_that_is_not_ours_is_refused_before_any_work(draft_export, tmp_path):
+    """OUT holding a dspark.safetensors this tool did not write, even with --overwrite: exit 2 naming it, nothing
+    written, the file kept (the draft was copied over it before: its name was not among those checked)."""
+    src, _ = draft_export
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / DRAFT).write_bytes(b"someone else's draft")
+    run = subprocess.run([sys.executable, "-m", "quant", "quantize", str(src), str(out), "--no-progress",
+                          "--overwrite"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and DRAFT in run.stderr and "not written by this tool" in run.stderr, run.stderr
+    assert (out / DRAFT).read_bytes() == b"someone else's draft"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [DRAFT]

@@ -318,7 +318,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
 
     identity = {"source": source_ref, "scheme": scheme, "recipe": plan.recipe.get("name"), "scale_mode": scale_mode,
                 "method": method, "plan_digest": plan.digest()}
-    names = [s.file for s in plan.shards] + (side_files(src_path) if hub is None else side_file_names(ckpt))
+    names = [s.file for s in plan.shards] + (side_files(src_path) if hub is None else side_file_names(ckpt)) \
+        + sidecar_files_present(family.name, ckpt.config, ckpt.has_file)  # a draft file: refused if not ours too
 
     def files(todo: list[ShardJob], output: Output):
         if hub is None:
