@@ -25,10 +25,12 @@ from __future__ import annotations
 # quant/checkpoint.py; the config/tensor consistency checks are preflight findings and sit with the shape rules
 # in quant/verify/shapes.py. This module is the one place quantize and eval call.
 from quant.checkpoint import lm_layer_indices, validate_config
-from quant.errors import EngineFailure
+from quant.errors import EngineFailure, UnreadableCheckpoint
+from quant.verify.scales import ScanStats, scan_issues
 from quant.verify.shapes import consistency_findings, known_model_types
 
-__all__ = ["validate_config", "lm_layer_indices", "known_model_types", "consistency_findings", "require_valid"]
+__all__ = ["validate_config", "lm_layer_indices", "known_model_types", "consistency_findings", "require_valid",
+           "require_sound_scales"]
 
 
 def require_valid(ckpt) -> None:
@@ -39,3 +41,27 @@ def require_valid(ckpt) -> None:
     if errors:
         more = f" (and {len(errors) - 1} more like it; `quant verify-manifest` lists them)" if len(errors) > 1 else ""
         raise EngineFailure(f"{ckpt.root}: {errors[0].message}{more}")
+
+
+def require_sound_scales(ckpt, log=print) -> ScanStats:
+    """Read every scale tensor of the source (`quant.verify.scales`: never a weight; a Hub source by range
+    requests) and refuse the first weight scale the run would refuse halfway or turn into a broken export:
+    an E8M0 0xFF (NaN) byte, a whole weight of E8M0 0x00, a NaN, inf, negative or all-zero float or E4M3
+    scale (NVFP4's global scale included), and a scale tensor that cannot be read. UnreadableCheckpoint (exit 2)
+    names the shard and the tensor; quantize calls it before OUT holds anything. A bad activation scale (consumed
+    with its weight, never written) is reported in one line and does not stop the run. Returns what was read."""
+    stats = ScanStats()
+    unreadable, issues = scan_issues(ckpt, stats=stats)
+    if unreadable:
+        raise UnreadableCheckpoint(f"{unreadable[0].message}; nothing was written")
+    errors = [i for i in issues if i.severity == "error"]
+    weight_errors = [i for i in errors if not i.activation]
+    if weight_errors:
+        first = weight_errors[0]
+        more = f" (and {len(weight_errors) - 1} more)" if len(weight_errors) > 1 else ""
+        raise UnreadableCheckpoint(f"{ckpt.shard_path(ckpt.tensors[first.tensor].file)}: {first.line()}{more}; "
+                                   f"nothing was written")
+    for issue in errors[:1]:
+        log(f"note: {issue.line()} (an activation scale of the source: consumed, not written; "
+            f"{len(errors)} such)")
+    return stats

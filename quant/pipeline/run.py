@@ -23,7 +23,7 @@ from pathlib import Path
 
 from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
-from quant.validate import require_valid
+from quant.validate import require_sound_scales, require_valid
 from quant.errors import EngineFailure, QuantError
 from quant.files import sha256_bytes, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
@@ -315,6 +315,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         calibrated = (gptq, family.layer_returns)
     if hub is not None:
         check_disk(plan, ckpt, max_disk, len(device_list), look_ahead)
+    scan_started = time.perf_counter()
+    scanned = require_sound_scales(ckpt, log)  # what would stop the run halfway, refused before OUT holds a byte
+    scan = {"scale_scan_s": round(time.perf_counter() - scan_started, 3), "scale_scan_bytes": scanned.bytes,
+            "scale_scan_tensors": scanned.tensors}
 
     identity = {"source": source_ref, "scheme": scheme, "recipe": plan.recipe.get("name"), "scale_mode": scale_mode,
                 "method": method, "plan_digest": plan.digest()}
@@ -332,8 +336,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         return LocalChanges(ckpt, plan.shards, finished, len(device_list)).stale
 
     with Output(out, identity, src_path, overwrite, names) as output:
-        return _quantize_into(output, plan, files, source_ref, device_list, check_engines, progress, log,
-                              calibrated, changed)
+        manifest = _quantize_into(output, plan, files, source_ref, device_list, check_engines, progress, log,
+                                  calibrated, changed)
+    manifest["timing"].update(scan)
+    return manifest
 
 
 def scheme_releases(schemes: set[str]) -> list[str]:

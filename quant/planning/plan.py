@@ -242,6 +242,10 @@ class Planner:
                 continue
             if info.dtype == "F8_E4M3":
                 raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is F8_E4M3 but is not a 2-D weight")
+            scale = native.missing_scale(self.ckpt.tensors, name)
+            if scale is not None:
+                raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} holds packed FP4 codes but {scale} "
+                                 f"is missing: it cannot be decoded (re-copy the source shard that holds it)")
             jobs.append(TensorJob(name, "copy", Source(name, info.file)))
         return jobs
 

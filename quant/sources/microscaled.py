@@ -46,7 +46,7 @@ __all__ = ["MXFP4", "FP8_UE8M0", "MXFP8", "CT_MXFP4", "CT_NVFP4", "MODELOPT_NVFP
            "QUARK_FP8", "NVFP4_KINDS", "FORMATS", "Format", "SCALE_SUFFIX", "Encoding", "recognise", "scale_name",
            "decode", "decode_mxfp4", "decode_fp8_ue8m0", "decode_nvfp4", "decode_fp8_scaled", "to_quark_mxfp4",
            "to_quark_mxfp8", "to_quark_fp8", "to_fp8_block", "exact_blocks", "scale_tensors", "PACKED_KINDS",
-           "MX_KINDS", "encode_as"]
+           "MX_KINDS", "encode_as", "missing_scale"]
 
 MXFP4 = "mxfp4"
 FP8_UE8M0 = "fp8-ue8m0"
@@ -130,6 +130,16 @@ def _candidates(weight: str):
     for fmt in FORMATS:
         if weight.endswith(fmt.weight):
             yield fmt, weight[: -len(fmt.weight)]
+
+
+def missing_scale(tensors, name: str) -> str | None:
+    """The scale tensor a stored weight named only as packed codes are (`X.weight_packed`) needs and lacks: such a
+    tensor is no plain weight, and without its scale it cannot be decoded (None when `name` is no such tensor, or
+    its scale is present)."""
+    for fmt, module in _candidates(name):
+        if fmt.weight != ".weight" and module + fmt.scale not in tensors:
+            return module + fmt.scale
+    return None
 
 
 def scale_name(weight: str) -> str | None:

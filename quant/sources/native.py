@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from quant.checkpoint import Source
 from quant.errors import QuantError
 from quant.sources.microscaled import (E8M0_FP8_KINDS, FP8_UE8M0, MX_KINDS, MXFP4, NVFP4_KINDS, PACKED_KINDS,
-                                       QUARK_FP8, Encoding, decode, exact_blocks, recognise, scale_tensors,
+                                       QUARK_FP8, Encoding, decode, exact_blocks, missing_scale, recognise,
+                                       scale_tensors,
                                        to_fp8_block, to_quark_fp8, to_quark_mxfp4, to_quark_mxfp8)
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from quant.checkpoint import Checkpoint, SourceReader
 
 __all__ = ["MICROSCALED", "NativeSource", "is_microscaled", "native_source", "read_codes", "read_decoded",
-           "passthrough_parts", "scale_tensors", "recognise", "MXFP4", "Encoding", "check_config"]
+           "passthrough_parts", "scale_tensors", "recognise", "missing_scale", "MXFP4", "Encoding", "check_config"]
 
 MICROSCALED = "microscaled"  # Plan.source_format of a checkpoint whose weights are stored in a microscaled format
 MXFP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4")  # targets whose weight is stored exactly as a native MXFP4 source

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +38,9 @@ import numpy as np
 from quant.safetensors_header import read_header
 from quant.verify.report import Finding
 
-WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2")
-ACTIVATION_SCALES = ("input_scale", "output_scale", "q_scale", "k_scale", "v_scale")
+# compressed-tensors NVFP4 spells its per-tensor scales `weight_global_scale` / `input_global_scale` (divided by)
+WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale")
+ACTIVATION_SCALES = ("input_scale", "output_scale", "q_scale", "k_scale", "v_scale", "input_global_scale")
 SCALE_SUFFIXES = WEIGHT_SCALES + ACTIVATION_SCALES
 FLOAT_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}  # BF16 is decoded by hand
 E8M0_DTYPES = ("U8", "F8_E8M0")
@@ -121,6 +122,16 @@ class Issue:
     rule: str
     severity: str
     counts: dict = field(default_factory=dict, hash=False, compare=False)
+    tensor: str = field(default="", compare=False)  # the scale tensor it was read from
+
+    @property
+    def activation(self) -> bool:
+        return self.tensor.rsplit(".", 1)[-1] in ACTIVATION_SCALES
+
+    def line(self) -> str:
+        """One line naming the scale tensor and what is wrong with it."""
+        message, _ = _describe(self.rule, self.counts, "this tensor")
+        return f"scale tensor {self.tensor}: {message}"
 
 
 def _longest_true_run(mask: np.ndarray) -> int:
@@ -223,7 +234,7 @@ def tensor_issues(name: str, kind: str, arr: np.ndarray) -> list[Issue]:
             out += float_matrix_issues(a, unit, part, activation)
         elif kind == "e4m3":
             out += float_matrix_issues(_e4m3_values(np.asarray(a, dtype=np.uint8)), unit, part, activation)
-    return out
+    return [replace(issue, tensor=name) for issue in out]
 
 
 # ---- issues -> findings --------------------------------------------------------------------------------------
@@ -306,9 +317,16 @@ class ScanStats:
 
 
 def scan_scales(path, metadata_dir=None, stats: ScanStats | None = None, threads: int | None = None) -> list:
-    """Findings (`quant.verify.report.Finding`, rules "scales: ...") about the scale values of the checkpoint at
-    `path` (a directory, or an open `quant.checkpoint.Checkpoint`): E8M0 bytes of 0x00 / 0xFF, float scales of
-    zero / inf / NaN / negative. `metadata_dir`: read config.json and the index from there (staged files).
+    """`scan_issues`' findings, its issues grouped by expert (`group_issues`)."""
+    findings, issues = scan_issues(path, metadata_dir, stats, threads)
+    return findings + group_issues(issues)
+
+
+def scan_issues(path, metadata_dir=None, stats: ScanStats | None = None,
+                threads: int | None = None) -> tuple[list[Finding], list[Issue]]:
+    """(findings of shards that could not be read, issues of every scale tensor) of the checkpoint at `path` (a
+    directory, or an open `quant.checkpoint.Checkpoint`): E8M0 bytes of 0x00 / 0xFF, float scales of zero / inf /
+    NaN / negative. `metadata_dir`: read config.json and the index from there (staged files).
     Reads only the scale tensors. Shards that cannot be read are skipped (the header preflight reports them);
     a read failing midway is an "integrity: corrupt-shard" finding. `stats`, when given, is filled in. Shards
     are read by `threads` threads (default: up to 4, at most the CPUs)."""
@@ -339,7 +357,7 @@ def scan_scales(path, metadata_dir=None, stats: ScanStats | None = None, threads
         stats.tensors += shard_stats.tensors
         stats.bytes += shard_stats.bytes
         stats.files += shard_stats.files
-    return findings + group_issues(issues)
+    return findings, issues
 
 
 class _LocalShard:
