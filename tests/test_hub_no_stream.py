@@ -74,6 +74,21 @@ def test_a_corrupt_cached_blob_is_fetched_again_never_quantized(world, tmp_path)
     assert manifest["source"]["shards"] == local["source"]["shards"]  # the sha256s of what the Hub holds
 
 
+def test_a_corrupt_cached_blob_is_not_copied_into_a_streamed_run(world, tmp_path):
+    """huggingface_hub fills a streamed run's scratch from HF_HOME's cache when the blob is there: a flipped byte in
+    that blob failed the sha256 check, and the second try copied the same blob (exit 2, "run the same command
+    again", forever). The second try now fetches from the Hub."""
+    home = tmp_path / "home"
+    assert quant(world, home, "org/toy", tmp_path / "first", "--no-stream")[0] == 0
+    victim = sorted(p for p in home.rglob("blobs/*") if p.stat().st_size > 100_000)[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    code, _, err = quant(world, home, "org/toy", tmp_path / "second", "--max-disk", "20MB")
+    assert code == 0, err
+    assert same_shards(world["local"], tmp_path / "second")
+
+
 def test_max_disk_is_honoured_without_streaming(world, tmp_path):
     code, out, err = quant(world, tmp_path / "home", "org/toy", tmp_path / "out", "--no-stream", "--max-disk", "1MB")
     assert code == 2, err

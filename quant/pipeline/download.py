@@ -11,7 +11,8 @@ fills during one is the OSError it is (exit 74), named by the file's path either
 for the next run to resume.
 
 Every LFS file is hashed once downloaded and compared with the sha256 the Hub lists for it; a mismatch deletes
-the file and fetches it once more, and a second mismatch is a one-line error (exit 2). A verified file gets a
+the file and fetches it once more from the Hub itself (not from HF_HOME's cache, which huggingface_hub copies a
+cached blob from: a corrupt cached blob would come back), and a second mismatch is a one-line error (exit 2). A verified file gets a
 record (`scratch/.verified/<file>.sha256`), so a resumed run keeps it without hashing it again.
 """
 
@@ -61,7 +62,7 @@ def download(source: HubCheckpoint, file: str, scratch: Path) -> tuple[Path, str
     for attempt in range(2):
         require_room(scratch, file, source.file_size(file))
         try:
-            path = _fetch(source, file, scratch)
+            path = _fetch(source, file, scratch, fresh=attempt > 0)
         except OSError as e:
             raise naming(e, scratch / file) from None  # the disk: full, read-only, permission (exit 74)
         digest = sha256_file(path)
@@ -89,7 +90,7 @@ def require_room(scratch: Path, file: str, size: int) -> None:
                                     f"run the same command again)", str(scratch / file))
 
 
-def _fetch(source: HubCheckpoint, file: str, scratch: Path) -> Path:
+def _fetch(source: HubCheckpoint, file: str, scratch: Path, fresh: bool = False) -> Path:
     from huggingface_hub import hf_hub_download
 
     for attempt in range(RETRIES + 1):
@@ -97,7 +98,7 @@ def _fetch(source: HubCheckpoint, file: str, scratch: Path) -> Path:
             with warnings.catch_warnings():  # its own free-space warning: require_room checked, ENOSPC says it
                 warnings.filterwarnings("ignore", message="Not enough free disk space", category=UserWarning)
                 return Path(hf_hub_download(source.ref.repo_id, file, revision=source.commit, local_dir=scratch,
-                                            endpoint=source.endpoint))
+                                            endpoint=source.endpoint, force_download=fresh))
         except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; explain() sorts them)
             if isinstance(e, OSError) and e.errno is not None:
                 raise  # the disk: full, read-only, permission (exit 74, the path named)
