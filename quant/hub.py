@@ -320,7 +320,7 @@ class HubCheckpoint(Checkpoint):
             raise OSError(f"{self.root / name}: no such file in the repository")
         if isinstance(header, Exception):
             raise header
-        return header[0]
+        return header
 
     def open_shard(self, file: str) -> _HubShard:
         return _HubShard(self.repo, file)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from quant.families.schema import BadData
 from quant.families.sidecars import parse_sidecars
@@ -315,3 +316,71 @@ def test_a_draft_file_in_out_that_is_not_ours_is_refused_before_any_work(draft_e
     assert run.returncode == 2 and DRAFT in run.stderr and "not written by this tool" in run.stderr, run.stderr
     assert (out / DRAFT).read_bytes() == b"someone else's draft"
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [DRAFT]
+
+
+# The draft's contents against SGLang 0.5.23's DSparkMiniMaxDraftModel (the family's `dspark` sidecar lists what it
+# allocates; tests_engines/test_sglang_minimax_dspark.py checks the list against the class and its loader).
+W1 = "language_model.model.dspark.markov_head.markov_w1.weight"
+FC = "language_model.model.dspark.fc.weight"
+CONFIDENCE = "language_model.model.dspark.confidence_head.proj.weight"
+
+
+def _with_draft(ckpt: Path, out: Path, change) -> Path:
+    """A copy of `ckpt` whose draft file's tensors are rewritten by `change(tensors)` (the index follows)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, out)
+    tensors = load_file(out / DRAFT)
+    change(tensors)
+    save_file(tensors, out / DRAFT, metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {**{k: v for k, v in index["weight_map"].items() if v != DRAFT},
+                               **dict.fromkeys(tensors, DRAFT)}
+        index_path.write_text(json.dumps(index))
+    return out
+
+
+DRAFT_DAMAGE = {  # case -> (change, the tensor named, what the line says)
+    "missing": (lambda t: t.pop(W1), W1, "has no"),
+    "shape": (lambda t: t.update({FC: t[FC][:, :-32].clone()}), FC, "[160, 288] but"),
+    "dtype": (lambda t: t.update({FC: t[FC].to(torch.float8_e4m3fn)}), FC, "F8_E4M3"),
+    "unexpected": (lambda t: t.update({FC.replace("fc", "fc2"): t[FC].clone()}), FC.replace("fc", "fc2"),
+                   "no parameter"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DRAFT_DAMAGE))
+def test_a_draft_the_draft_class_cannot_load_is_refused_by_quantize_and_the_preflight(draft_export, tmp_path, case):
+    from quant.errors import QuantError
+    from quant.pipeline.run import quantize_checkpoint
+    from quant.verify import verify_checkpoint
+
+    change, tensor, says = DRAFT_DAMAGE[case]
+    src, out = draft_export
+    damaged_src = _with_draft(src, tmp_path / "src", change)
+    with pytest.raises(QuantError) as caught:
+        quantize_checkpoint(damaged_src, tmp_path / "out", check_engines=[], log=lambda *a: None)
+    assert caught.value.exit_code == 2 and tensor in str(caught.value) and says in str(caught.value)
+    assert not (tmp_path / "out").exists()
+    report = verify_checkpoint(_with_draft(out, tmp_path / "export", change), named=set())
+    drafts = [f for f in report.errors if "draft class" in f.message]  # other rules may name it too (shapes)
+    assert [f.tensor for f in drafts] == [tensor], [f.message for f in report.errors]
+
+
+def test_the_draft_confidence_head_is_optional_as_sglang_skips_it(draft_export, tmp_path):
+    """SGLang's static verify mode (M3.1's) builds no confidence head and its loader skips the tensors."""
+    from quant.verify import verify_checkpoint
+
+    _, out = draft_export
+    trimmed = _with_draft(out, tmp_path / "export",
+                          lambda t: [t.pop(n) for n in list(t) if ".confidence_head." in n])
+    assert CONFIDENCE not in read_header(trimmed / DRAFT)[0]
+    assert not verify_checkpoint(trimmed, named=set()).errors
+
+
+def test_the_draft_preflight_cli_names_the_missing_tensor(draft_export, tmp_path):
+    _, out = draft_export
+    run = _verify(_with_draft(out, tmp_path / "export", lambda t: t.pop(W1)))
+    assert run.returncode == 1 and [e["tensor"] for e in _errors(run)] == [W1], run.stdout[-2000:]

@@ -100,3 +100,62 @@ def test_an_exclude_without_the_draft_linears_makes_sglang_quantize_them(export,
     named = {e["tensor"] for e in _preflight_errors(broken) if e["engine"].startswith("sglang")}
     assert {"language_model.model.dspark.fc.weight",
             "language_model.model.dspark.layers.0.decoder_layer.self_attn.q_proj.weight"} <= named
+
+
+STACKED = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+           (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."))  # dspark_minimax.py:278-284
+
+
+def _contents(path: Path):
+    from quant.families import load_family, text_config
+    from quant.families.sidecars import expected_sidecars
+
+    config = json.loads((path / "config.json").read_text())
+    [expected] = expected_sidecars(load_family("minimax_m3_vl").sidecars, text_config(config))
+    return expected.contents
+
+
+def test_the_family_lists_the_parameters_the_draft_class_allocates(export):
+    """The family's `dspark` contents, stacked as load_weights stacks them, are DSparkMiniMaxDraftModel's
+    parameters (its attention's KV-cache scales aside: module defaults, no tensor); the optional ones (the confidence
+    head) are what the default static verify mode does not build, and its loader skips (dspark_minimax.py:291-292)."""
+    result = _probe(export)
+    ours: dict[bool, set] = {True: set(), False: set()}
+    for name, want in _contents(export).items():
+        short = name.removeprefix("language_model.model.dspark.")
+        for part, stacked in STACKED:
+            short = short.replace(part, stacked)
+        ours[want.required].add(short)
+    theirs = {n for n in result["params"] if not n.endswith(DEFAULTS)}
+    assert ours[True] == theirs, (sorted(ours[True] - theirs), sorted(theirs - ours[True]))
+    assert ours[False] == {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert result["outcome"] == "loaded"  # the export's draft holds them: skipped, not refused
+
+
+@pytest.mark.parametrize("case", ["missing", "shape", "unexpected"])
+def test_a_draft_tensor_sglang_cannot_load_is_what_the_preflight_names(export, tmp_path, case):
+    from safetensors.torch import load_file, save_file
+
+    w1 = "language_model.model.dspark.markov_head.markov_w1.weight"
+    fc = "language_model.model.dspark.fc.weight"
+
+    def change(out: Path):
+        tensors = load_file(out / DRAFT)
+        if case == "missing":
+            tensors.pop(w1)
+        elif case == "shape":
+            tensors[fc] = tensors[fc][:, :-32].clone()
+        else:
+            tensors[fc.replace(".fc.", ".fc2.")] = tensors[fc].clone()
+        save_file(tensors, out / DRAFT, metadata={"format": "pt"})
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {**{k: v for k, v in index["weight_map"].items() if v != DRAFT},
+                               **dict.fromkeys(tensors, DRAFT)}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    broken = _copy(export, tmp_path / case, change)
+    result = _probe(broken)
+    says = {"missing": "Missing DSpark checkpoint tensors", "shape": "shape", "unexpected": "Unexpected DSpark"}[case]
+    assert result["outcome"] == "load-error" and says in result["error"], result
+    named = {e["tensor"] for e in _preflight_errors(broken) if "draft class" in e["message"]}
+    assert named == {w1 if case == "missing" else fc if case == "shape" else fc.replace(".fc.", ".fc2.")}

@@ -24,6 +24,7 @@ from pathlib import Path
 from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.validate import require_sound_scales, require_valid
+from quant.verify.sidecars import source_draft_problems
 from quant.errors import EngineFailure, QuantError
 from quant.files import sha256_bytes, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
@@ -315,6 +316,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         calibrated = (gptq, family.layer_returns)
     if hub is not None:
         check_disk(plan, ckpt, max_disk, len(device_list), look_ahead)
+    drafts = source_draft_problems(ckpt)  # a draft file the engine's draft class cannot load: refused, not carried
+    if drafts:
+        raise QuantError(f"{ckpt.root}: {drafts[0].message} (fix: {drafts[0].fix}); nothing was written")
     scan_started = time.perf_counter()
     scanned = require_sound_scales(ckpt, log)  # what would stop the run halfway, refused before OUT holds a byte
     scan = {"scale_scan_s": round(time.perf_counter() - scan_started, 3), "scale_scan_bytes": scanned.bytes,
