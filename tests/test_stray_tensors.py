@@ -49,6 +49,14 @@ def findings(path, engine: str, tensor: str):
     # ... and, before 0.5.23, on the q_a_proj / kv_a_proj_with_mqa pair it fuses
     ("sglang==0.5.12", "DeepseekV3ForCausalLM", f"{Q_A}.input_scale", "error", "KeyError: '<layer>.self_attn.fused_qkv_a_proj_with_mqa"),
     ("sglang==0.5.23", "DeepseekV3ForCausalLM", f"{Q_A}.input_scale", "warning", "ignored by the loader"),
+    # issue #49: lm_head.* is loaded by the top-level class, whose AutoWeightsLoader has no ignore list (vllm#44081)
+    ("vllm==0.32", "Qwen3MoeForCausalLM", "lm_head.input_scale", "error", "named {name!r} in Qwen3MoeForCausalLM"),
+    ("vllm==0.32", "DeepseekV3ForCausalLM", "lm_head.input_scale", "error", "in DeepseekV3ForCausalLM"),
+    ("sglang==0.5.23", "Qwen3MoeForCausalLM", "lm_head.input_scale", "warning", "ignored by the loader"),
+    # ... and a leaked exporter buffer outside every skip list
+    ("vllm==0.32", "Qwen3MoeForCausalLM", f"{O_PROJ}.weight_double_scale", "error", "in Qwen3MoeModel"),
+    ("vllm==0.32", "DeepseekV3ForCausalLM", f"{O_PROJ}.weight_double_scale", "error", "KeyError"),
+    ("sglang==0.5.23", "DeepseekV3ForCausalLM", f"{O_PROJ}.output_zero_point", "warning", "ignored by the loader"),
 ])
 def test_a_stray_tensor_is_what_the_loader_makes_of_it(tmp_path, engine, architecture, tensor, severity, text):
     dtype = ("U8", (64, 1)) if tensor.endswith("weight_scale_inv") else F32

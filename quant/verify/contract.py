@@ -18,6 +18,8 @@ left unpacked, or packed along the output dimension, would otherwise look like a
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from quant.checkpoint import FLOAT_DTYPES, TensorInfo
@@ -28,6 +30,9 @@ MX_KINDS = ("mxfp4", "mxfp4_weight_only", "mxfp4_static_input", "w4a8_mxfp4_fp8"
 MXFP8_KINDS = ("mxfp8", "mxfp8_block")  # stored like FP8 (F8_E4M3 weight), scaled like MXFP4 (E8M0 per 32 inputs)
 FP8_KINDS = ("fp8", "fp8_weight_only", *MXFP8_KINDS)
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "weight_scale_inv", "weight_scale_2", "input_scale_2")
+# Quantizer state an exporter can leak beside an unquantized weight (`weight_double_scale`, `output_scale`,
+# `input_zero_point`, `weight_amax`...): a parameter no float linear has, so each loader drops or rejects it.
+LEAKED = re.compile(r"scale|zero_point|amax")
 KIND_LABEL = {"mxfp4": "MXFP4", "mxfp4_weight_only": "MXFP4 weight-only", "mxfp4_static_input":
               "MXFP4 (static activations)", "w4a8_mxfp4_fp8": "MXFP4 W4A8-FP8", "fp8": "FP8",
               "fp8_weight_only": "FP8 weight-only", "mxfp8": "MXFP8", "mxfp8_block": "MXFP8 (2-D blocks)",
@@ -137,6 +142,7 @@ def _scale_issues(mod: Module, kind: str | None, layer_cfg: dict | None, shape: 
                 issues.append(TensorIssue(f"{name}.{suffix}", describe(mod.params[suffix]),
                                           "absent (the engine has no parameter for it)", False, stray=True))
 
+    forbid(*(s for s in mod.params if s not in SCALE_SUFFIXES and LEAKED.search(s)))  # in no scheme's layout
     if family(kind) == "float":
         forbid(*SCALE_SUFFIXES)
         return issues
