@@ -28,7 +28,9 @@ test-wheel: $(VENV)/.installed
 	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) "$(TORCH_PIN)"
 	$(WHEEL_WORK)/venv/bin/python $(PIP_LOCKED) dist/*.whl
 	cd $(WHEEL_WORK) && PATH=$(WHEEL_WORK)/venv/bin:$$PATH sh -ec '\
-		quant demo demo-out --limit 40 > demo.log 2>&1 || { tail -20 demo.log; exit 1; }; tail -3 demo.log; \
+		code=0; quant demo demo-out --limit 40 > demo.log 2>&1 || code=$$?; \
+		test $$code -eq 3 || { tail -20 demo.log; echo "demo --limit 40: exit $$code, expected 3 (inconclusive)"; exit 1; }; \
+		tail -3 demo.log; \
 		quant toy qwen3.5 toy; \
 		quant quantize toy toy-mxfp4 --no-progress; \
 		quant verify-manifest toy-mxfp4 --engine sglang,vllm==0.32; \

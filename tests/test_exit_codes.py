@@ -243,3 +243,10 @@ def test_ctrl_c_while_torch_imports_exits_130():
         if "caught" in err:
             caught.append(proc.returncode)
     assert len(caught) >= 6 and caught == [130] * len(caught), caught
+
+
+def test_the_demo_exits_as_eval_on_its_verdict(tmp_path):
+    """Issue #50 item 4: `quant demo --limit 40` printed verdict inconclusive and exited 0; the table says 3."""
+    result = quant("demo", tmp_path / "demo", "--limit", "40")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "verdict: inconclusive (exit 3)" in result.stdout

@@ -28,7 +28,8 @@ def command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into a directory this tool did not make "
                                    "(files it did not write are never deleted)."),
 ) -> None:
-    """Run build → quantize → verify-manifest → eval → report on toy models."""
+    """Run build → quantize → verify-manifest → eval → report on toy models. Exits as `quant eval` does on its
+    verdict: 0 pass, 1 fail, 3 inconclusive (a --limit too small to decide), 4 invalid."""
     from quant.errors import QuantError
     from quant.ownership import claim
 
@@ -36,10 +37,12 @@ def command(
         raise QuantError(f"--limit {limit}: the toy test set has 200 questions; give 1 to 200")
     with claim(out, "demo", overwrite=overwrite, what="demo") as held:
         held.add_dirs(["toy-glm5", "toy-glm5-mxfp4", "arith-fp8", "arith-mxfp4", "report"])
-        _demo(held.root, limit, overwrite)
+        code = _demo(held.root, limit, overwrite)
+    raise typer.Exit(code)
 
 
-def _demo(out: Path, limit: int, overwrite: bool) -> None:
+def _demo(out: Path, limit: int, overwrite: bool) -> int:
+    """The demo's steps; the eval's exit code (the README's table)."""
     from rich.console import Console
 
     from evals.report.card import add_accuracy
@@ -78,4 +81,5 @@ def _demo(out: Path, limit: int, overwrite: bool) -> None:
     print_table(report)
     typer.echo(f"   model card: {add_accuracy(out / 'arith-mxfp4', report.to_json(), out / 'report')}")
     typer.echo(f"\nreport: {out / 'report' / 'report.md'} (+ report.json, report.png); verdict: "
-               f"{report.verdict.value}")
+               f"{report.verdict.value} (exit {report.exit_code})")
+    return report.exit_code
