@@ -21,6 +21,7 @@ from quant.verify.schema import (config_problems, model_config_problems, profile
                                  unparsed_model_type)
 from quant.verify.shapes import config_shapes, consistency_findings
 from quant.verify.sidecars import sidecar_findings
+from quant.verify.source import describe_source
 
 __all__ = ["verify_checkpoint", "fix_config", "Report", "Finding"]
 
@@ -56,7 +57,10 @@ def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None =
     findings += sidecar_findings(ckpt)
     for profile in profiles:
         findings += model_config_problems(ckpt.config, profile)
-    if is_block_fp8(ckpt.config):
+    source = describe_source(ckpt)  # an unquantized checkpoint or a microscaled release: described, not failed
+    if source is not None:
+        is_quark = False
+    elif is_block_fp8(ckpt.config):
         findings += block_fp8_findings(ckpt, profiles, shape_of, tp)
         is_quark = False
     else:
@@ -81,4 +85,4 @@ def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None =
     for p in profiles:
         order.setdefault(p.engine, []).append(p.release)
     label = str(ckpt.root if isinstance(path, Checkpoint) else path)
-    return Report(label, [p.label for p in profiles], merge_versions(findings, order))
+    return Report(label, [p.label for p in profiles], merge_versions(findings, order), source)

@@ -92,6 +92,7 @@ class Report:
     path: str
     profiles: list[str]
     findings: list[Finding]
+    source: object | None = None  # quant.verify.source.SourceDescription: not an export, what it is instead
 
     @property
     def errors(self) -> list[Finding]:
@@ -123,6 +124,7 @@ class Report:
                 for g in self.groups()
             ],
             "findings": [dict(asdict(f), versions=list(f.versions)) for f in self.findings],
+            **({"source": self.source.to_json()} if self.source is not None else {}),
         }
 
 
@@ -132,6 +134,8 @@ def render(report: Report, console) -> None:
 
     groups = report.groups()
     console.print(f"verify-manifest {report.path}: checked {', '.join(report.profiles)}")
+    if report.source is not None:
+        console.print(f"{escape(report.source.what)}.\n{escape(report.source.would)}.")
     for severity, style in (("error", "bold red"), ("warning", "yellow")):
         rows = [g for g in groups if g.severity == severity]
         if not rows:
