@@ -77,3 +77,33 @@ def test_the_accuracy_section_says_how_each_arm_computed_its_activations():
     assert "candidate in BF16 in process" in accuracy_section(report, None)
     del report["candidate"]["activations"], report["baseline"]["activations"]
     assert "Activations" not in accuracy_section(report, None)  # a report from before the modes: nothing claimed
+
+
+def test_a_block_fp8_card_describes_the_config_beside_it(tmp_path):
+    """Issue #50 item 3: the card of an fp8-block export said `quant_method: quark` and 'exclude lists 0 entries'
+    beside a config of quant_method fp8 with its modules_to_not_convert."""
+    import json
+
+    out = tmp_path / "fp8"
+    quantize_checkpoint(build_toy("glm5", tmp_path / "glm5"), out, scheme="fp8-block", recipe="all-linear",
+                        check_engines=[], log=lambda m: None)
+    card = (out / "README.md").read_text()
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "fp8" and "quark" not in card.lower()
+    assert "`quant_method: fp8`, `weight_block_size: [128, 128]`" in card
+    assert f"`quantization_config.modules_to_not_convert` lists {len(q['modules_to_not_convert'])} entries" in card
+
+
+def test_the_serve_commands_use_the_checkpoints_tensor_parallel_degree():
+    """Issue #50 item 7: `--tp 8` on a 2 MB toy. The degree is the fewest GPUs holding the weights, a divisor of the
+    heads."""
+    from quant.pipeline.model_card import tensor_parallel
+
+    config = {"num_attention_heads": 64}
+    assert tensor_parallel({"summary": {"output_bytes": 2_000_000}}, config) == 1
+    assert tensor_parallel({"summary": {"output_bytes": 400e9}}, config) == 8   # a GLM-5-sized MXFP4 export
+    assert tensor_parallel({"summary": {"output_bytes": 100e9}}, config) == 2
+    assert tensor_parallel({"summary": {"output_bytes": 100e9}}, {"num_attention_heads": 6}) == 2
+    assert tensor_parallel({"summary": {"output_bytes": 200e9}}, {"num_attention_heads": 6}) == 2  # 6 heads: no 4
+    assert tensor_parallel({"summary": {"output_bytes": 1e12}},
+                           {"text_config": {"num_attention_heads": 32}}) == 16

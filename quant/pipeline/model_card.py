@@ -125,29 +125,52 @@ def render_card(manifest: dict, config: dict, source_ref: str, source_readme: st
     source = _Source.of(source_ref)
     serve_on = _serving_engines(manifest)
     lines = [
-        *_card_header(source, short, source_readme), "",
+        *_card_header(source, short, source_readme, config), "",
         *_intro(manifest, config, source, words, serve_on), "",
         *_recipe_section(manifest), "",
         *_kept_section(manifest, config), "",
         *_sidecar_section(manifest),
         *_error_section(manifest), "",
-        *_serve_section(manifest, serve_on), "",
+        *_serve_section(manifest, serve_on, config), "",
         *_accuracy_placeholder(), "",
         *_reproduce_section(manifest, source, short), "",
     ]
     return "\n".join(lines)
 
 
-def _card_header(source: _Source, short: str, source_readme: str | None) -> list[str]:
+def _card_header(source: _Source, short: str, source_readme: str | None, config: dict) -> list[str]:
     """The YAML front matter (library, tags, the hub base model, the source's license) and the title."""
     source_meta = _front_matter(source_readme or "")
     # base_model is a hub id by the convention (ORG/NAME: the Hub refuses ORG/NAME@REVISION there; the revision is
     # in the reproduce command and the manifest); a local source has none to give (its path is in the manifest).
-    meta = {"library_name": "transformers", "tags": sorted({short.lower(), "quark", "moe", "moe-quant"}),
+    method = str((config.get("quantization_config") or {}).get("quant_method") or "")
+    meta = {"library_name": "transformers", "tags": sorted({short.lower(), method, "moe", "moe-quant"} - {""}),
             **({"base_model": source.hub_id.partition("@")[0]} if source.hub else {})}
     if source_meta.get("license"):
         meta["license"] = source_meta["license"]
     return ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "", f"# {source.base} ({short})"]
+
+
+def _format_words(config: dict) -> str:
+    """The checkpoint format as the written config.json declares it (not the run's intent)."""
+    q = config.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method == "quark":
+        return "the AMD Quark checkpoint format (`quant_method: quark`)"
+    if method == "fp8" and q.get("weight_block_size"):
+        return (f"the official block-FP8 format (`quant_method: fp8`, `weight_block_size: "
+                f"{list(q['weight_block_size'])}`, as the DeepSeek/GLM releases ship it)")
+    return f"the `quant_method: {method}` format"
+
+
+def _exclude_key(config: dict) -> tuple[str, list]:
+    """(the key config.json lists its unquantized modules under, the list): Quark's `exclude`, the official block-FP8
+    config's `modules_to_not_convert`."""
+    q = config.get("quantization_config") or {}
+    for key in ("exclude", "modules_to_not_convert", "ignored_layers", "ignore"):
+        if isinstance(q.get(key), list):
+            return key, q[key]
+    return "exclude", []
 
 
 def _intro(manifest: dict, config: dict, source: _Source, words: str, serve_on: list[str]) -> list[str]:
@@ -156,8 +179,8 @@ def _intro(manifest: dict, config: dict, source: _Source, words: str, serve_on: 
     source_words = f"`{source.hub_id}`" if source.hub else f"The local checkpoint `{source.base}`"
     engine_words = " and ".join(ENGINE_NAMES[e] for e in serve_on) or "no serving engine"
     return [f"{source_words} ({arch}) quantized with moe-quant {settings.get('version', '')}: {words}, scale rule "
-            f"`{settings.get('scale_mode', 'even')}`, {_method_words(settings)}, in the AMD Quark checkpoint format "
-            f"(`quant_method: quark`) that {engine_words} load."]
+            f"`{settings.get('scale_mode', 'even')}`, {_method_words(settings)}, in {_format_words(config)} that "
+            f"{engine_words} load."]
 
 
 def _recipe_section(manifest: dict) -> list[str]:
@@ -170,12 +193,12 @@ def _recipe_section(manifest: dict) -> list[str]:
 
 def _kept_section(manifest: dict, config: dict) -> list[str]:
     """What stays BF16 and why, and what the exclusion list holds."""
-    exclude = config.get("quantization_config", {}).get("exclude") or []
+    key, exclude = _exclude_key(config)
     aliases = [e for e in exclude if e.startswith(("model.decoder.", "model.eh_proj", "model.enorm", "model.hnorm",
                                                    "model.shared_head", "language_model.", "visual."))]
     return ["## What stays BF16 and why", "",
             *_kept_table(manifest["tensors"]), "",
-            f"`quantization_config.exclude` lists {len(exclude)} entries: every BF16 linear under each name an "
+            f"`quantization_config.{key}` lists {len(exclude)} entries: every BF16 linear under each name an "
             f"engine looks it up by"
             f"{f', including {len(aliases)} engine-runtime aliases (MTP or wrapper names)' if aliases else ''}.",
             ]
@@ -216,15 +239,36 @@ def _has_mtp(manifest: dict) -> bool:
     return bool(manifest.get("mtp_layers")) or any(n.startswith("mtp.") for n in manifest["tensors"])
 
 
-def _serve_commands(manifest: dict, mtp: bool) -> dict[str, str]:
-    """The SGLang and vLLM commands that serve the export from its directory (the export is `.`)."""
+GPU_BYTES = 80e9  # one accelerator of the class these models are served on (H100 80 GB; MI300X/MI355X hold more)
+WEIGHT_SHARE = 0.7  # of each GPU's memory for weights, the rest for the KV cache and activations
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} bytes"
+
+
+def tensor_parallel(manifest: dict, config: dict) -> int:
+    """The TP degree the serve commands use: the fewest GPUs (1, 2, 4, 8, 16) whose memory holds the export's weights
+    in WEIGHT_SHARE of each, among those dividing the attention heads (the engines shard heads evenly)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = text.get("num_attention_heads") if isinstance(text.get("num_attention_heads"), int) else 1
+    weights = (manifest.get("summary") or {}).get("output_bytes") or 0
+    degrees = [tp for tp in (1, 2, 4, 8, 16) if heads % tp == 0] or [1]
+    return next((tp for tp in degrees if tp * GPU_BYTES * WEIGHT_SHARE >= weights), degrees[-1])
+
+
+def _serve_commands(manifest: dict, mtp: bool, tp: int) -> dict[str, str]:
+    """The SGLang and vLLM commands that serve the export from its directory (the export is `.`) on `tp` GPUs."""
     tensors = manifest["tensors"].values()
     shared_bf16 = any(r.get("role") == "shared_experts" and r.get("action") == "copy" for r in tensors)
     routed_q = any(r.get("role") == "routed_experts" and r.get("action") == "quantize" for r in tensors)
-    sglang = "python -m sglang.launch_server --model-path . --tp 8 --trust-remote-code"
+    sglang = f"python -m sglang.launch_server --model-path . --tp {tp} --trust-remote-code"
     if shared_bf16 and routed_q:
         sglang += " --disable-shared-experts-fusion"
-    vllm = "vllm serve . --tensor-parallel-size 8"
+    vllm = f"vllm serve . --tensor-parallel-size {tp}"
     if mtp:  # the same draft depth as `quant eval --mtp-depth` (3)
         sglang += (" \\\n    --speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
                    "--speculative-num-draft-tokens 4")
@@ -232,10 +276,11 @@ def _serve_commands(manifest: dict, mtp: bool) -> dict[str, str]:
     return {"sglang": sglang, "vllm": vllm}
 
 
-def _serve_section(manifest: dict, serve_on: list[str]) -> list[str]:
+def _serve_section(manifest: dict, serve_on: list[str], config: dict) -> list[str]:
     """The serve commands of the engines that load the scheme, and what the preflight checked when written."""
     mtp = _has_mtp(manifest)
-    commands = _serve_commands(manifest, mtp)
+    tp = tensor_parallel(manifest, config)
+    commands = _serve_commands(manifest, mtp, tp)
     lines = ["## Serve", "", "Run from this directory (the export is `.`).", ""]
     for engine in serve_on:
         lines += [f"{ENGINE_NAMES[engine]}:", "", "```bash", commands[engine], "```", ""]
@@ -251,7 +296,10 @@ def _serve_section(manifest: dict, serve_on: list[str]) -> list[str]:
     if refused:
         checked_words += (f" {', '.join(refused)} cannot load it (the preflight's reason is in quant_manifest.json, "
                           "engines.refused_by).")
-    lines.append("Set the tensor-parallel degree for your machine; "
+    weights = (manifest.get("summary") or {}).get("output_bytes") or 0
+    lines.append(f"Tensor parallel {tp}: the fewest {GPU_BYTES / 1e9:.0f} GB GPUs that hold the {_size(weights)} "
+                 f"of weights in {WEIGHT_SHARE:.0%} of their memory (the rest for the KV cache) and divide the "
+                 "attention heads; "
                  + ("the MTP flags enable speculative decoding with the checkpoint's MTP layer, three draft tokens "
                     "as `quant eval` measures it." if mtp else "this model has no MTP layer.")
                  + f" {checked_words} Check it against an engine release with `quant verify-manifest . --engine "
