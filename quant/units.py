@@ -29,3 +29,12 @@ def parse_size(text, flag: str) -> int:
 
 def human(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+def decimal(n: float) -> str:
+    """A byte count in the decimal units --max-disk takes (kB, MB, GB, TB), three significant digits: the same
+    figure whether a progress bar or a summary line prints it."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} bytes"

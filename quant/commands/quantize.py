@@ -175,10 +175,12 @@ def _one_device_per_rank(devices: str, workers: int) -> None:
 def _stream_line(stream: dict) -> str:
     """What streaming from the Hub did: bytes fetched and their rate, shards kept from an earlier run, peak disk."""
     rate = stream["fetched_bytes"] / stream["fetch_s"] / 1e6 if stream["fetch_s"] else 0.0
-    limit = f" (--max-disk {stream['budget_bytes'] / 1e9:.3g} GB)" if stream["budget_bytes"] else ""
-    return (f"hub: fetched {stream['fetched_files']} source file(s), {stream['fetched_bytes'] / 1e6:.1f} MB at "
+    from quant.units import decimal
+
+    limit = f" (--max-disk {decimal(stream['budget_bytes'])})" if stream["budget_bytes"] else ""
+    return (f"hub: fetched {stream['fetched_files']} source file(s), {decimal(stream['fetched_bytes'])} at "
             f"{rate:.1f} MB/s, {stream['kept_files']} kept from an earlier run; peak source on disk "
-            f"{stream['peak_disk_bytes'] / 1e6:.1f} MB{limit}")
+            f"{decimal(stream['peak_disk_bytes'])}{limit}")
 
 
 def _gptq_settings(data: str, samples: int, seq_len: int, seed: int, damp: float, hessian_bytes: int):

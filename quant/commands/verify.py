@@ -63,7 +63,7 @@ def command(
             data["scales"] = {"tensors": scanned.tensors, "bytes": scanned.bytes, "shards": scanned.files}
         typer.echo(json.dumps(data, indent=2))
     else:
-        console = Console(width=max(Console().width, 160))
+        console = Console()  # the terminal's width (COLUMNS honoured); records off a terminal
         from quant.verify.report import render
 
         render(report, console)

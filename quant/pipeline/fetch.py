@@ -26,6 +26,7 @@ from quant.hub import HubCheckpoint
 from quant.pipeline.download import download, forget, recorded_sha256, verified_record
 from quant.planning.needs import SourceUse
 from quant.planning.plan import ShardJob
+from quant.units import decimal
 
 
 class ShardFetcher:
@@ -167,8 +168,8 @@ class ShardFetcher:
     # ---- what it did -------------------------------------------------------------------------------------------
     def status(self) -> str:
         rate = self.fetched_bytes / self.fetch_s / 1e6 if self.fetch_s else 0.0
-        limit = f" of {self.budget / 1e9:.3g} GB" if self.budget is not None else ""
-        return f"download {rate:.1f} MB/s, disk {self.reserved / 1e9:.3g} GB{limit}"
+        limit = f" of {decimal(self.budget)}" if self.budget is not None else ""
+        return f"download {rate:.1f} MB/s, disk {decimal(self.reserved)}{limit}"
 
     def summary(self) -> dict:
         return {"fetched_files": self.fetched,

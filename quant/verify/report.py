@@ -129,32 +129,30 @@ class Report:
 
 
 def render(report: Report, console) -> None:
+    """The report on `console`: a table per severity where it fits a terminal whole, one record per finding group
+    otherwise (a pipe, a log, a narrow terminal: quant.terminal)."""
     from rich.markup import escape
-    from rich.table import Table
+
+    from quant.terminal import Column, print_table
 
     groups = report.groups()
-    console.print(f"verify-manifest {report.path}: checked {', '.join(report.profiles)}")
+    console.print(escape(f"verify-manifest {report.path}: checked {', '.join(report.profiles)}"), highlight=False)
     if report.source is not None:
-        console.print(f"{escape(report.source.what)}.\n{escape(report.source.would)}.")
-    for severity, style in (("error", "bold red"), ("warning", "yellow")):
+        console.print(f"{escape(report.source.what)}.\n{escape(report.source.would)}.", highlight=False)
+    columns = [Column("engine"), Column("tensor"), Column("what the engine does", prose=True),
+               Column("fix", prose=True)]
+    for severity in ("error", "warning"):
         rows = [g for g in groups if g.severity == severity]
         if not rows:
             continue
-        table = Table(title=f"{len(rows)} {severity} group(s), "
-                            f"{sum(g.count for g in rows)} finding(s)", title_style=style,
-                      show_lines=True, expand=True)
-        table.add_column("engine", no_wrap=True)
-        table.add_column("tensor", overflow="fold", ratio=2)
-        table.add_column("what the engine does", overflow="fold", ratio=4)
-        table.add_column("fix", overflow="fold", ratio=3)
+        cells = []
         for g in rows:
-            engine = g.engine + (f"\n{', '.join(g.versions)}" if g.versions else "")
             tensor, message, fix = g.shown()
-            if g.count > 1:
-                tensor += f"\n(x{g.count})"
-            table.add_row(engine, escape(tensor), escape(message) + (f"\n[dim]{escape(g.rule)}[/dim]"
-                                                                      if g.rule else ""), escape(fix))
-        console.print(table)
+            cells.append([g.engine + (f"\n{', '.join(g.versions)}" if g.versions else ""),
+                          tensor + (f"\n(x{g.count})" if g.count > 1 else ""),
+                          message + (f" [{g.rule}]" if g.rule else ""), fix])
+        print_table(console, f"{len(rows)} {severity} group(s), {sum(g.count for g in rows)} finding(s)", columns,
+                    cells)
     verdict = "[bold red]FAIL[/bold red]" if report.errors else "[bold green]PASS[/bold green]"
     console.print(f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
-                  + (" (full list: --json)" if any(g.count > 1 for g in groups) else ""))
+                  + (" (full list: --json)" if any(g.count > 1 for g in groups) else ""), highlight=False)
