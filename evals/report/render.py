@@ -243,8 +243,7 @@ def plot(report: EvalReport, path: Path) -> None:
         fig, ax = plt.subplots(figsize=(7.5, height))
     for i, r in enumerate(rows):
         c = r.comparison
-        color = VERDICT_STYLE.get(c.verdict.value, "gray")
-        color = {"green": "tab:green", "red": "tab:red", "yellow": "tab:orange"}.get(color, color)
+        color = marker_color(c.verdict.value)
         d, lo, hi = (100 * x for x in (c.difference, c.ci_low, c.ci_high))
         ax.errorbar(d, i, xerr=[[d - lo], [hi - d]], fmt="o", color=color, capsize=4,
                     alpha=1.0 if r.primary else 0.5)
@@ -266,11 +265,17 @@ def plot(report: EvalReport, path: Path) -> None:
     plt.close(fig)
 
 
+def marker_color(verdict: str) -> str:
+    """The PNG's colour for a verdict: the terminal's (VERDICT_STYLE) in matplotlib's palette."""
+    style = VERDICT_STYLE.get(verdict, "gray")
+    return {"green": "tab:green", "red": "tab:red", "yellow": "tab:orange", "magenta": "tab:purple"}.get(style, style)
+
+
 def _plot_acceptance(ax, report: EvalReport, rows: list[ComparisonRow]) -> None:
     margin = report.mtp_margin_points
     for i, r in enumerate(rows):
         a = r.acceptance
-        color = {"pass": "tab:green", "fail": "tab:red"}.get(a.verdict.value, "tab:orange")
+        color = marker_color(a.verdict.value)
         d, lo, hi = (100 * x for x in (a.rate_difference, a.rate_ci_low, a.rate_ci_high))
         ax.errorbar(d, i, xerr=[[d - lo], [hi - d]], fmt="s", color=color, capsize=4)
         ax.annotate(f"{_pt(a.baseline_rate)} → {_pt(a.candidate_rate)}; length {a.baseline_length:.2f} → "
@@ -287,37 +292,32 @@ def _plot_acceptance(ax, report: EvalReport, rows: list[ComparisonRow]) -> None:
     ax.set_xlim(min(lows) - 0.15 * span, max(highs) + 0.9 * span)
 
 
-def print_table(report: EvalReport) -> None:
+def print_table(report: EvalReport, console=None) -> None:
+    """The comparison (and MTP acceptance) tables and the verdict's notes on `console` (default: stdout's): tables
+    where they fit a terminal whole, one record per row in a pipe or a log (quant.terminal)."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    table = Table(title=f"{report.candidate['name']} vs {report.baseline['name']} — verdict: "
-                        f"{report.verdict.value}")
-    for name in table_header(report):
-        table.add_column(escape(name))
-    for row in table_rows(report):
-        table.add_row(*map(escape, row[:-1]), f"[{VERDICT_STYLE[row[-1]]}]{row[-1]}[/]")
-    console = Console()
-    console.print(table)
+    from quant.terminal import Column, print_table as print_rows
+
+    console = console or Console()
+    verdict = len(table_header(report)) - 1
+    print_rows(console, f"{report.candidate['name']} vs {report.baseline['name']} — verdict: {report.verdict.value}",
+               [Column(name) for name in table_header(report)],
+               [[*row[:-1], f"[{VERDICT_STYLE[row[-1]]}]{escape(row[-1])}[/]"] for row in table_rows(report)],
+               markup=(verdict,))
     acc = acceptance_rows(report)
     if acc:
-        table = Table(title="MTP draft acceptance")
-        for name in acceptance_header(report):
-            table.add_column(escape(name))
-        for row in acc:
-            table.add_row(*map(escape, row[:-1]), f"[{VERDICT_STYLE[row[-1]]}]{row[-1]}[/]")
-        console.print(table)
-    for line in mtp_status(report):
-        console.print(escape("MTP " + line[2:]))
+        last = len(acceptance_header(report)) - 1
+        print_rows(console, "MTP draft acceptance", [Column(name) for name in acceptance_header(report)],
+                   [[*row[:-1], f"[{VERDICT_STYLE[row[-1]]}]{escape(row[-1])}[/]"] for row in acc], markup=(last,))
+    lines = ["MTP " + line[2:] for line in mtp_status(report)]
     for label, arm in (("baseline", report.baseline), ("candidate", report.candidate)):
         if arm.get("notes"):  # a quantized checkpoint run in process
-            console.print(escape(f"activations, {label}: {activation_mode(arm)}"))
-    for line in verdict_notes(report):
-        if line:
-            console.print(escape(line))
-    for line in gate_lines(report):
-        console.print(escape(line))
+            lines.append(f"activations, {label}: {activation_mode(arm)}")
+    lines += [line for line in verdict_notes(report) if line] + list(gate_lines(report))
+    for line in lines:
+        console.print(escape(line), highlight=False, soft_wrap=not console.is_terminal)
 
 
 def write_report(report: EvalReport, out_dir: Path, record=None) -> dict[str, Path]:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from evals.statistics.results import ComparisonRow
 from evals.statistics.verdict import Verdict
@@ -48,7 +49,9 @@ def floor_problems(rows: list[ComparisonRow], floors: dict[str, float]) -> list[
         floor = floors.get(row.task, 0.0)
         low = [arm for arm in ("baseline", "candidate") if getattr(c, f"{arm}_accuracy") <= floor]
         if low:
+            # One record for every surface (table, report.md, report.json, PNG, card): the row itself says invalid.
             row.validity = f"{' and '.join(low)} at or below the floor ({floor:.0%})"
+            row.comparison = replace(c, verdict=INVALID)
             scores = " and ".join(f"{arm} {getattr(c, arm + '_accuracy'):.1%}" for arm in low)
             problems.append(f"{row.label}: {scores} is at "
                             f"or below the task's floor of {floor:.0%}: the setup is broken (prompt format, chat "
@@ -60,10 +63,11 @@ def floor_problems(rows: list[ComparisonRow], floors: dict[str, float]) -> list[
             dead = [arm for arm in ("baseline", "candidate") if getattr(a, f"{arm}_rate") <= ACCEPTANCE_FLOOR]
             if "baseline" in dead:
                 a.validity = f"{' and '.join(dead)} at or below {ACCEPTANCE_FLOOR:.0%} depth-1 acceptance"
+                a.verdict = INVALID
                 problems.append(f"{row.label} MTP: depth-1 acceptance of {' and '.join(dead)} is at or below "
                                 f"{ACCEPTANCE_FLOOR:.0%}: the draft does not work in that arm, so acceptance "
                                 f"cannot be compared")
-            if "candidate" in low and a.verdict == Verdict.PASS:
+            elif "candidate" in low and "baseline" not in low and a.verdict == Verdict.PASS:
                 problems.append(f"{row.label}: inconsistent: the candidate's accuracy collapsed while its draft "
                                 f"acceptance ({a.candidate_rate:.1%}) stayed non-inferior; the draft agrees with "
                                 f"a target that no longer answers (ROCm/ATOM#646), look at the candidate's answers")

@@ -353,6 +353,10 @@ def accuracy_section(report: dict, image: str | None) -> str:
                     f"{c['verdict']} |")
     text = [f"Against `{report['baseline'].get('name', 'baseline')}` (margin {report['margin_points']:g} points, "
             f"overall verdict **{report['verdict']}**):", "", *rows]
+    for title, lines in (("Why no verdict can be given", report.get("problems")),
+                         ("What would decide it", report.get("next_steps"))):
+        if lines:  # the report's own reasons, as the terminal and report.md give them
+            text += ["", f"{title}:", "", *(f"- {line}" for line in lines)]
     accepted = [row for row in report["rows"] if row.get("acceptance")]
     if accepted:
         depth = report.get("settings", {}).get("mtp_depth")
