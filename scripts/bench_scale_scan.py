@@ -8,6 +8,7 @@ source with the scan's own seconds inside it (manifest timing `scale_scan_s`): w
 difference. The figures go in BENCHMARKS.md with the command.
 
     .venv/bin/python scripts/bench_scale_scan.py [--gb 3] [--shards 8] [--keep DIR]
+    .venv/bin/python scripts/bench_scale_scan.py --hub    # toys served by tests/hub_server.py: bytes over HTTP
 """
 
 from __future__ import annotations
@@ -54,15 +55,65 @@ def scan(src: Path, cold: bool) -> tuple[float, int, int]:
     return time.perf_counter() - start, stats.bytes, stats.tensors
 
 
+HUB_PROBE = """
+import json, sys, time
+from quant.hub import hub_reference, open_hub_checkpoint
+from quant.validate import require_sound_scales
+for toy in sys.argv[1:]:
+    hub = open_hub_checkpoint(hub_reference("org/" + toy))
+    headers, requests = hub.traffic.bytes, hub.traffic.requests
+    started = time.perf_counter()
+    stats = require_sound_scales(hub, log=lambda *a: None)
+    print(json.dumps({"toy": toy, "repo_bytes": hub.repo_bytes(), "headers_bytes": headers,
+                      "headers_requests": requests, "scan_bytes": hub.traffic.bytes - headers,
+                      "scan_requests": hub.traffic.requests - requests, "scale_bytes": stats.bytes,
+                      "scan_s": round(time.perf_counter() - started, 3)}))
+    hub.close()
+"""
+HUB_TOYS = ("deepseek-v4", "kimi-k3", "minimax-m3.1-flash", "glm5")
+
+
+def hub_rows(work: Path) -> list[dict]:
+    """The scan of sharded toys served by tests/hub_server.py, read by huggingface_hub's client in a subprocess:
+    bytes and requests of the plan's headers and of the scan itself."""
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hub_server import HubServer
+
+    from quant.toy import build_toy
+
+    server = HubServer().start()
+    try:
+        for toy in HUB_TOYS:
+            server.add_repo(f"org/{toy}", build_toy(toy, work / f"hub-{toy}", shard_size="300KB"), content_sha=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        env.update(HF_ENDPOINT=server.url, HF_HUB_OFFLINE="0", HF_HOME=str(work / "hf-home"), HF_HUB_DISABLE_XET="1")
+        run = subprocess.run([sys.executable, "-c", HUB_PROBE, *HUB_TOYS], env=env, capture_output=True, text=True,
+                             check=True)
+    finally:
+        server.stop()
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=3.0)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--keep", type=Path)
+    ap.add_argument("--hub", action="store_true", help="measure the scan of toys over HTTP instead")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-scan-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.hub:
+        for r in hub_rows(work):
+            print(f"{r['toy']:>18}: repository {r['repo_bytes'] / 1e6:.2f} MB; headers {r['headers_bytes'] / 1e3:.1f} kB "
+                  f"in {r['headers_requests']} requests; scan {r['scan_bytes'] / 1e3:.1f} kB in {r['scan_requests']} "
+                  f"requests ({r['scale_bytes'] / 1e3:.1f} kB of scales), {r['scan_s']:.2f} s")
+        if args.keep is None:
+            shutil.rmtree(work)
+        return
     bf16 = work / "bf16"
     if not bf16.exists():
         build_synthetic(bf16, args.gb, args.shards)
