@@ -18,6 +18,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's own help layout: wrapped to the terminal (COLUMNS honoured), never a default cut with an ellipsis
+    rich_markup_mode=None,
 )
 
 # An unexpected exception (a bug, not the input): distinct from 1 ("an engine would fail") and 2 ("unreadable").
@@ -62,6 +64,29 @@ def _register() -> None:
 _register()
 
 
+def conventional(command):
+    """The command tree with the metavars users of argparse and click tools read: `quant quantize [OPTIONS] SRC OUT`,
+    `--scheme SCHEME`, `--workers N`, a flag with none (typer would show `{src}` and `<str>`)."""
+    from typer.core import TyperArgument
+
+    for sub in getattr(command, "commands", {}).values():
+        conventional(sub)
+    for param in command.params:
+        if param.metavar is not None:
+            continue
+        annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+        if isinstance(param, TyperArgument):
+            # typer 0.29 prints a required argument as `{NAME}` with its `<type>`: the instance's own methods win
+            name = param.metavar = param.name.upper()
+            param._usage_display_name = (lambda n: (lambda: n))(name if param.required else f"[{name}]")
+            param.display_type_rich = lambda ctx: None
+        elif getattr(param, "is_flag", False) or annotation is bool:
+            param.metavar = ""
+        else:
+            param.metavar = {int: "N", float: "X"}.get(annotation) or param.name.upper()
+    return command
+
+
 def main() -> None:
     # The command runs in a child process whose native crash becomes one line and exit 70 (quant.process.supervise)
     supervised = supervise()
@@ -71,7 +96,7 @@ def main() -> None:
     # instead of a traceback or a misleading exit code from the next write to a closed pipe.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
-        app()
+        conventional(typer.main.get_command(app))(prog_name="quant")
         code = 0
     except SystemExit as e:
         code = e.code

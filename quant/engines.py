@@ -21,7 +21,7 @@ import yaml
 
 from quant.engine_rules import DraftClass, EngineRules, MtpNamespace, StrayTensor, check_engines, release_rules
 from quant.families import text_config
-from quant.errors import QuantError
+from quant.errors import QuantError, did_you_mean
 from quant.paths import MANIFESTS_DIR
 
 ENGINES_FILE = MANIFESTS_DIR / "engines.yaml"
@@ -363,7 +363,7 @@ def releases(engine: str) -> list[str]:
 def _engine(engine: str) -> dict:
     engines = engine_data()["engines"]
     if engine not in engines:
-        raise QuantError(f"unknown engine '{engine}' (known: {', '.join(engines)})")
+        raise QuantError(f"unknown engine '{engine}'{did_you_mean(engine, engines)} (known: {', '.join(engines)})")
     return engines[engine]
 
 

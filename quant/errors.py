@@ -45,6 +45,17 @@ def naming(failure: OSError, where) -> OSError:
     return OSError(failure.errno, failure.strerror or os.strerror(failure.errno), str(where))
 
 
+def did_you_mean(value: str, choices) -> str:
+    """` (did you mean 'x'?)` for the closest of `choices` to a mistyped `value`, or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:
+        lowered = {str(c).lower(): str(c) for c in choices}
+        close = [lowered[str(value).lower()]] if str(value).lower() in lowered else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class QuantError(Exception):
     """A problem with the user's input (a bad argument, an unreadable or invalid file), reported as one line."""
 

@@ -34,7 +34,7 @@ def build_toy(work: Path, shard_size: str) -> Path:
     src, out = work / f"toy-{shard_size}", work / f"toy-{shard_size}-mxfp4"
     if not (out / "config.json").is_file():
         quant = [sys.executable, "-m", "quant.cli"]
-        for cmd in (["toy", "glm5", str(src), "--shard-size", shard_size, "--force"],
+        for cmd in (["toy", "glm5", str(src), "--shard-size", shard_size, "--overwrite"],
                     ["quantize", str(src), str(out), "--overwrite"]):
             r = subprocess.run(quant + cmd, capture_output=True, text=True)
             if r.returncode:

@@ -42,7 +42,7 @@ def build_source(work: Path, shard_size: str) -> Path:
     """A BF16 GLM-5 toy (`quant toy glm5 --shard-size`), the repository served."""
     src = work / f"toy-glm5-{shard_size}"
     if not (src / "config.json").is_file():
-        _run(QUANT + ["toy", "glm5", str(src), "--shard-size", shard_size, "--force"], {})
+        _run(QUANT + ["toy", "glm5", str(src), "--shard-size", shard_size, "--overwrite"], {})
     return src
 
 

@@ -60,7 +60,7 @@ def test_every_command_refuses_a_users_directory_and_keeps_its_files(toy_factory
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "data", "notes.txt"]  # not even a lock file
 
 
-@pytest.mark.parametrize("command", [["demo", "."], ["toy", "glm5", ".", "--force"],
+@pytest.mark.parametrize("command", [["demo", "."], ["toy", "glm5", ".", "--overwrite"],
                                      ["quantize", "{src}", ".", "--overwrite"],
                                      ["eval", "--candidate", "{src}", "--baseline", "{src2}", "--out", ".",
                                       "--overwrite"]])
@@ -247,7 +247,7 @@ def test_an_output_that_is_a_link_to_the_source_is_refused(toy_factory, tmp_path
     assert tree(src) == before
 
 
-@pytest.mark.parametrize("command", [["toy", "glm5", "{out}", "--force"],
+@pytest.mark.parametrize("command", [["toy", "glm5", "{out}", "--overwrite"],
                                      ["quantize", "{src}", "{out}", "--overwrite", "--no-progress"],
                                      ["eval", "--candidate", "{src}", "--baseline", "{src2}", "--tasks", "toy_arith",
                                       "--limit", "2", "--out", "{out}", "--overwrite"]])
@@ -291,7 +291,7 @@ def test_a_forged_owner_record_is_not_ours(tmp_path, forged, version):
         {"tool": "moe-quant", "version": 2, "kind": "toy", "identity": None, "dirs": [],
          "files": {n: [4, "0" * 64] for n in names}}
     (out / ".quant-owner.json").write_text(json.dumps(record))
-    for flags in ([], ["--force"]):
+    for flags in ([], ["--overwrite"]):
         one_line(quant("toy", "glm5", out, *flags), 2, ".quant-owner.json", "not ours")
         assert_intact(victim, files)
         assert (tmp_path / "victim.txt").read_text() == "mine"
@@ -359,11 +359,11 @@ def test_odd_output_names_are_exit_2(toy_factory, tmp_path, command):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop"]  # nothing written, no runs/ or tasks/
 
 
-def test_toy_force_over_an_export_of_ours_replaces_it_whole(toy_factory, tmp_path):
+def test_toy_overwrite_over_an_export_of_ours_replaces_it_whole(toy_factory, tmp_path):
     out = tmp_path / "e"
     quantize_checkpoint(toy_factory("glm5", shard_size="300KB"), out, log=lambda m: None)
     (out / "mine.txt").write_text("a user's file")
-    result = quant("toy", "qwen3-moe", out, "--force")
+    result = quant("toy", "qwen3-moe", out, "--overwrite")
     assert result.returncode == 0, result.stderr
     fresh = quant("toy", "qwen3-moe", tmp_path / "fresh")
     assert result.stdout.replace(str(out), "X") == fresh.stdout.replace(str(tmp_path / "fresh"), "X")

@@ -560,7 +560,8 @@ def test_cli_writes_a_summary_and_refuses_to_overwrite_without_the_flag(tmp_path
 
     result = run_cli("qwen3-moe", out)  # other options than the toy there: refused, named flag
     assert isinstance(result.exception, QuantError) and "--overwrite" in str(result.exception)
-    assert run_cli("qwen3-moe", out, "--force").exit_code == 0  # the old spelling of --overwrite
+    assert run_cli("qwen3-moe", out, "--force").exit_code == 2  # one meaning per flag: --force is push's
+    assert run_cli("qwen3-moe", out, "--overwrite").exit_code == 0
     assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
 
     result = run_cli("qwen3-moe", tmp_path / "other", "--shard-size", "lots")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from quant.errors import QuantError
+from quant.errors import QuantError, did_you_mean
 
 EVAL_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 GSM8K_COLUMNS = ("question", "answer")
@@ -101,7 +101,7 @@ def parse_tasks(value: str) -> list[TaskSpec]:
         raise QuantError("--tasks is empty; choose from " + ", ".join(TASKS))
     unknown = [n for n in names if n not in TASKS]
     if unknown:
-        raise QuantError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+        raise QuantError(f"unknown task {unknown[0]!r}{did_you_mean(unknown[0], TASKS)}; choose from {', '.join(TASKS)}")
     return [TASKS[n] for n in dict.fromkeys(names)]
 
 

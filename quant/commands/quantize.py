@@ -10,18 +10,21 @@ import typer
 
 from quant.gptq.calibration import DEFAULT_DATA
 from quant.planning.recipes import recipe_names
-from quant.planning.schemes import SCHEMES
+from quant.planning.schemes import ALIASES, OTHER_MEANINGS, SCHEMES
 
 # The lists in --help come from the data (manifests/recipes.yaml, the scheme table): tests/test_docs_from_data.py.
 RECIPES_HELP = " | ".join([f"{recipe_names()[0]} (default)", *recipe_names()[1:],
                            "a YAML file {base, roles, keep, mtp_layer}"])
 SCHEMES_HELP = " | ".join(SCHEMES)
+ALIASES_HELP = (", ".join(f"{alias} = {target} ({who})" for alias, (target, who) in ALIASES.items())
+                + f"; refused with what to write instead: {', '.join(OTHER_MEANINGS)} (fp8 here is per-channel "
+                  "weights with dynamic per-token activations, not Quark's or llm-compressor's per-tensor FP8)")
 
 
 def command(
     src: str = typer.Argument(..., help="Source checkpoint: a local directory or a Hugging Face hub id."),
     out: Path = typer.Argument(..., help="Output directory (new, empty, or an interrupted earlier run to resume)."),
-    scheme: str = typer.Option("w_mxfp4_a_mxfp4", help=SCHEMES_HELP),
+    scheme: str = typer.Option("w_mxfp4_a_mxfp4", help=f"{SCHEMES_HELP}. The peers' names: {ALIASES_HELP}"),
     recipe: Optional[str] = typer.Option(None, help=RECIPES_HELP),
     scale_mode: str = typer.Option("even", help="MXFP4 scale rule: even | floor | rceil | search"),
     devices: str = typer.Option("auto", help="auto (one worker per visible GPU, else CPU workers) or "

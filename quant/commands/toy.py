@@ -24,7 +24,7 @@ def command(
     source_format: str = typer.Option(None, "--source-format", help=f"Store the weights as a release in this "
                                       f"format stores them: {FORMATS_HELP} (README: Microscaled sources)."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives byte-identical files."),
-    overwrite: bool = typer.Option(False, "--overwrite", "--force",
+    overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace an earlier output of this tool (another toy, an export), or write "
                                    "into a directory this tool did not make (files it did not write are never deleted "
                                    "or overwritten)."),

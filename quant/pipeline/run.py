@@ -25,7 +25,7 @@ from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
 from quant.validate import require_sound_scales, require_valid
 from quant.verify.sidecars import source_draft_problems
-from quant.errors import EngineFailure, QuantError
+from quant.errors import EngineFailure, QuantError, did_you_mean
 from quant.files import sha256_bytes, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
 from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record,
@@ -39,7 +39,7 @@ from quant.pipeline.solver import SolveRequest, WeightSolver
 from quant.planning.plan import Plan, ShardJob, make_plan
 from quant.planning.recipes import family_for_config, load_recipe
 from quant.numerics import SCALE_MODES
-from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
+from quant.planning.schemes import MXFP4_SCHEMES, get_scheme, scheme_name
 from quant.hub import hub_reference
 from quant.pipeline.snapshot import cached_source
 from quant.process import auto_devices, cpu_threads, frozen_imports, set_threads, visible_accelerators
@@ -287,6 +287,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
     `.quant-source/` when needed, `look_ahead` shards ahead, deleted once written, never more than `max_disk`
     bytes of source on disk (`quant.pipeline.fetch`); the manifest then has `stream` added. `stream=False`
     downloads the whole repository first (huggingface_hub's cache)."""
+    scheme = scheme_name(scheme)  # a peer's name for it (MXFP4, FP8_DYNAMIC, ptpc_fp8...): this tool's
     auto_engines = _is_auto(check_engines)
     check_engines = _check_arguments(scheme, method, gptq, scale_mode, check_engines, workers)
     hub = streamed_reference(src, stream)
@@ -365,14 +366,15 @@ def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engi
 
     scheme_obj = get_scheme(scheme)
     if method not in ("rtn", "gptq"):
-        raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
+        raise QuantError(f"unknown method {method!r}{did_you_mean(method, ('rtn', 'gptq'))}; choose rtn or gptq")
     if method == "gptq" and scheme not in MXFP4_SCHEMES:
         raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
                          f"or w_mxfp4)")
     if method == "gptq" and gptq is None:
         raise QuantError("--method gptq: no solver given (pass gptq=quant.gptq.GptqSettings(...))")
     if scale_mode not in SCALE_MODES:
-        raise QuantError(f"unknown scale mode {scale_mode!r}; choose one of: {', '.join(SCALE_MODES)}")
+        raise QuantError(f"unknown scale mode {scale_mode!r}{did_you_mean(scale_mode, SCALE_MODES)}; choose one of: "
+                         f"{', '.join(SCALE_MODES)}")
     if _is_auto(check_engines):
         check_engines = scheme_releases({scheme})  # the default releases that load this scheme (schemes.py)
     if check_engines:

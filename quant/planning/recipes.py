@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from quant.errors import QuantError
+from quant.errors import QuantError, did_you_mean
 from quant.families import KEEP, BadData, Family, check_keys, family_for_config, family_names, load_family
 from quant.families.schema import load_yaml
 from quant.paths import MANIFESTS_DIR
@@ -133,7 +133,8 @@ def load_recipe(name_or_path: str | None, family: Family | None = None) -> Recip
         return recipe.for_family(family) if family is not None else recipe
     path = Path(name)
     if path.suffix not in (".yaml", ".yml") and not path.exists():
-        raise BadData(f"unknown recipe {name!r}; built-in recipes: {', '.join(recipes)} (or a YAML file)")
+        raise BadData(f"unknown recipe {name!r}{did_you_mean(name, recipes)}; built-in recipes: {', '.join(recipes)} "
+                      f"(or a YAML file)")
     user = check_keys(load_yaml(path), USER_RECIPE_KEYS, str(path), "the recipe")
     base_name = user.get("base", builtin["default"])
     if base_name not in recipes:

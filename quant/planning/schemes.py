@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from quant.errors import QuantError
+from quant.errors import QuantError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -144,10 +144,61 @@ SCHEMES: dict[str, Scheme] = {
 MXFP4_SCHEMES = tuple(name for name in SCHEMES if name.startswith("w_mxfp4"))  # what GPTQ can solve
 
 
+# The names other tools give these schemes, accepted as given: llm-compressor's preset schemes
+# (compressed_tensors/quantization/quant_scheme.py PRESET_SCHEMES: MXFP4 = group-32 FP4 weights with dynamic
+# group-32 FP4 activations, MXFP4A16 weights only, MXFP8 likewise in FP8, FP8_DYNAMIC per-channel weights with
+# dynamic per-token activations, FP8_BLOCK 128x128 weights with dynamic group-128 activations) and AMD Quark's
+# (`mxfp4`; `ptpc_fp8`, per-tensor-per-channel FP8; the deprecated spellings of quark/torch/quantization/config
+# DEPRECATED_QUANT_SCHEME).
+ALIASES = {
+    "MXFP4": ("w_mxfp4_a_mxfp4", "LLM Compressor"), "mxfp4": ("w_mxfp4_a_mxfp4", "Quark"),
+    "w_mxfp4_a_mxfp4_sym": ("w_mxfp4_a_mxfp4", "Quark, deprecated"),
+    "w_mx_fp4_a_mx_fp4_sym": ("w_mxfp4_a_mxfp4", "Quark, deprecated"),
+    "MXFP4A16": ("w_mxfp4", "LLM Compressor"),
+    "MXFP8": ("w_mxfp8_a_mxfp8", "LLM Compressor"), "w_mx_fp8_a_mx_fp8": ("w_mxfp8_a_mxfp8", "Quark, deprecated"),
+    "FP8_DYNAMIC": ("fp8", "LLM Compressor"), "ptpc_fp8": ("fp8", "Quark"),
+    "FP8_BLOCK": ("fp8-block", "LLM Compressor"),
+}
+# Names users bring that mean another scheme than any here (or than ours of the same spelling): refused, saying what
+# to write instead.
+OTHER_MEANINGS = {
+    "FP8": "llm-compressor's FP8 is per-tensor static FP8 (calibrated weight and activation scales); this tool's "
+           "per-channel weights with dynamic per-token activations are --scheme fp8 (llm-compressor's FP8_DYNAMIC), "
+           "128x128 blocks --scheme fp8-block",
+    "w_fp8_a_fp8": "Quark's w_fp8_a_fp8 is per-tensor FP8; this tool writes per-channel FP8 with dynamic per-token "
+                   "activations (Quark's ptpc_fp8) as --scheme fp8, or the official 128x128 blocks as --scheme "
+                   "fp8-block",
+    "MXFP8A16": "weight-only MXFP8 has no scheme here (no engine profile loads it): --scheme w_mxfp8_a_mxfp8 "
+                "quantizes the activations to MXFP8 too",
+    "NVFP4": "NVFP4 (E4M3 scales per 16, a global scale) is read as a source, never written: --scheme "
+             "w_mxfp4_a_mxfp4 is OCP MXFP4 (E8M0 scales per 32)",
+    "NVFP4A16": "NVFP4 is read as a source, never written: --scheme w_mxfp4 is weight-only OCP MXFP4",
+}
+
+
+def scheme_name(name: str) -> str:
+    """This tool's name for `name`: one of SCHEMES, or a peer's name for one of them (ALIASES, also in another
+    case); a name meaning another scheme, or none, is refused in one line saying what to write."""
+    if name in SCHEMES:
+        return name
+    alias = ALIASES.get(name) or next((v for k, v in ALIASES.items() if k.lower() == str(name).lower()), None)
+    if alias is not None:
+        return alias[0]
+    other = OTHER_MEANINGS.get(name) or next((v for k, v in OTHER_MEANINGS.items() if k.lower() == str(name).lower()
+                                              and name not in SCHEMES), None)
+    if other is not None:
+        raise QuantError(f"--scheme {name}: {other}")
+    raise QuantError(f"unknown scheme {name!r}{did_you_mean(name, [*SCHEMES, *ALIASES])}; choose one of: "
+                     f"{', '.join(SCHEMES)} (or a peer's name for one: {', '.join(ALIASES)})")
+
+
+def aliases_of(name: str) -> list[str]:
+    """The peers' names accepted for scheme `name`, with whose they are: ["MXFP4 (llm-compressor)", ...]."""
+    return [f"{alias} ({who})" for alias, (target, who) in ALIASES.items() if target == name]
+
+
 def get_scheme(name: str) -> Scheme:
-    if name not in SCHEMES:
-        raise QuantError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}")
-    return SCHEMES[name]
+    return SCHEMES[scheme_name(name)]
 
 
 def secondary_scheme(primary: Scheme, treatment: str = "fp8") -> Scheme:

@@ -52,6 +52,8 @@ def describe_source(ckpt: Checkpoint) -> SourceDescription | None:
     if config.get("quant_method") == "quark" or not is_microscaled(ckpt):
         return None  # a Quark export (its formats are sources too), official block FP8: the engine checks judge it
     kinds = Counter(e.kind for name in ckpt.tensors for e in [_encoding(ckpt, name)] if e is not None)
+    if any(kind.startswith("quark-") for kind in kinds):
+        return None  # a Quark export's tensors under another config: the engine checks say what fails
     listed = ", ".join(f"{k} ({n} weights)" for k, n in kinds.most_common())
     return SourceDescription("microscaled", f"a release stored microscaled ({listed}; quant_method "
                              f"{config.get('quant_method')!r}): its engines load it with that format's own loader, "
