@@ -71,6 +71,8 @@ def command(
                                 "(keyed by model, prompt, settings); ask only what is missing"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write --out into a directory this tool did not make "
                                    "(files it did not write are never deleted); let --write-gate replace a file"),
+    json_output: bool = typer.Option(False, "--json", help="Print report.json on stdout (as verify-manifest --json "
+                                     "does); the tables and notes go to stderr"),
 ) -> None:
     """Compare a candidate against a baseline on GSM8K / GPQA-Diamond with paired statistics."""
     from evals.compare import EXIT_CODES, EvalRequest, evaluate
@@ -83,13 +85,20 @@ def command(
     fields = EvalRequest.__dataclass_fields__  # every option of the same name; --limit 0 means all questions
     request = EvalRequest(**{**{k: v for k, v in locals().items() if k in fields}, "limit": limit or None})
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
+    from rich.console import Console
+
     from evals.report.render import print_table
 
-    print_table(report)
-    typer.echo(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}"
-               + (f", gate {write_gate}" if write_gate else ""))
+    print_table(report, Console(stderr=json_output))
+    say = lambda m: typer.echo(m, err=json_output)  # noqa: E731
+    say(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}"
+        + (f", gate {write_gate}" if write_gate else ""))
     if card is not None:
         from evals.report.card import add_accuracy
 
-        typer.echo(f"updated {add_accuracy(card, report.to_json(), out)}")
+        say(f"updated {add_accuracy(card, report.to_json(), out)}")
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(report.to_json(), indent=1))
     raise typer.Exit(EXIT_CODES[report.verdict])

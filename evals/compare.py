@@ -23,6 +23,11 @@ __all__ = ["EXIT_CODES", "EvalRequest", "evaluate"]
 def evaluate(request: EvalRequest, log=print) -> EvalReport:
     """Run the comparison and write the report; returns the report (`report.verdict`; `report.to_json()` is what
     report.json holds)."""
+    import sys
+
+    from evals.arms.lm_eval_run import quiet_third_parties
+
+    quiet_third_parties(sys.stderr.isatty())  # lm-eval's warnings about our own choices; bars only on a terminal
     with digests_for_this_run():  # each checkpoint hashed once in this run (the check below, then its arm)
         return _evaluate_checked(request, log)
 

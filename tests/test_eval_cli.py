@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def quant(*args):
@@ -101,3 +104,24 @@ def test_a_byte_identical_copy_of_the_candidate_is_refused_as_the_same_model(tmp
     assert lines[0].startswith(f"error: --candidate {toy} and --baseline {copy} are the same model (byte-identical "
                                f"checkpoints, sha256 "), lines
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_json_prints_the_report_on_stdout(tmp_path):
+    """Issue #50 item 6: `quant eval --json`, as `verify-manifest --json`: stdout is report.json, the rest stderr."""
+    import json as json_module
+
+    from quant.pipeline import quantize_checkpoint
+
+    toy = REPO / "evals" / "data" / "toy_arith" / "model"
+    quantize_checkpoint(toy, tmp_path / "mx", check_engines=[], log=lambda m: None)
+    run = subprocess.run([sys.executable, "-m", "quant", "eval", "--candidate", str(tmp_path / "mx"), "--baseline",
+                          str(toy), "--tasks", "toy_arith", "--limit", "4", "--no-mtp", "--out", str(tmp_path / "o"),
+                          "--json"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert run.returncode in (0, 3), run.stderr[-2000:]
+    assert json_module.loads(run.stdout) == json_module.loads((tmp_path / "o" / "report.json").read_text())
+    assert "verdict (margin" in run.stderr
+    # a log, not a terminal (issue #50 item 5): no bar joined with \r, none of lm-eval's warnings about our choices,
+    # and the eval's own count and time per run
+    assert "\r" not in run.stderr and "do not launch via accelerate" not in run.stderr
+    assert "Ensure 'do_sample=True'" not in run.stderr and "4 questions answered (1 of 1 runs" in run.stderr

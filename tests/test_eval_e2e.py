@@ -185,7 +185,9 @@ def test_gpqa_seeds_sample_differently_and_pair_per_question(tmp_path):
     # too few to show non-inferiority, and the interval says so instead of collapsing to [0, 0].
     comparison = row["comparison"]
     assert comparison["difference"] == 0.0 and comparison["ci_low"] < -0.3 < 0.3 < comparison["ci_high"]
-    assert comparison["verdict"] == "inconclusive" and comparison["n_to_pass"] > 6
-    # The arithmetic toy cannot answer GPQA: an arm at or below chance (25%) gets no verdict (invalid).
+    assert comparison["n_to_pass"] > 6
+    # The arithmetic toy cannot answer GPQA: an arm at or below chance (25%) gets no verdict (invalid), and the row
+    # itself says so (one record behind every surface), else the interval leaves it inconclusive.
     at_floor = min(comparison["baseline_accuracy"], comparison["candidate_accuracy"]) <= 0.25
-    assert report["verdict"] == ("invalid" if at_floor else "inconclusive"), comparison
+    assert report["verdict"] == comparison["verdict"] == ("invalid" if at_floor else "inconclusive"), comparison
+    assert ("validity" in row) == at_floor

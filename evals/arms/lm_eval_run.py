@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,55 @@ class RunSettings:
             return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                     "max_gen_toks": max_gen_toks}
         return {"do_sample": False, "temperature": 0.0, "max_gen_toks": max_gen_toks}
+
+
+# lm-eval's warnings about what this tool does on purpose, which read as the user's mistake: an initialized model
+# handed to HFLM in a single process (lm_eval/models/huggingface.py:220, :495), and greedy generation settings given
+# for every task (lm_eval/evaluator.py:227, "Ensure 'do_sample=True'": sampled tasks do get do_sample=True).
+EXPECTED_WARNINGS = {"lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",
+                                                    "Passed an already-initialized model through `pretrained`"),
+                     "lm_eval.evaluator": ("specified through cli, these settings will update set parameters",)}
+
+
+class _Expected(logging.Filter):
+    def __init__(self, phrases: tuple[str, ...]):
+        super().__init__()
+        self.phrases = phrases
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(p in str(record.msg) for p in self.phrases)
+
+
+def quiet_third_parties(terminal: bool) -> None:
+    """Silence lm-eval's warnings about this tool's deliberate choices (EXPECTED_WARNINGS); off a terminal (a log
+    file, a pipe), also the progress bars of tqdm, datasets and huggingface_hub, which write one `\r`-joined line
+    there: the eval's own lines say what ran, how many and how long (run_arm)."""
+    for name, phrases in EXPECTED_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Expected) for f in logger.filters):
+            logger.addFilter(_Expected(phrases))
+    if not terminal:
+        for variable in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ.setdefault(variable, "1")
+
+
+@contextlib.contextmanager
+def _no_bar_off_a_terminal(lm):
+    """lm-eval's HFLM draws its generation bar with an explicit `disable=disable_tqdm` (huggingface.py:1574), which
+    no environment variable reaches: off a terminal, its generate_until is called with disable_tqdm=True."""
+    import inspect
+    import sys
+
+    original = getattr(lm, "generate_until", None)
+    if sys.stderr.isatty() or original is None or "disable_tqdm" not in inspect.signature(original).parameters:
+        yield
+        return
+    lm.generate_until = lambda requests, *args, **kwargs: original(requests, *args,
+                                                                   **{"disable_tqdm": True, **kwargs})
+    try:
+        yield
+    finally:
+        lm.__dict__.pop("generate_until", None)
 
 
 @contextlib.contextmanager
@@ -172,39 +223,53 @@ def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Pa
 
     task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     records = []
-    for spec in specs:
-        for seed in settings.seed_list(spec):
-            run_dir = out_dir / run_dir_name(spec, seed)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            gen_kwargs = settings.gen_kwargs(spec)
-            _check_context(backend, spec, gen_kwargs["max_gen_toks"])
-            chat = _chat(backend, spec, settings)
-            if spec.sampled:
-                gen_kwargs.update(backend.seed_gen_kwargs(seed))
-            if chat and backend.kind == "server" and settings.thinking is not None:
-                gen_kwargs["chat_template_kwargs"] = template_kwargs(settings.thinking)  # SGLang's and vLLM's field
-            log(f"  {backend.label}: {spec.name}" + (f" seed {seed}" if spec.sampled else ""))
-            keeping = kept_answers(backend, store, seed, spec.sampled, log) if store else contextlib.nullcontext()
-            with _light_provenance(), keeping:
-                results = lm_eval.simple_evaluate(
-                    model=backend.lm,
-                    tasks=[spec.lm_eval_task],
-                    task_manager=task_manager,
-                    limit=settings.limit,
-                    gen_kwargs=gen_kwargs,
-                    apply_chat_template=chat,
-                    log_samples=True,
-                    bootstrap_iters=0,
-                    random_seed=PYTHON_SEED,
-                    numpy_random_seed=NUMPY_SEED,
-                    torch_random_seed=seed if spec.sampled else GREEDY_TORCH_SEED,
-                    fewshot_random_seed=FEWSHOT_SEED,
-                    verbosity="ERROR",
-                )
-            samples = sorted(results["samples"][spec.lm_eval_task], key=lambda s: (s["filter"], s["doc_id"]))
-            task_records = [sample_record(spec, seed, s) for s in samples]
-            write_records(out_dir, [spec], task_records)
-            summary = {k: v for k, v in results.items() if k != "samples"}
-            (run_dir / RESULTS_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-            records.extend(task_records)
+    runs = [(spec, seed) for spec in specs for seed in settings.seed_list(spec)]
+    started = time.monotonic()
+    for done, (spec, seed) in enumerate(runs):
+        run_dir = out_dir / run_dir_name(spec, seed)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        gen_kwargs = settings.gen_kwargs(spec)
+        _check_context(backend, spec, gen_kwargs["max_gen_toks"])
+        chat = _chat(backend, spec, settings)
+        if spec.sampled:
+            gen_kwargs.update(backend.seed_gen_kwargs(seed))
+        if chat and backend.kind == "server" and settings.thinking is not None:
+            gen_kwargs["chat_template_kwargs"] = template_kwargs(settings.thinking)  # SGLang's and vLLM's field
+        log(f"  {backend.label}: {spec.name}" + (f" seed {seed}" if spec.sampled else ""))
+        keeping = kept_answers(backend, store, seed, spec.sampled, log) if store else contextlib.nullcontext()
+        with _light_provenance(), _no_bar_off_a_terminal(backend.lm), keeping:
+            results = lm_eval.simple_evaluate(
+                model=backend.lm,
+                tasks=[spec.lm_eval_task],
+                task_manager=task_manager,
+                limit=settings.limit,
+                gen_kwargs=gen_kwargs,
+                apply_chat_template=chat,
+                log_samples=True,
+                bootstrap_iters=0,
+                random_seed=PYTHON_SEED,
+                numpy_random_seed=NUMPY_SEED,
+                torch_random_seed=seed if spec.sampled else GREEDY_TORCH_SEED,
+                fewshot_random_seed=FEWSHOT_SEED,
+                verbosity="ERROR",
+            )
+        samples = sorted(results["samples"][spec.lm_eval_task], key=lambda s: (s["filter"], s["doc_id"]))
+        task_records = [sample_record(spec, seed, s) for s in samples]
+        write_records(out_dir, [spec], task_records)
+        summary = {k: v for k, v in results.items() if k != "samples"}
+        (run_dir / RESULTS_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        records.extend(task_records)
+        log(_progress_line(backend.label, spec, seed, task_records, done + 1, len(runs), started))
     return records
+
+
+def _progress_line(label: str, spec: TaskSpec, seed: int, task_records: list[dict], done: int, total: int,
+                   started: float) -> str:
+    """`  baseline: gsm8k: 200 questions answered (1 of 2 runs of this arm, 0:03:10; about 0:03:10 left)`."""
+    elapsed = time.monotonic() - started
+    questions = len({r["doc_id"] for r in task_records})
+    left = elapsed / done * (total - done)
+    clock = lambda s: f"{int(s) // 3600}:{int(s) // 60 % 60:02d}:{int(s) % 60:02d}"  # noqa: E731
+    return (f"  {label}: {spec.name}" + (f" seed {seed}" if spec.sampled else "")
+            + f": {questions} questions answered ({done} of {total} runs of this arm, {clock(elapsed)}"
+            + (f"; about {clock(left)} left for it)" if done < total else ")"))
