@@ -58,6 +58,7 @@ import json
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -714,3 +715,37 @@ class DiskWatch:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python tests/hub_server.py ORG/NAME=DIR ...`: serve local checkpoints as Hub repositories until
+    Ctrl-C (the README's offline Hub workflow). Prints one line, the variables huggingface_hub needs to talk to it;
+    pushes land in a temporary folder, which goes when the server stops."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description="A local Hub for trying the Hub workflow offline.")
+    parser.add_argument("repos", nargs="+", metavar="ORG/NAME=DIR", help="a directory served as a model repository")
+    args = parser.parse_args(argv)
+    server = HubServer().start()
+    for spec in args.repos:
+        repo_id, _, folder = spec.partition("=")
+        if repo_id.count("/") != 1 or not Path(folder).is_dir():
+            parser.error(f"{spec}: expected ORG/NAME=DIR with DIR a directory")
+        server.add_repo(repo_id, Path(folder), content_sha=True)  # the Hub's sha256 of every LFS file
+    # HF_HUB_DISABLE_XET: this server speaks the LFS protocol, not Xet storage
+    # HF_HUB_OFFLINE=0: this Hub is on the machine, so an offline one (TRANSFORMERS_OFFLINE=1 included) reaches it
+    print(f"export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1 HF_HUB_OFFLINE=0", flush=True)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # `kill`: stop as Ctrl-C does
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

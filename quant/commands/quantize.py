@@ -144,7 +144,10 @@ def _quantize(src: str, out: Path, *, devices: str, workers: int, gptq, check_en
             return
     else:
         run()
-    typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in manifest["timing"].items()), err=True)
+    timing = manifest["timing"]
+    typer.echo("time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in timing.items() if k.endswith("_s"))
+               + (f"; scales read before the first byte: {timing['scale_scan_tensors']} tensors, "
+                  f"{timing['scale_scan_bytes'] / 1e6:.2f} MB" if timing.get("scale_scan_tensors") else ""), err=True)
     if "stream" in manifest:
         typer.echo(_stream_line(manifest["stream"]), err=True)
     typer.echo(_wrote_line(out, manifest))
