@@ -409,3 +409,17 @@ def test_killed_push_resumes(world):
     assert code == 0, err
     assert len(uploads(server)) == len(lacking)
     assert_landed(world, "org/killed", export)
+
+
+def test_token_and_commit_message_as_hf_upload_takes_them(world, tmp_path):
+    """Issue #50 item 6: `--token` (a token with write access, not HF_TOKEN's) and `--commit-message`."""
+    server = world["server"]
+    server.create_repo("me/by-token", writers=("writer-token",))
+    code, _, err = push(world, world["export"], "me/by-token")  # HF_TOKEN=tok: no write access there
+    assert code == 2 and "me/by-token" in err, err
+    code, out, err = push(world, world["export"], "me/by-token", "--token", "writer-token", "--commit-message",
+                          "GLM toy, MXFP4 experts")
+    assert code == 0, err
+    summaries = [summary for _, summary, _, _ in server.repos["me/by-token"].commits]
+    assert summaries[-2:] == ["GLM toy, MXFP4 experts: weights, index, manifest, model card and side files",
+                              "GLM toy, MXFP4 experts: config.json (the export is complete)"], summaries

@@ -20,6 +20,11 @@ def command(
                                                     "default: those the export's scheme loads in."),
     private: bool = typer.Option(False, "--private", help="Create the repository private (when it is created)."),
     progress: bool = typer.Option(True, help="Show huggingface_hub's upload progress."),
+    token: Optional[str] = typer.Option(None, "--token", help="A Hub token with write access, instead of HF_TOKEN "
+                                        "or `hf auth login`'s (as `hf upload --token`)."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", help="The summary of the push's commits "
+                                                 "(each adds what it holds: the weights first, config.json last); "
+                                                 "default: 'moe-quant export'."),
 ) -> None:
     """Upload a finished export (shards, index, config.json, manifest, model card, tokenizer files; never the
     tool's scratch) to the Hub, after the preflight passes; an interrupted push resumes when run again. A
@@ -35,7 +40,7 @@ def command(
         if found.card_edited:
             typer.echo(f"note: {export / 'README.md'} was edited since the export: uploaded as it stands", err=True)
         preflight(found, engine, force, log=lambda m: typer.echo(m, err=True))
-        url = upload(found, target, private=private, progress=progress)
+        url = upload(found, target, private=private, progress=progress, token=token, message=commit_message)
     if url is None:
         typer.echo(f"{target.repo_id} already holds the {len(found.files)} files of {export}: nothing to push")
     else:

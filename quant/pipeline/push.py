@@ -238,7 +238,8 @@ def foreign_check(export: Export, target: HubRef, remote: dict[str, str],
     return stale, carried
 
 
-def upload(export: Export, target: HubRef, private: bool = False, progress: bool = True) -> str | None:
+def upload(export: Export, target: HubRef, private: bool = False, progress: bool = True, token: str | None = None,
+           message: str | None = None) -> str | None:
     """Upload the export's published files to `target` (created when missing); returns the URL of the last
     commit, None when the repository already holds the export. The repository is listed before anything is
     written: one holding a file that is neither the export's nor an earlier push of it's (`foreign_check`), or the
@@ -246,12 +247,13 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
     differs, the first commit (every file but config.json, with `.quant-push.json` recording what the push
     writes) deletes the repository's config.json and what an earlier push of the export wrote that it no longer
     has, and the last adds the export's config.json: a config.json on the Hub means the rest is there. Network and
-    Hub failures are one line (exit 2): the same command resumes."""
+    Hub failures are one line (exit 2): the same command resumes. `token`: instead of HF_TOKEN / `hf auth login`'s
+    (as `hf upload --token`); `message`: the commits' summary, each followed by what that commit holds."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
     refuse_source(export, target)
-    api = HfApi(endpoint=constants.ENDPOINT)
+    api = HfApi(endpoint=constants.ENDPOINT, token=token)
     names = sorted(export.files)
     (enable_progress_bars if progress else disable_progress_bars)()
     staging = None
@@ -267,14 +269,15 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
         staging = tempfile.TemporaryDirectory(prefix="quant-push-")
         folder = stage(export, Path(staging.name), carried)
         info = None
-        for batch, gone, message, parent in (
+        summary = message or "moe-quant export"
+        for batch, gone, part, parent in (
                 ([n for n in names if n != LAST] + [PUSH_RECORD], [LAST] * (LAST in remote) + stale,
                  "weights, index, manifest, model card and side files", head),
                 ([LAST], [], "config.json (the export is complete)", None)):
             info = api.upload_folder(repo_id=target.repo_id, folder_path=folder,
                                      allow_patterns=[glob.escape(n) for n in batch],
                                      delete_patterns=[glob.escape(n) for n in gone] if gone else None,
-                                     commit_message=f"moe-quant export: {message}", parent_commit=parent)
+                                     commit_message=f"{summary}: {part}", parent_commit=parent)
     except QuantError:
         raise
     except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; push_error sorts them)
