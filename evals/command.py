@@ -85,6 +85,13 @@ def command(
     fields = EvalRequest.__dataclass_fields__  # every option of the same name; --limit 0 means all questions
     request = EvalRequest(**{**{k: v for k, v in locals().items() if k in fields}, "limit": limit or None})
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
+    _show(report, out, write_gate, card, json_output)
+    raise typer.Exit(EXIT_CODES[report.verdict])
+
+
+def _show(report, out: Path, write_gate: Optional[Path], card: Optional[Path], json_output: bool) -> None:
+    """The tables, what was written and the card updated; with --json, report.json on stdout and the rest on
+    stderr."""
     from rich.console import Console
 
     from evals.report.render import print_table
@@ -101,4 +108,3 @@ def command(
         import json
 
         typer.echo(json.dumps(report.to_json(), indent=1))
-    raise typer.Exit(EXIT_CODES[report.verdict])

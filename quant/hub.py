@@ -22,7 +22,6 @@ bytes.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct

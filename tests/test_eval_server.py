@@ -3,7 +3,6 @@ generate behind an OpenAI-compatible API on 127.0.0.1) serving the trained toy."
 
 import json
 import selectors
-import socket
 import subprocess
 import sys
 import time

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from quant.numerics.mxfp4 import quantize_mxfp4

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from eval_rows import acceptance, report, row
 from evals.report.render import print_table as print_eval
-from quant.terminal import Column, fits, print_table
+from quant.terminal import Column, fits
 from quant.verify.report import Finding, Report, render
 
 LONG = "language_model.model.layers.61.block_sparse_moe.experts.255.down_proj.weight_scale"

@@ -6,7 +6,6 @@ still fails."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 

@@ -280,7 +280,7 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
     `activations`: "emulate" quantize-dequantizes each quantized linear's input as the scheme says, "bf16" leaves
     it; None: emulate where the scheme quantizes activations. The mode that ran is `model.quant_activations`."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from quant.checkpoint import open_checkpoint
 

@@ -364,7 +364,7 @@ def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engi
     """Refuse a bad option before anything is read; returns the engine releases the self-check runs for."""
     from quant.engines import select_profiles
 
-    scheme_obj = get_scheme(scheme)
+    get_scheme(scheme)  # an unknown scheme is refused first
     if method not in ("rtn", "gptq"):
         raise QuantError(f"unknown method {method!r}{did_you_mean(method, ('rtn', 'gptq'))}; choose rtn or gptq")
     if method == "gptq" and scheme not in MXFP4_SCHEMES:

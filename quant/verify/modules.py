@@ -8,7 +8,6 @@ every per-expert leaf). Units carry the engine's runtime names (MTP layers renam
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
