@@ -59,13 +59,88 @@ def write_toy(name: str, out: Path, *, fp8_block: bool = False, shard_size=None,
     identity = {"toy": name, "seed": seed, "fp8_block": fp8_block, "shard_size": shard_size}
     if source_format:
         identity["source_format"] = source_format
+    cached = toy_cache(identity)
     with claim(out, "toy", identity=identity, overwrite=overwrite) as held:
         staging = held.root / f".quant-toy-{secrets.token_hex(4)}"  # scratch of ours (quant.ownership.SCRATCH)
         try:
-            build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed, in_place=True,
-                      source_format=source_format)
+            if not _copy_cached(cached, staging):
+                build_toy(name, staging, fp8_block=fp8_block, shard_size=shard_size, seed=seed, in_place=True,
+                          source_format=source_format)
+                _keep(staging, cached)
             held.replace_with(staging)
         finally:
             if staging.exists():
                 shutil.rmtree(staging)
     return out
+
+
+# A toy is the same bytes for the same options, code and libraries, so one built before is copied, not built again:
+# building imports torch and the family's transformers model (about 3.4 of the 3.7 s `quant toy glm5` takes on a
+# 2-core Xeon), copying does neither. The key covers the options, every file of this package (code and manifests,
+# QUANT_MANIFESTS_DIR's too) and the versions of the libraries a toy is built with; a cached file whose sha256 is
+# not the one recorded when it was kept is never copied (the toy is built again).
+CACHED = ".toy-sha256.json"
+
+
+def toy_cache(identity: dict) -> Path:
+    import hashlib
+    import json
+    from importlib.metadata import PackageNotFoundError, version
+
+    import quant
+    from quant.paths import MANIFESTS_DIR, cache_root
+
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
+    for root in dict.fromkeys([Path(quant.__file__).parent, MANIFESTS_DIR]):
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    for dist in ("torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            digest.update(f"{dist}=={version(dist)}".encode())
+        except PackageNotFoundError:
+            digest.update(dist.encode())
+    return cache_root() / "toys" / digest.hexdigest()[:32]
+
+
+def _copy_cached(cached: Path, staging: Path) -> bool:
+    """Copy a kept toy into `staging` (True), or nothing (False: none kept, or a file not as recorded)."""
+    import json
+    import shutil
+
+    from quant.files import sha256_file
+
+    try:
+        recorded = json.loads((cached / CACHED).read_text())
+        files = sorted(p.name for p in cached.iterdir() if p.name != CACHED)
+        if files != sorted(recorded) or any(sha256_file(cached / n) != recorded[n] for n in files):
+            return False
+        staging.mkdir()
+        for name in files:
+            shutil.copyfile(cached / name, staging / name)
+        return True
+    except (OSError, ValueError, TypeError):
+        if staging.exists():
+            shutil.rmtree(staging)
+        return False
+
+
+def _keep(staging: Path, cached: Path) -> None:
+    """Keep a built toy in the cache (atomically); a cache that cannot be written is skipped, never an error."""
+    import json
+    import secrets
+    import shutil
+
+    from quant.files import sha256_file
+
+    scratch = cached.parent / f".{cached.name}-{secrets.token_hex(4)}"
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(staging, scratch)
+        (scratch / CACHED).write_text(json.dumps({p.name: sha256_file(p) for p in sorted(staging.iterdir())}))
+        if cached.exists():  # another run kept the same toy meanwhile
+            shutil.rmtree(scratch)
+        else:
+            scratch.replace(cached)
+    except OSError:
+        shutil.rmtree(scratch, ignore_errors=True)

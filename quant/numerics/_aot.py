@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from quant.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 def cache_dir() -> Path:
-    if os.environ.get("QUANT_CACHE_DIR"):
-        return Path(os.environ["QUANT_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-quant"
+    return cache_root()
 
 
 def aot_enabled() -> bool:
