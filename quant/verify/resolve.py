@@ -423,7 +423,8 @@ class ProfileChecker:
             return
         raises = f"; {self.p.title} raises {entry.error}" if entry is not None else ""
         self.add("error", issue.tensor, f"{built}: {issue.tensor} is {issue.problem}, expected {issue.expected}{raises}",
-                 "re-export this tensor in the layout the scheme defines (loader-contract §3)", "tensor contract")
+                 "drop it from the export: the module as built has no parameter for it, and this release's loader "
+                 "refuses what it cannot place", "tensor contract")
 
     def _expected_shape(self, unit: Unit, res: Resolution) -> str:
         shapes = [self.shape_of(m) or contract.logical_shape(self.modules[m]) for m in unit.members]
