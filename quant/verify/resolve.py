@@ -407,7 +407,8 @@ class ProfileChecker:
                     self.add("error", issue.tensor,
                              f"{self._built(unit)} as {contract.KIND_LABEL.get(res.kind, res.kind)}: "
                              f"{issue.tensor} is {issue.problem}, expected {issue.expected}",
-                             "re-export this tensor in the layout the scheme defines (loader-contract §3)",
+                             "re-export this tensor in the layout the scheme defines (quant/verify/contract.py lists "
+                             "each scheme's tensors)",
                              "tensor contract" + (" (TP)" if "TP" in issue.expected else ""))
         if mismatched:
             self._family_mismatch(ctx, unit, res, mismatched)
