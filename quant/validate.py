@@ -25,12 +25,13 @@ from __future__ import annotations
 # quant/checkpoint.py; the config/tensor consistency checks are preflight findings and sit with the shape rules
 # in quant/verify/shapes.py. This module is the one place quantize and eval call.
 from quant.checkpoint import lm_layer_indices, validate_config
-from quant.errors import EngineFailure, UnreadableCheckpoint
+from quant.errors import EngineFailure, QuantError, UnreadableCheckpoint
 from quant.verify.scales import ScanStats, scan_issues
 from quant.verify.shapes import consistency_findings, known_model_types
+from quant.verify.sidecars import source_draft_problems
 
 __all__ = ["validate_config", "lm_layer_indices", "known_model_types", "consistency_findings", "require_valid",
-           "require_sound_scales"]
+           "require_sound_scales", "require_loadable_drafts"]
 
 
 def require_valid(ckpt) -> None:
@@ -65,3 +66,11 @@ def require_sound_scales(ckpt, log=print) -> ScanStats:
         log(f"note: {issue.line()} (an activation scale of the source: consumed, not written; "
             f"{len(errors)} such)")
     return stats
+
+
+def require_loadable_drafts(ckpt) -> None:
+    """Refuse (exit 2, before OUT exists) a source whose declared draft file holds what the engine's draft class
+    cannot load (quant.verify.sidecars): the export would carry it byte for byte. Headers only."""
+    problems = source_draft_problems(ckpt)
+    if problems:
+        raise QuantError(f"{ckpt.root}: {problems[0].message} (fix: {problems[0].fix}); nothing was written")

@@ -10,7 +10,7 @@ import typer
 
 from quant.gptq.calibration import DEFAULT_DATA
 from quant.planning.recipes import recipe_names
-from quant.planning.schemes import ALIASES, OTHER_MEANINGS, SCHEMES
+from quant.planning.schemes import ALIASES, DEFAULT_SCHEME, OTHER_MEANINGS, SCHEMES
 
 # The lists in --help come from the data (manifests/recipes.yaml, the scheme table): tests/test_docs_from_data.py.
 RECIPES_HELP = " | ".join([f"{recipe_names()[0]} (default)", *recipe_names()[1:],
@@ -24,7 +24,7 @@ ALIASES_HELP = (", ".join(f"{alias} = {target} ({who})" for alias, (target, who)
 def command(
     src: str = typer.Argument(..., help="Source checkpoint: a local directory or a Hugging Face hub id."),
     out: Path = typer.Argument(..., help="Output directory (new, empty, or an interrupted earlier run to resume)."),
-    scheme: str = typer.Option("w_mxfp4_a_mxfp4", help=f"{SCHEMES_HELP}. The peers' names: {ALIASES_HELP}"),
+    scheme: str = typer.Option(DEFAULT_SCHEME, help=f"{SCHEMES_HELP}. The peers' names: {ALIASES_HELP}"),
     recipe: Optional[str] = typer.Option(None, help=RECIPES_HELP),
     scale_mode: str = typer.Option("even", help="MXFP4 scale rule: even | floor | rceil | search"),
     devices: str = typer.Option("auto", help="auto (one worker per visible GPU, else CPU workers) or "

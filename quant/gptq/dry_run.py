@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quant.errors import QuantError
+from quant.planning.schemes import DEFAULT_SCHEME
 from quant.units import GIB, human, parse_size  # noqa: F401  (parse_size: the command's flags)
 
 HEADROOM = 0.9  # the share of a device the suggested --hessian-budget may fill; the rest is the runtime's (CUDA
@@ -453,7 +454,7 @@ def _is_cpu(device: str) -> bool:
     return torch.device(device).type == "cpu"
 
 
-def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
+def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME, recipe: str | None = None,
                  devices: str = "auto", workers: int = 1, settings=None, ranks: int = 1) -> MemoryModel:
     """The run `quant quantize SRC --method ... --dry-run` describes, and for --method gptq what it holds
     (`settings`: the run's GptqSettings)."""
@@ -516,7 +517,7 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxf
     return model
 
 
-def predict(src: str, *, method: str = "gptq", scheme: str = "w_mxfp4_a_mxfp4", recipe: str | None = None,
+def predict(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME, recipe: str | None = None,
             devices: str = "auto", workers: int = 1, settings=None, device_memory: int | None = None,
             ranks: int = 1) -> Prediction:
     """The dry run's prediction (see the module docstring); `settings` is the run's GptqSettings; `ranks`: the

@@ -23,8 +23,7 @@ from pathlib import Path
 
 from quant import __version__
 from quant.checkpoint import INDEX_FILE, open_checkpoint
-from quant.validate import require_sound_scales, require_valid
-from quant.verify.sidecars import source_draft_problems
+from quant.validate import require_loadable_drafts, require_sound_scales, require_valid
 from quant.errors import EngineFailure, QuantError, did_you_mean
 from quant.files import sha256_bytes, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
@@ -39,7 +38,7 @@ from quant.pipeline.solver import SolveRequest, WeightSolver
 from quant.planning.plan import Plan, ShardJob, make_plan
 from quant.planning.recipes import family_for_config, load_recipe
 from quant.numerics import SCALE_MODES
-from quant.planning.schemes import MXFP4_SCHEMES, get_scheme, scheme_name
+from quant.planning.schemes import DEFAULT_SCHEME, MXFP4_SCHEMES, get_scheme, scheme_name
 from quant.hub import hub_reference
 from quant.pipeline.snapshot import cached_source
 from quant.process import auto_devices, cpu_threads, frozen_imports, set_threads, visible_accelerators
@@ -266,7 +265,7 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None, 
     return {"checked": list(report.profiles), "refused_by": refused}
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mxfp4_a_mxfp4",
+def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = DEFAULT_SCHEME,
                         recipe: str | None = None, scale_mode: str = "even", devices: str | list[str] | None = None,
                         workers: int = 1, check_engines: list[str] | str | None = "auto",
                         progress: bool = False, method: str = "rtn", gptq: WeightSolver | None = None,
@@ -317,9 +316,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "w_mx
         calibrated = (gptq, family.layer_returns)
     if hub is not None:
         check_disk(plan, ckpt, max_disk, len(device_list), look_ahead)
-    drafts = source_draft_problems(ckpt)  # a draft file the engine's draft class cannot load: refused, not carried
-    if drafts:
-        raise QuantError(f"{ckpt.root}: {drafts[0].message} (fix: {drafts[0].fix}); nothing was written")
+    require_loadable_drafts(ckpt)  # a draft file its engine's draft class cannot load: refused, never carried over
     scan_started = time.perf_counter()
     scanned = require_sound_scales(ckpt, log)  # what would stop the run halfway, refused before OUT holds a byte
     scan = {"scale_scan_s": round(time.perf_counter() - scan_started, 3), "scale_scan_bytes": scanned.bytes,

@@ -142,6 +142,7 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 MXFP4_SCHEMES = tuple(name for name in SCHEMES if name.startswith("w_mxfp4"))  # what GPTQ can solve
+DEFAULT_SCHEME = "w_mxfp4_a_mxfp4"  # quant quantize's --scheme when none is given (what AMD publishes)
 
 
 # The names other tools give these schemes, accepted as given: llm-compressor's preset schemes
@@ -181,20 +182,19 @@ def scheme_name(name: str) -> str:
     case); a name meaning another scheme, or none, is refused in one line saying what to write."""
     if name in SCHEMES:
         return name
-    alias = ALIASES.get(name) or next((v for k, v in ALIASES.items() if k.lower() == str(name).lower()), None)
+    alias = _any_case(ALIASES, name)
     if alias is not None:
         return alias[0]
-    other = OTHER_MEANINGS.get(name) or next((v for k, v in OTHER_MEANINGS.items() if k.lower() == str(name).lower()
-                                              and name not in SCHEMES), None)
+    other = _any_case(OTHER_MEANINGS, name)
     if other is not None:
         raise QuantError(f"--scheme {name}: {other}")
     raise QuantError(f"unknown scheme {name!r}{did_you_mean(name, [*SCHEMES, *ALIASES])}; choose one of: "
                      f"{', '.join(SCHEMES)} (or a peer's name for one: {', '.join(ALIASES)})")
 
 
-def aliases_of(name: str) -> list[str]:
-    """The peers' names accepted for scheme `name`, with whose they are: ["MXFP4 (llm-compressor)", ...]."""
-    return [f"{alias} ({who})" for alias, (target, who) in ALIASES.items() if target == name]
+def _any_case(table: dict, name: str):
+    """`table[name]`, else the entry whose key is `name` in another case, else None."""
+    return table.get(name) or next((v for k, v in table.items() if k.lower() == str(name).lower()), None)
 
 
 def get_scheme(name: str) -> Scheme:

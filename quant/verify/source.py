@@ -16,12 +16,11 @@ from quant.checkpoint import Checkpoint
 from quant.errors import QuantError
 from quant.planning.plan import make_plan, source_format
 from quant.planning.recipes import family_for_config, load_recipe
-from quant.planning.schemes import get_scheme
+from quant.planning.schemes import DEFAULT_SCHEME, get_scheme
 from quant.sources.native import MICROSCALED, is_microscaled, recognise
 
-__all__ = ["SourceDescription", "describe_source", "DEFAULT_SCHEME"]
+__all__ = ["SourceDescription", "describe_source"]
 
-DEFAULT_SCHEME = "w_mxfp4_a_mxfp4"  # quant quantize's default --scheme
 CODE_DTYPES = ("U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0")  # what only a quantized weight (or its scale) is stored as
 
 
