@@ -36,8 +36,14 @@ modelled, so a client with hf_xet must run with HF_HUB_DISABLE_XET=1):
                                                         storage port
   PUT  /lfs-upload/{repo}/{sha256}                      the blob (storage port); refused 400 unless its bytes hash
                                                         to the name: a cut-off body is never stored
-  POST /api/models/{repo}/commit/{rev}                  ndjson header / file / lfsFile / deletedFile: the files
-                                                        land in the repository's folder, a new commit sha
+  POST /api/models/{repo}/commit/{rev}[?create_pr=1]   ndjson header / file / lfsFile / deletedFile: the files
+                                                        land in the revision's folder, a new commit sha; with
+                                                        create_pr, on a new pull request's ref refs/pr/N started
+                                                        from {rev}, its URL as pullRequestUrl (.../discussions/N)
+  POST /api/models/{repo}/branch/{branch}               {startingPoint}: a branch with its own files, started from
+                                                        that revision (main when absent); 409 if it exists
+A branch or pull request (`Repo.refs`) is a tree of its own: model info, tree, resolve, preupload and commit at
+its name (or its current commit) answer from it; the revisions `add_repo` names are aliases of main.
 Writes need a token (401), one of the repository's `writers` when it names some (403). `hold_puts_after(n)` lets n
 more LFS uploads through and holds the next ones (a push to kill mid-way) until `release_puts()`; `refuse_puts()`
 answers them 403; `refuse_commits_adding(path)` answers 500 to a commit adding `path` (a push cut off between its
@@ -86,6 +92,8 @@ class Repo:
     shas: dict = field(default_factory=dict)
     writers: set[str] = field(default_factory=set)  # tokens that may push (empty: any token)
     commits: list = field(default_factory=list)  # (sha, summary, added, deleted paths) of each commit pushed
+    ref: str = "main"  # the branch (or refs/pr/N) this tree is
+    refs: dict = field(default_factory=dict)  # on main's record: the other branches and pull requests, by name
 
     def is_lfs(self, name: str) -> bool:
         return name.endswith(LFS_SUFFIXES)
@@ -222,11 +230,29 @@ class HubServer:
             self.uploaded[(repo_id, oid)] = path
 
     def blob_of(self, repo: Repo, oid: str) -> Path | None:
-        """The repository's LFS object `oid` (uploaded to it, or a file it holds), as the Hub's LFS storage is
-        per repository."""
+        """The repository's LFS object `oid` (uploaded to it, or a file one of its branches holds), as the Hub's
+        LFS storage is per repository."""
         if (repo.repo_id, oid) in self.uploaded:
             return self.uploaded[(repo.repo_id, oid)]
-        return next((p for n, p in repo.files.items() if repo.is_lfs(n) and repo.oid(n) == oid), None)
+        main = self.repos[repo.repo_id]
+        return next((p for tree in (repo, main, *main.refs.values()) for n, p in tree.files.items()
+                     if tree.is_lfs(n) and tree.oid(n) == oid), None)
+
+    def tree_at(self, repo: Repo, revision: str | None) -> Repo | None:
+        """The tree of `repo` (main's record) at `revision`: main (or an alias, or one of its commits), a branch or
+        pull request by name or by its current commit; None when there is no such revision."""
+        if not revision or revision in repo.revisions:
+            return repo
+        return next((tree for tree in repo.refs.values() if revision in tree.revisions), None)
+
+    def create_ref(self, repo: Repo, name: str, start: Repo) -> Repo:
+        """A branch (or a pull request's refs/pr/N) of `repo` holding `start`'s files at its commit."""
+        folder = self.upload_root / "refs" / repo.repo_id / name.replace("/", "%2F")
+        shutil.copytree(start.folder, folder, dirs_exist_ok=True)
+        tree = Repo(repo.repo_id, folder, {n: folder / n for n in start.files}, start.sha, {name, start.sha},
+                    repo.gated, repo.private, repo.tokens, True, writers=repo.writers, ref=name)
+        repo.refs[name] = tree
+        return tree
 
     def apply_commit(self, repo: Repo, summary: str, ops: list[dict]) -> str:
         """Write a commit's files into the repository's folder; returns the new commit sha."""
@@ -245,7 +271,8 @@ class HubServer:
                         shutil.copyfile(source, target)
             repo.files = {str(p.relative_to(repo.folder)): p for p in sorted(repo.folder.rglob("*")) if p.is_file()}
             repo.shas = {}
-            repo.sha = hashlib.sha1((repo.sha + summary + json.dumps(ops, sort_keys=True)).encode()).hexdigest()
+            on = "" if repo.ref == "main" else repo.ref  # the same change on two branches: two commits
+            repo.sha = hashlib.sha1((repo.sha + on + summary + json.dumps(ops, sort_keys=True)).encode()).hexdigest()
             repo.revisions.add(repo.sha)
             repo.commits.append((repo.sha, summary, [v["path"] for k, v in ops if k != "deletedFile"],
                                  [v["path"] for k, v in ops if k == "deletedFile"]))
@@ -382,13 +409,15 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         return auth[7:] if auth.startswith("Bearer ") else None
 
-    def _repo_at(self, repo_id: str, revision: str) -> Repo | None:
-        """The repository's files at `revision`, or None after answering as the Hub does."""
-        repo = self._repo(repo_id, files=True)
-        if repo is not None and revision not in repo.revisions:
-            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+    def _repo_at(self, repo_id: str, revision: str, files: bool = True) -> Repo | None:
+        """The repository's tree at `revision`, or None after answering as the Hub does."""
+        repo = self._repo(repo_id, files=files)
+        if repo is None:
             return None
-        return repo
+        tree = self.hub.tree_at(repo, revision)
+        if tree is None:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        return tree
 
     def _repo(self, repo_id: str, files: bool) -> Repo | None:
         """The repository, or None after answering as the Hub does (missing, private, gated)."""
@@ -441,15 +470,15 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/api/agent-harnesses":  # huggingface_hub's user-agent telemetry: an empty registry
                 self._json(200, {"standardEnvVars": [], "harnesses": {}})
             elif path.startswith("/api/models/") and "/tree/" in path:
-                self._tree(*path[len("/api/models/"):].split("/tree/", 1))
+                repo_id, rest = path[len("/api/models/"):].split("/tree/", 1)
+                self._tree(repo_id, *split_revision(rest))
             elif path.startswith("/api/models/"):
                 self._model_info(path[len("/api/models/"):], "blobs=true" in url.query)
             elif path.startswith("/cdn/"):
                 self._blob(path[len("/cdn/"):], url.query)
             elif "/resolve/" in path:
                 repo_id, rest = path[1:].split("/resolve/", 1)
-                revision, _, name = rest.partition("/")
-                self._resolve(repo_id, revision, name)
+                self._resolve(repo_id, *split_revision(rest))
             else:
                 self._error(404, "NotFound", "Not found")
         except (BrokenPipeError, ConnectionResetError):
@@ -472,7 +501,9 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def do_POST(self) -> None:
-        path = unquote(urlsplit(self.path).path)
+        url = urlsplit(self.path)
+        path = unquote(url.path)
+        create_pr = "create_pr=1" in url.query.split("&")
         try:
             body = self._body()
             if path == "/api/repos/create":
@@ -484,7 +515,9 @@ class _Handler(BaseHTTPRequestHandler):
             elif path.startswith("/api/models/") and "/preupload/" in path:
                 self._preupload(*path[len("/api/models/"):].split("/preupload/", 1), json.loads(body))
             elif path.startswith("/api/models/") and "/commit/" in path:
-                self._commit(*path[len("/api/models/"):].split("/commit/", 1), body)
+                self._commit(*path[len("/api/models/"):].split("/commit/", 1), body, create_pr)
+            elif path.startswith("/api/models/") and "/branch/" in path:
+                self._create_branch(*path[len("/api/models/"):].split("/branch/", 1), json.loads(body or b"{}"))
             else:
                 self._error(404, "NotFound", "Not found")
         except (BrokenPipeError, ConnectionResetError):
@@ -551,6 +584,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _preupload(self, repo_id: str, revision: str, payload: dict) -> None:
         repo = self._writable(repo_id)
+        repo = repo and self._tree_or_404(repo, revision)
         if repo is None:
             return
         files = []
@@ -572,8 +606,26 @@ class _Handler(BaseHTTPRequestHandler):
             objects.append(entry)
         self._json(200, {"transfer": "basic", "objects": objects})
 
-    def _commit(self, repo_id: str, revision: str, body: bytes) -> None:
+    def _tree_or_404(self, repo: Repo, revision: str) -> Repo | None:
+        tree = self.hub.tree_at(repo, revision)
+        if tree is None:
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        return tree
+
+    def _create_branch(self, repo_id: str, branch: str, payload: dict) -> None:
         repo = self._writable(repo_id)
+        start = repo and self._tree_or_404(repo, payload.get("startingPoint") or "main")
+        if start is None:
+            return
+        if branch == "main" or branch in repo.refs or branch in repo.revisions:
+            self._error(409, "Conflict", f"Reference already exists: refs/heads/{branch}")
+            return
+        self.hub.create_ref(repo, branch, start)
+        self._json(200, {})
+
+    def _commit(self, repo_id: str, revision: str, body: bytes, create_pr: bool = False) -> None:
+        main = self._writable(repo_id)
+        repo = main and self._tree_or_404(main, revision)
         if repo is None:
             return
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
@@ -586,17 +638,19 @@ class _Handler(BaseHTTPRequestHandler):
         if self.hub.commits_refused in [v["path"] for k, v in ops if k != "deletedFile"]:
             self._error(500, "InternalError", "Internal Error - We're working hard to fix this as soon as possible!")
             return
+        pr_url = None
+        if create_pr:
+            number = 1 + sum(name.startswith("refs/pr/") for name in main.refs)
+            repo = self.hub.create_ref(main, f"refs/pr/{number}", repo)
+            pr_url = f"{self.hub.url}/{repo_id}/discussions/{number}"
         sha = self.hub.apply_commit(repo, header["summary"], ops)
         self._json(200, {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{sha}", "commitOid": sha,
-                         "pullRequestUrl": None})
+                         "pullRequestUrl": pr_url})
 
     def _model_info(self, rest: str, blobs: bool) -> None:
         repo_id, _, revision = rest.partition("/revision/")
-        repo = self._repo(repo_id, files=False)
+        repo = self._repo_at(repo_id, revision, files=False)
         if repo is None:
-            return
-        if revision and revision not in repo.revisions:
-            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
             return
         siblings = []
         for name, p in repo.files.items():
@@ -612,9 +666,8 @@ class _Handler(BaseHTTPRequestHandler):
                          "private": repo.private, "gated": "manual" if repo.gated else False, "disabled": False,
                          "tags": [], "siblings": siblings})
 
-    def _tree(self, repo_id: str, rest: str) -> None:
+    def _tree(self, repo_id: str, revision: str, folder: str) -> None:
         """The file list snapshot_download asks for (`list_repo_tree`, recursive; one page)."""
-        revision, _, folder = rest.partition("/")
         repo = self._repo_at(repo_id, revision)
         if repo is None:
             return
@@ -687,6 +740,15 @@ class _Handler(BaseHTTPRequestHandler):
             return data
 
         self._ranged(path.stat().st_size, read, {"ETag": f'"{oid}"', "Content-Type": "binary/octet-stream"})
+
+
+PR_REVISION = re.compile(r"^(refs/pr/\d+|refs/convert/[^/]+|[^/]+)(?:/(.*))?$")
+
+
+def split_revision(rest: str) -> tuple[str, str]:
+    """(revision, path) of `REV/PATH` in a URL already unquoted: a pull request's refs/pr/N keeps its slashes."""
+    m = PR_REVISION.match(rest)
+    return m.group(1), m.group(2) or ""
 
 
 def one_line(code: int, out: str, err: str, expect: int) -> str:

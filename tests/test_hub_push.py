@@ -423,3 +423,62 @@ def test_token_and_commit_message_as_hf_upload_takes_them(world, tmp_path):
     summaries = [summary for _, summary, _, _ in server.repos["me/by-token"].commits]
     assert summaries[-2:] == ["GLM toy, MXFP4 experts: weights, index, manifest, model card and side files",
                               "GLM toy, MXFP4 experts: config.json (the export is complete)"], summaries
+
+
+def test_revision_and_pull_request_as_hf_upload_takes_them(world, tmp_path):
+    """Issue #50 item 6: `--revision BRANCH` lands the export on that branch (created from main, as `hf upload
+    --revision` does) and leaves main as it was; `--create-pr` opens a pull request against main holding the export,
+    main untouched; one cut off between its two commits names its refs/pr/N, and `--revision refs/pr/N` finishes it
+    without sending a blob again. A branch holding a user's file is refused like main; both flags together, a
+    refs/pr/N that does not exist and a malformed branch name are one line each, nothing written."""
+    server, export = world["server"], world["export"]
+    main_repo = server.create_repo("org/branched", gitattributes=True)
+    (main_repo.folder / "notes.md").write_text("the owner's notes, on main")
+    main_repo.files["notes.md"] = main_repo.folder / "notes.md"
+    main_before, main_commits = snapshot(main_repo), len(main_repo.commits)
+
+    code, out, err = push(world, export, "org/branched", "--revision", "mxfp4")
+    assert code == 2 and "notes.md" in err, (code, out, err)  # the branch starts from main, which holds them
+    code, out, err = push(world, export, "org/pushed-branch", "--revision", "mxfp4")
+    assert code == 0 and "org/pushed-branch@mxfp4" in out, err
+    repo = server.repos["org/pushed-branch"]
+    assert set(repo.files) == {".gitattributes"} and repo.commits == []  # main: as the Hub made it
+    branch = repo.refs["mxfp4"]
+    assert sorted(set(branch.files) - {".gitattributes"}) == sorted([*published(export), RECORD])
+    assert all(branch.files[n].read_bytes() == (export / n).read_bytes() for n in published(export))
+    assert branch.commits[-1][2] == ["config.json"]
+    code, out, err = push(world, export, "org/pushed-branch", "--revision", "mxfp4")
+    assert code == 0 and "org/pushed-branch@mxfp4 already holds" in out, err
+    code, out, err = quant(world, "verify-manifest", "org/pushed-branch@mxfp4")
+    assert code == 0, out + err
+
+    server.reset()
+    server.refuse_commits_adding("config.json")
+    try:
+        line = one_line(*push(world, export, "org/pr", "--create-pr"), 2)
+    finally:
+        server.refuse_commits_adding(None)
+    assert "refs/pr/1" in line and "--revision refs/pr/1" in line and "/discussions/1" in line, line
+    repo = server.repos["org/pr"]
+    assert set(repo.files) == {".gitattributes"} and repo.commits == []  # main untouched
+    pr = repo.refs["refs/pr/1"]
+    assert "config.json" not in pr.files and RECORD in pr.files
+    server.reset()
+    code, out, err = push(world, export, "org/pr", "--revision", "refs/pr/1")
+    assert code == 0 and "org/pr@refs/pr/1" in out, err
+    assert uploads(server) == []  # every blob already sent with the pull request's first commit
+    assert sorted(set(pr.files) - {".gitattributes"}) == sorted([*published(export), RECORD])
+    assert pr.commits[-1][2] == ["config.json"] and set(repo.refs) == {"refs/pr/1"}
+
+    code, out, err = push(world, export, "org/pr", "--create-pr")
+    assert code == 0 and "as pull request refs/pr/2" in out and "/discussions/2" in out, err
+    assert set(repo.files) == {".gitattributes"} and repo.commits == []
+
+    server.reset()
+    for args, words in ((("--revision", "v2", "--create-pr"), "a pull request is opened against main"),
+                        (("--revision", "refs/pr/9"), "has no pull request refs/pr/9"),
+                        (("--revision", "a..b"), "not a branch name")):
+        line = one_line(*push(world, export, "org/branched", *args), 2)
+        assert words in line, line
+    assert writes(server) == []
+    assert snapshot(main_repo) == main_before and len(main_repo.commits) == main_commits

@@ -25,6 +25,11 @@ def command(
     commit_message: Optional[str] = typer.Option(None, "--commit-message", help="The summary of the push's commits "
                                                  "(each adds what it holds: the weights first, config.json last); "
                                                  "default: 'moe-quant export'."),
+    revision: Optional[str] = typer.Option(None, "--revision", metavar="BRANCH", help="Push to this branch "
+                                           "(created from main when missing, as `hf upload --revision`), or to a "
+                                           "pull request's refs/pr/N to finish one --create-pr opened."),
+    create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request against main with the export "
+                                   "instead of committing to main (as `hf upload --create-pr`)."),
 ) -> None:
     """Upload a finished export (shards, index, config.json, manifest, model card, tokenizer files; never the
     tool's scratch) to the Hub, after the preflight passes; an interrupted push resumes when run again. A
@@ -33,16 +38,18 @@ def command(
     from quant.ownership import held
     from quant.pipeline.push import finished_export, preflight, push_target, refuse_source, upload
 
-    target = push_target(repo)
+    target = push_target(repo, revision, create_pr)
     with held(export):
         found = finished_export(export)
         refuse_source(found, target)  # before the preflight: no repository's own source is pushed over
         if found.card_edited:
             typer.echo(f"note: {export / 'README.md'} was edited since the export: uploaded as it stands", err=True)
         preflight(found, engine, force, log=lambda m: typer.echo(m, err=True))
-        url = upload(found, target, private=private, progress=progress, token=token, message=commit_message)
-    if url is None:
-        typer.echo(f"{target.repo_id} already holds the {len(found.files)} files of {export}: nothing to push")
+        pushed = upload(found, target, private=private, progress=progress, token=token, message=commit_message,
+                        create_pr=create_pr)
+    if pushed is None:
+        typer.echo(f"{target.label} already holds the {len(found.files)} files of {export}: nothing to push")
     else:
-        typer.echo(f"pushed {len(found.files)} files ({found.bytes / 1e6:.1f} MB) of {export} to {target.repo_id}: "
-                   f"{url}")
+        into = f" as pull request {pushed.pull_request}" if pushed.pull_request else ""
+        typer.echo(f"pushed {len(found.files)} files ({found.bytes / 1e6:.1f} MB) of {export} to {target.label}"
+                   f"{into}: {pushed.url}")

@@ -58,6 +58,7 @@ LAST = "config.json"  # uploaded after everything else
 PUSH_RECORD = ".quant-push.json"  # what a push wrote, in its first commit: the export's shards and the files sent
 HUB_FILES = {".gitattributes"}  # what the Hub writes into a repository it creates
 REGULAR_MAX = 64 << 20  # the largest file the Hub may keep as a regular (non-LFS) file, with room
+BRANCH = re.compile(r"refs/pr/[1-9]\d*|(?!refs/)(?!.*\.\.)[\w.-]+(?:/[\w.-]+)*")  # what --revision may name
 CACHED_SOURCE = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/")  # huggingface_hub's cache layout
 
 
@@ -87,13 +88,18 @@ class Export:
         return list(engines) if isinstance(engines, list) and engines else None
 
 
-def push_target(text: str) -> HubRef:
-    """ORG/NAME of the repository to push to (a branch or revision is not pushed to)."""
+def push_target(text: str, revision: str | None = None, create_pr: bool = False) -> HubRef:
+    """ORG/NAME of the repository to push to, with the branch (or refs/pr/N) `--revision` names."""
     m = REPO_REF.match(text)
     if m is None or m.group("rev") or ".." in m.group("repo") or "--" in m.group("repo"):
-        raise QuantError(f"{text}: not a Hub repository id to push to (ORG/NAME, no @REVISION: a push goes to the "
-                         f"repository's main branch)")
-    return HubRef(m.group("repo"))
+        raise QuantError(f"{text}: not a Hub repository id to push to (ORG/NAME, no @REVISION: --revision names "
+                         f"the branch to push to)")
+    if revision is not None and create_pr:
+        raise QuantError(f"--revision {revision} --create-pr: a pull request is opened against main (as "
+                         f"`hf upload --create-pr`); to finish one a push opened, pass only --revision refs/pr/N")
+    if revision is not None and not BRANCH.fullmatch(revision):
+        raise QuantError(f"--revision {revision}: not a branch name or a pull request's refs/pr/N to push to")
+    return HubRef(m.group("repo"), revision)
 
 
 def finished_export(path: Path) -> Export:
@@ -238,8 +244,16 @@ def foreign_check(export: Export, target: HubRef, remote: dict[str, str],
     return stale, carried
 
 
+@dataclass(frozen=True)
+class Pushed:
+    """Where a push landed: the URL of its last commit, or of the pull request it opened (`pull_request`)."""
+
+    url: str
+    pull_request: str | None = None  # refs/pr/N
+
+
 def upload(export: Export, target: HubRef, private: bool = False, progress: bool = True, token: str | None = None,
-           message: str | None = None) -> str | None:
+           message: str | None = None, create_pr: bool = False) -> Pushed | None:
     """Upload the export's published files to `target` (created when missing); returns the URL of the last
     commit, None when the repository already holds the export. The repository is listed before anything is
     written: one holding a file that is neither the export's nor an earlier push of it's (`foreign_check`), or the
@@ -248,7 +262,12 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
     writes) deletes the repository's config.json and what an earlier push of the export wrote that it no longer
     has, and the last adds the export's config.json: a config.json on the Hub means the rest is there. Network and
     Hub failures are one line (exit 2): the same command resumes. `token`: instead of HF_TOKEN / `hf auth login`'s
-    (as `hf upload --token`); `message`: the commits' summary, each followed by what that commit holds."""
+    (as `hf upload --token`); `message`: the commits' summary, each followed by what that commit holds.
+
+    `target.revision` (as `hf upload --revision`): the branch the commits go to, created from main's head once the
+    check passes when it does not exist (what the check lists then is main), or a pull request's refs/pr/N.
+    `create_pr` (as `hf upload --create-pr`): the first commit opens a pull request against main, the second goes
+    to its refs/pr/N; one cut off between them is finished with that revision (the error says which)."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
@@ -256,16 +275,18 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
     api = HfApi(endpoint=constants.ENDPOINT, token=token)
     names = sorted(export.files)
     (enable_progress_bars if progress else disable_progress_bars)()
-    staging = None
+    staging, opened = None, None
     try:
-        head, remote = remote_state(api, target)
+        head, remote, branch_exists = remote_state(api, target)
         if remote is None:  # missing: created, then listed again (someone may have made it meanwhile)
             api.create_repo(target.repo_id, private=private, exist_ok=True)
-            head, remote = remote_state(api, target, missing_ok=False)
+            head, remote, branch_exists = remote_state(api, target, missing_ok=False)
         earlier = read_push_record(api, target, head) if PUSH_RECORD in remote else None
         stale, carried = foreign_check(export, target, remote, earlier)
         if not stale and all(n in remote and remote[n] == local_oid(export, n, remote[n]) for n in names):
             return None
+        if target.revision is not None and not branch_exists:
+            api.create_branch(target.repo_id, branch=target.revision, revision=head, exist_ok=True)
         staging = tempfile.TemporaryDirectory(prefix="quant-push-")
         folder = stage(export, Path(staging.name), carried)
         info = None
@@ -277,7 +298,11 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
             info = api.upload_folder(repo_id=target.repo_id, folder_path=folder,
                                      allow_patterns=[glob.escape(n) for n in batch],
                                      delete_patterns=[glob.escape(n) for n in gone] if gone else None,
-                                     commit_message=f"{summary}: {part}", parent_commit=parent)
+                                     commit_message=f"{summary}: {part}", parent_commit=parent,
+                                     revision=opened.pull_request if opened else target.revision,
+                                     create_pr=create_pr and opened is None)
+            if create_pr and opened is None:
+                opened = Pushed(info.pr_url, info.pr_revision)
     except QuantError:
         raise
     except Exception as e:  # noqa: BLE001  (huggingface_hub and httpx raise many types; push_error sorts them)
@@ -287,11 +312,11 @@ def upload(export: Export, target: HubRef, private: bool = False, progress: bool
             if name in export.files:  # read through the scratch folder's link: the export's file named
                 machine = OSError(machine.errno, machine.strerror, str(export.root / name))
             raise machine from None
-        raise push_error(e, target, api.endpoint) from None
+        raise push_error(e, target, api.endpoint, opened) from None
     finally:
         if staging is not None:
             staging.cleanup()
-    return info.commit_url
+    return opened or Pushed(info.commit_url)
 
 
 def stage(export: Export, folder: Path, carried: dict[str, dict]) -> Path:
@@ -305,21 +330,30 @@ def stage(export: Export, folder: Path, carried: dict[str, dict]) -> Path:
     return folder
 
 
-def remote_state(api, target: HubRef, missing_ok: bool = True) -> tuple[str | None, dict[str, str] | None]:
-    """(the commit of the repository's main branch, its files there: path -> the sha256 of an LFS file, the git
-    blob id of another); (None, None) when the repository does not exist (or the token cannot see it)."""
-    from huggingface_hub.errors import RepositoryNotFoundError
+def remote_state(api, target: HubRef, missing_ok: bool = True) -> tuple[str | None, dict[str, str] | None, bool]:
+    """(the commit of the branch pushed to, its files there: path -> the sha256 of an LFS file, the git blob id of
+    another; whether that branch exists). A branch not there yet is listed as main, which it will start from; a
+    pull request's refs/pr/N must exist (QuantError). (None, None, False) when the repository does not exist (or
+    the token cannot see it)."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.hf_api import RepoFile
 
+    exists = True
     try:
-        head = api.repo_info(target.repo_id).sha
+        try:
+            head = api.repo_info(target.repo_id, revision=target.revision).sha
+        except RevisionNotFoundError:
+            if target.revision.startswith("refs/pr/"):
+                raise QuantError(f"{target.repo_id}: has no pull request {target.revision} to push to (--create-pr "
+                                 f"opens one)") from None
+            exists, head = False, api.repo_info(target.repo_id).sha
     except RepositoryNotFoundError:
         if not missing_ok:
             raise
-        return None, None
+        return None, None, False
     return head, {e.path: (e.lfs.sha256 if e.lfs else e.blob_id)
                   for e in api.list_repo_tree(target.repo_id, revision=head, recursive=True)
-                  if isinstance(e, RepoFile)}
+                  if isinstance(e, RepoFile)}, exists
 
 
 def read_push_record(api, target: HubRef, revision: str | None) -> dict | None:
@@ -342,9 +376,9 @@ def local_oid(export: Export, name: str, remote: str) -> str | None:
     return git_blob_id((export.root / name).read_bytes())
 
 
-def push_error(e: BaseException, target: HubRef, endpoint: str) -> QuantError:
-    """One line for an upload that failed: what the Hub (its API, or its storage) or the network said, and that a
-    re-run resumes."""
+def push_error(e: BaseException, target: HubRef, endpoint: str, opened: Pushed | None = None) -> QuantError:
+    """One line for an upload that failed: what the Hub (its API, or its storage) or the network said, and how a
+    re-run resumes (the same command; or, once a pull request was opened, the same with --revision refs/pr/N)."""
     import httpx2
     from huggingface_hub import errors
 
@@ -355,6 +389,10 @@ def push_error(e: BaseException, target: HubRef, endpoint: str) -> QuantError:
     response = getattr(cause, "response", None)
     status = getattr(response, "status_code", None)
     again = "no config.json was pushed; the same command resumes, sending only what the Hub lacks"
+    if opened is not None:
+        again = (f"no config.json was pushed to the pull request {opened.pull_request} it opened ({opened.url}); "
+                 f"the same command with --revision {opened.pull_request} instead of --create-pr finishes it, "
+                 f"sending only what the Hub lacks")
     request = getattr(response, "request", None) if status is not None else None
     url = str(getattr(request, "url", "") or "")
     if status in (401, 403) and url.startswith(endpoint):
