@@ -69,11 +69,13 @@ lock:
 demo: $(VENV)/.installed
 	$(VENV)/bin/quant demo $(DEMO_OUT)
 
-# The declared layers (pyproject.toml, [tool.importlinter]) first; pytest exits 5 when it collects no tests, which
-# is not a failure of the suite.
+# Lint first (ruff and mypy, configured in pyproject.toml), then the declared layers ([tool.importlinter]);
+# pytest exits 5 when it collects no tests, which is not a failure of the suite.
 # `make test` is the quick loop (the tests not marked slow); `make test-slow` the end-to-end ones (real processes,
 # servers, evals of trained toys, compiled kernels). CI runs both.
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check quant evals scripts
+	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 

@@ -20,6 +20,7 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Literal, Union
 
 from quant.errors import QuantError
@@ -266,7 +267,7 @@ class EngineRules:
 ENGINE_KEYS = ("title", "default_releases", "serving", "releases")
 
 
-def merge(base: dict, override: dict) -> dict:
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """`base` with `override` applied: mappings merge key by key, anything else is replaced."""
     out = copy.deepcopy(base)
     for key, value in override.items():
@@ -279,7 +280,7 @@ def merge(base: dict, override: dict) -> dict:
 
 def meanings(cls: type = EngineRules, prefix: str = "") -> dict[str, str]:
     """Every declared rule key path -> its meaning (nested sections included)."""
-    out = {}
+    out: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         out[prefix + f.name] = f.metadata.get("meaning", "")
         for sub in _sections(_hints(cls)[f.name]):
@@ -287,42 +288,42 @@ def meanings(cls: type = EngineRules, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _sections(tp) -> list[type]:
-    if dataclasses.is_dataclass(tp):
+def _sections(tp: Any) -> list[type]:
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return [tp]
     return [s for arg in typing.get_args(tp) if not _is_literal(tp) for s in _sections(arg)]
 
 
-_HINTS: dict[type, dict] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints(cls: type) -> dict:
+def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
 
 
-def _is_literal(tp) -> bool:
+def _is_literal(tp: Any) -> bool:
     return typing.get_origin(tp) is Literal
 
 
-def _is_union(tp) -> bool:
+def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
 class _Reader:
-    def __init__(self, file):
+    def __init__(self, file: object) -> None:
         self.file = file
 
     def fail(self, where: str, problem: str) -> QuantError:
         return QuantError(f"{self.file}: {where}: {problem}")
 
-    def unknown(self, where: str, key, allowed) -> QuantError:
+    def unknown(self, where: str, key: object, allowed: Iterable[str]) -> QuantError:
         close = difflib.get_close_matches(str(key), list(allowed), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(allowed)})"
         return self.fail(f"{where}.{key}", f"unknown rule key{hint}")
 
-    def section(self, cls: type, raw, where: str, partial: bool):
+    def section(self, cls: type, raw: Any, where: str, partial: bool) -> Any:
         """`raw` checked against dataclass `cls`; built with defaults unless `partial` (a release's overrides)."""
         if not isinstance(raw, dict):
             raise self.fail(where, f"expected a mapping, got {type(raw).__name__}")
@@ -330,7 +331,7 @@ class _Reader:
         for key in raw:
             if key not in fields:
                 raise self.unknown(where, key, fields)
-        values = {}
+        values: dict[str, Any] = {}
         for name, f in fields.items():
             if name in raw:
                 values[name] = self.value(raw[name], _hints(cls)[name], f"{where}.{name}", partial)
@@ -338,8 +339,8 @@ class _Reader:
                 raise self.fail(where, f"missing rule key '{name}' ({f.metadata['meaning']})")
         return None if partial else cls(**values)
 
-    def value(self, value, tp, where: str, partial: bool):
-        if dataclasses.is_dataclass(tp):
+    def value(self, value: Any, tp: Any, where: str, partial: bool) -> Any:
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.section(tp, value, where, partial)
         if _is_union(tp):
             args = typing.get_args(tp)
@@ -381,7 +382,7 @@ class _Reader:
         return value
 
 
-def _shape_fits(value, tp) -> bool:
+def _shape_fits(value: Any, tp: Any) -> bool:
     """Whether `value` has the Python shape of type `tp` (picks the branch of a union)."""
     if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
         return isinstance(value, dict)
@@ -392,7 +393,7 @@ def _shape_fits(value, tp) -> bool:
     return isinstance(value, tp) if isinstance(tp, type) else True
 
 
-def _describe(tp) -> str:
+def _describe(tp: Any) -> str:
     if _is_union(tp):
         return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
     if _is_literal(tp):
@@ -404,12 +405,12 @@ def _describe(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def engine_wide(engine_data: dict) -> dict:
+def engine_wide(engine_data: dict[str, Any]) -> dict[str, Any]:
     """An engine section's engine-wide rules (its keys other than title, default_releases and releases)."""
     return {k: v for k, v in engine_data.items() if k not in ENGINE_KEYS}
 
 
-def check_engines(data: dict, file) -> None:
+def check_engines(data: Any, file: object) -> None:
     """Every engine section of engines.yaml checked against the schema: its keys, each release's overrides and
     each merged profile. QuantError naming the file and the key path on the first problem."""
     reader = _Reader(file)
@@ -443,7 +444,8 @@ def check_engines(data: dict, file) -> None:
             release_rules(section, engine, release, file)
 
 
-def release_rules(section: dict, engine: str, release: str, file) -> EngineRules:
+def release_rules(section: dict[str, Any], engine: str, release: str, file: object) -> EngineRules:
     """The typed rules of one release: the engine-wide rules of `section` with the release's merged in."""
     merged = merge(engine_wide(section), section["releases"][release] or {})
-    return _Reader(file).section(EngineRules, merged, f"engines.{engine}.{release}", partial=False)
+    rules: EngineRules = _Reader(file).section(EngineRules, merged, f"engines.{engine}.{release}", partial=False)
+    return rules

@@ -13,20 +13,21 @@ the error's `exit_code`, from the table in the README:
 
 import errno
 import os
+from collections.abc import Iterable
 
 # The machine failing a write, wherever it surfaces: disk full, quota, read-only filesystem, permission.
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
-def machine_failure(e: BaseException) -> OSError | None:
+def machine_failure(e: BaseException | None) -> OSError | None:
     """The OSError of the machine's own making behind `e` (itself, or its cause or context chain), if any:
     libraries wrap them (datasets' DatasetGenerationError around errno 28, for one)."""
-    seen = set()
+    seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
             return e
-        code = _SQLITE_ERRNOS.get(getattr(e, "sqlite_errorcode", None))  # sqlite3 says it in its own codes
+        code = _SQLITE_ERRNOS.get(getattr(e, "sqlite_errorcode", -1))  # sqlite3 says it in its own codes
         if code is not None:
             return OSError(code, os.strerror(code))
         e = e.__cause__ or e.__context__
@@ -38,14 +39,14 @@ def machine_failure(e: BaseException) -> OSError | None:
 _SQLITE_ERRNOS = {13: errno.ENOSPC, 8: errno.EROFS, 10: errno.EIO, 3: errno.EPERM}
 
 
-def naming(failure: OSError, where) -> OSError:
+def naming(failure: OSError, where: object) -> OSError:
     """`failure` as an OSError that names a path: its own, else `where` (the directory being written)."""
     if failure.filename is not None:
         return failure
-    return OSError(failure.errno, failure.strerror or os.strerror(failure.errno), str(where))
+    return OSError(failure.errno, failure.strerror or os.strerror(failure.errno or 0), str(where))
 
 
-def did_you_mean(value: str, choices) -> str:
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
     """` (did you mean 'x'?)` for the closest of `choices` to a mistyped `value`, or "" when none is close."""
     import difflib
 

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # rich is imported when a table is printed, not when the command line starts
+    from rich.console import Console
 
 __all__ = ["Column", "fits", "print_table"]
 
@@ -51,7 +55,7 @@ def _strip(text: str) -> str:
     return Text.from_markup(text).plain
 
 
-def print_table(console, title: str, columns: list[Column], rows: list[list[str]],
+def print_table(console: Console, title: str, columns: list[Column], rows: list[list[str]],
                 markup: tuple[int, ...] = ()) -> None:
     """Print `rows` under `title` on `console` (a rich Console): a table where it fits whole on a terminal, one
     record per line otherwise. Columns whose index is in `markup` hold rich markup; others are printed as text."""

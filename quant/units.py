@@ -12,7 +12,7 @@ UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 2
          "g": GIB, "gb": 10 ** 9, "gib": GIB, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
 
 
-def parse_size(text, flag: str) -> int:
+def parse_size(text: object, flag: str) -> int:
     """'80GB', '80GiB', '4g', '512MiB', '0.5TB' or a number of bytes -> bytes (GB = 10^9, GiB = 2^30, a bare
     letter binary). A size that is not one, or not positive, is one line naming `flag` (exit 2)."""
     s = str(text).strip().lower().replace(" ", "")

@@ -102,7 +102,7 @@ def run_peer(name: str, python: Path, src: Path, windows: Path, out: Path) -> di
     return record
 
 
-def peer_worker(name: str, src: Path, windows: Path, out: Path) -> None:
+def peer_worker(name: str, src: Path, windows: Path, out: Path) -> None:  # noqa: PLR0915 (one peer run, read top to bottom)
     """Runs in the peer's venv: quantize `src` on the token windows `windows` (JSON list of id lists), then write
     `out/bf16`, a BF16 checkpoint of its quantized weights under the source's names, and `out/record.json`."""
     import torch
@@ -381,7 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2", help="calibration window seeds")
     ap.add_argument("--no-llmc", dest="llmc", action="store_false", help="leave llm-compressor out")
     ap.add_argument("--with-autoround", action="store_true",
-                    help="add auto-round 0.16.1 (.venv-autoround; fails inside auto-round on this toy, see BENCHMARKS.md)")
+                    help="add auto-round 0.16.1 (.venv-autoround; fails inside auto-round on this toy, see "
+                         "BENCHMARKS.md)")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-phases", action="store_true")
     ap.add_argument("--experts", type=int, default=4, help="routed experts of the GLM-5-shaped layer")

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         same = "" if n == 1 else \
             f"; export byte-identical to 1 process: {same_bytes(args.work / 'out-1', args.work / f'out-{n}')}"
 
-        def ratio(kind: str, p: str) -> str:
+        def ratio(kind: str, p: str, n: int = n, r: dict = r, one: dict = one) -> str:
             return f" ({one[kind][p] / r[kind][p]:.2f}x)" if n > 1 and p != "comm" and r[kind][p] > 0 else ""
 
         print(f"{n} rank(s): wall {r['wall']:.1f} s ({one['wall'] / r['wall']:.2f}x), sent {r['sent'] / 1e6:.1f} MB"

@@ -153,7 +153,8 @@ def report(args, src, shards, total, streams, wholes, hub) -> None:
     print(f"exports byte-identical: {all(same_export(s['out'], w['out']) for s, w in zip(streams, wholes))}")
     if hub:
         print(f"hub preflight: {hub.get('requests')} requests, {hub.get('bytes', 0) / 1e3:.1f} kB of "
-              f"{hub.get('repo_bytes', 0) / 1e6:.2f} MB ({100 * hub.get('bytes', 0) / max(1, hub.get('repo_bytes', 1)):.2g}%)")
+              f"{hub.get('repo_bytes', 0) / 1e6:.2f} MB "
+              f"({100 * hub.get('bytes', 0) / max(1, hub.get('repo_bytes', 1)):.2g}%)")
 
 
 if __name__ == "__main__":

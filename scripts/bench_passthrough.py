@@ -1,7 +1,8 @@
 """Passthrough vs requantize for a DeepSeek-V4 source (issue #31): `quant quantize` on the deepseek-v4 toy, whose
 routed experts are native MXFP4 (carried over bit for bit), against the same model as a BF16 source (the exact
 decode of every microscaled tensor) quantized with the same scheme and recipe: the work a tool without
-passthrough does; and the native source with passthrough switched off (each expert decoded and re-rounded). The BF16 copy is written before timing; both exports skip the engine self-check.
+passthrough does; and the native source with passthrough switched off (each expert decoded and re-rounded). The BF16
+copy is written before timing; both exports skip the engine self-check.
 
     .venv/bin/python scripts/bench_passthrough.py [--experts 16 --hidden 256 --inter 512 --runs 3]
 """
@@ -79,7 +80,8 @@ def main() -> None:
         t0 = time.perf_counter()
         src = build_toy("deepseek-v4", root / "native", overrides={
             "n_routed_experts": args.experts, "hidden_size": args.hidden, "moe_intermediate_size": args.inter})
-        print(f"toy: {time.perf_counter() - t0:.1f} s to build; {sum(p.stat().st_size for p in src.glob('*.safetensors')) / 1e6:.1f} MB native")
+        native = sum(p.stat().st_size for p in src.glob('*.safetensors'))
+        print(f"toy: {time.perf_counter() - t0:.1f} s to build; {native / 1e6:.1f} MB native")
         bf16_copy(src, root / "bf16")
         print(f"bf16 copy: {(root / 'bf16' / 'model.safetensors').stat().st_size / 1e6:.1f} MB")
         rows = {"passthrough (native MXFP4 source)": [], "requantize (native source, decode + RTN)": [],
@@ -95,7 +97,8 @@ def main() -> None:
                     counts[rec["action"]] = counts.get(rec["action"], 0) + 1
                 actions[label] = counts
         for label, times in rows.items():
-            print(f"{label:36s} median {statistics.median(times):6.2f} s  best {min(times):6.2f} s  actions {actions[label]}")
+            print(f"{label:36s} median {statistics.median(times):6.2f} s  best {min(times):6.2f} s  "
+                  f"actions {actions[label]}")
         base = statistics.median(rows["passthrough (native MXFP4 source)"])
         for label in list(rows)[1:]:
             print(f"{label} / passthrough (median): {statistics.median(rows[label]) / base:.2f}x")

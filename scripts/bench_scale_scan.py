@@ -108,7 +108,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if args.hub:
         for r in hub_rows(work):
-            print(f"{r['toy']:>18}: repository {r['repo_bytes'] / 1e6:.2f} MB; headers {r['headers_bytes'] / 1e3:.1f} kB "
+            print(f"{r['toy']:>18}: repository {r['repo_bytes'] / 1e6:.2f} MB; "
+                  f"headers {r['headers_bytes'] / 1e3:.1f} kB "
                   f"in {r['headers_requests']} requests; scan {r['scan_bytes'] / 1e3:.1f} kB in {r['scan_requests']} "
                   f"requests ({r['scale_bytes'] / 1e3:.1f} kB of scales), {r['scan_s']:.2f} s")
         if args.keep is None:
@@ -145,7 +146,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['source']:>13}: {r['source_bytes'] / 1e9:.2f} GB; scan reads {r['scan_tensors']} tensors, "
               f"{r['scan_bytes'] / 1e6:.2f} MB ({100 * r['share_of_source']:.2f}% of the source) in "
-              f"{r['scan_s_warm']:.3f} s warm, {r['scan_s_dropped']:.3f} s after DONTNEED; quantize {r['quantize_s']:.1f} s, "
+              f"{r['scan_s_warm']:.3f} s warm, {r['scan_s_dropped']:.3f} s after DONTNEED; "
+              f"quantize {r['quantize_s']:.1f} s, "
               f"of which the scan {r['scan_s_in_run']:.3f} s ({100 * r['scan_share_of_run']:.2f}%)")
     print(json.dumps(rows))
     if args.keep is None:

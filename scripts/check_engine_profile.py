@@ -367,7 +367,8 @@ def compare_packed(facts: dict, rules, report: Report) -> None:
     classes = {arch: effective_packed(f, loader) for arch, f in facts["architectures"].items() if "class" in f}
     for fused, shards in rules.packed_modules_mapping.items():
         declared = {arch: m[fused] for arch, m in classes.items() if fused in m}
-        report.check(f"packed_modules_mapping.{fused}", list(shards) in declared.values() or loader.get(fused) == shards,
+        report.check(f"packed_modules_mapping.{fused}",
+                     list(shards) in declared.values() or loader.get(fused) == shards,
                      f"profile {fused}: {shards}; declared by no class of this release as such "
                      f"({', '.join(f'{a}: {s}' for a, s in declared.items()) or 'none declares it'})")
     for arch, mapping in classes.items():
@@ -427,7 +428,8 @@ def profile_start(facts: dict) -> dict:
     for arch, fact in facts["architectures"].items():
         mapper = fact.get("name_mapper")
         if isinstance(mapper, dict):
-            spelled = {**mapper["prefix"], **{k if k.startswith(".") else f".{k}": v for k, v in mapper["substr"].items()}}
+            substrings = {k if k.startswith(".") else f".{k}": v for k, v in mapper["substr"].items()}
+            spelled = {**mapper["prefix"], **substrings}
             if spelled:
                 mappers[arch] = spelled
         if "class" in fact:

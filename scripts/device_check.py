@@ -96,7 +96,7 @@ def rtn_throughput(device: str, smoke: bool) -> dict:
     nbytes = sum(w.numel() * 2 for w in layer)
     mxfp4.quantize_mxfp4(layer[0])  # warm-up (kernel selection, compilation)
     _, seconds = _timed(device, lambda: [mxfp4.quantize_mxfp4(w) for w in layer])
-    del layer
+    layer.clear()  # the weights freed before the CPU pass
     cpu_experts = min(experts, 2 if smoke else 8)
     cpu_layer = weights(cpu_experts, "cpu")
     cpu_bytes = sum(w.numel() * 2 for w in cpu_layer)

@@ -6,7 +6,8 @@ not change behaviour can be checked against them.
     python scripts/golden_exports.py --check           # recompute every case and compare (exit 1 on a difference)
     python scripts/golden_exports.py --check --subset  # only the cases tests/test_export_golden.py runs
 
-A case is a toy (its family file's `toys` in quant/manifests/families, built with seed 0), a source format (bf16, or the toy's official
+A case is a toy (its family file's `toys` in quant/manifests/families, built with seed 0), a source format (bf16, or
+the toy's official
 block-FP8 release), a scheme, a recipe and a method (rtn; gptq with small calibration settings). Its golden is the
 sha256 of every file of the export (shards, index, config.json, model card, tokenizer files...), with the
 run-dependent parts taken out first: the source and output paths (replaced by placeholders) and the tool's

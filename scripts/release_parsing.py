@@ -124,8 +124,8 @@ def check(found: dict) -> list[str]:
     types, profiles = _ours()
     problems = []
     for (engine, version), fact in found["engines"].items():
-        label = next((lb for lb in profiles if lb in (f"{engine}=={version}", f"{engine}=={version.rsplit('.0', 1)[0]}")),
-                     None)
+        spellings = (f"{engine}=={version}", f"{engine}=={version.rsplit('.0', 1)[0]}")
+        label = next((lb for lb in profiles if lb in spellings), None)
         if label is None:
             continue
         rules = profiles[label].rules

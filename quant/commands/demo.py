@@ -1,8 +1,8 @@
 """`quant demo OUT`: the whole pipeline on built-in toys.
 
 build → quantize (FP8 baseline and MXFP4) → verify-manifest → eval → report. It uses the trained toy
-(evals/data/toy_arith/model, shipped in the package: a glm5-layout MoE with its MTP layer that does small arithmetic in GSM8K format)
-for the accuracy comparison, and a freshly built glm5 toy to show the preflight on a full-size layout.
+(evals/data/toy_arith/model, shipped in the package: a glm5-layout MoE with its MTP layer that does small arithmetic
+in GSM8K format) for the accuracy comparison, and a freshly built glm5 toy to show the preflight on a full-size layout.
 """
 
 from __future__ import annotations

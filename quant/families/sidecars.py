@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from quant.families.schema import BadData, check_keys
 
-__all__ = ["Sidecar", "Expected", "FileTensor", "parse_sidecars", "sidecar_pattern", "expected_sidecars", "sidecar_files"]
+__all__ = ["Sidecar", "Expected", "FileTensor", "parse_sidecars", "sidecar_pattern", "expected_sidecars",
+           "sidecar_files"]
 
 SIDECAR_KEYS = ("kind", "declared_by", "tensors", "file", "source", "layers", "ignored")
 TENSOR_KEYS = ("dtype", "shape", "required")

@@ -25,16 +25,19 @@ import functools
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from quant.gptq.progress import Phase
 from quant.gptq.schedule import LayerSchedule, Unit, Workers, group_cost, layer_schedule, sweeps, unit_cost
 from quant.planning.plan import TensorJob
+from quant.planning.schemes import MXFP4_SCHEMES
+
+if TYPE_CHECKING:  # settings.py reads MIN_EXPERT_TOKENS from here
+    from quant.gptq.settings import GptqSettings
 
 # Routed experts that fewer calibration tokens were routed to stay round-to-nearest: their Hessian is too poorly
 # estimated to steer the rounding (the damping would dominate it). Part of the settings' identity (settings.py).
 MIN_EXPERT_TOKENS = 64
-from quant.planning.schemes import MXFP4_SCHEMES
 
 
 @dataclass

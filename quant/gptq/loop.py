@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from quant.gptq.layer import LayerContext, solve_layer
@@ -65,7 +66,7 @@ class LayerLoop:
             return stack.slot(index, job.source.name, job.source.expert, job.source.rows)
 
         solved, resumed = self._solution(index, index, None, layer, jobs, slot_of,
-                                         lambda: stack.run_layer(index, layer, hidden, carry))
+                                         partial(stack.run_layer, index, layer, hidden, carry))
         with Phase(timing, "gptq_apply_s", self.ranks):
             _apply_quantized(layer, jobs, solved, self.context.scale_mode, slot_of)
         with Phase(timing, "gptq_forward_s", self.ranks):
@@ -132,19 +133,27 @@ class LayerLoop:
         prev.clear()
         timing["gptq_forward_s"] += time.perf_counter() - t1
 
-        def slot_of(job):
-            return block.slot(job.source.name, job.source.expert, job.source.rows)
-
+        slot_of = partial(_block_slot, block)
         name = f"MTP layer {ref.block.rstrip('.')}"
         solved, resumed = self._solution(f"mtp-{ref.k:05d}", len(stack) + ref.k, name, block.layer, jobs, slot_of,
-                                         lambda: (block.run(z, positions) for z, positions in inputs))
+                                         partial(_outputs, block, inputs))
         with Phase(timing, "gptq_apply_s", self.ranks):
             _apply_quantized(block.layer, jobs, solved, self.context.scale_mode, slot_of)
         with Phase(timing, "gptq_forward_s", self.ranks), torch.no_grad():
             out = [block.run(z, positions) for z, positions in inputs] if not last else []
-        del inputs, block
+        del inputs, block, slot_of  # the MTP layer's weights and inputs freed before the next one
         self._done(len(stack) + ref.k, name, solved, jobs, resumed, t0)
         return out
+
+
+def _block_slot(block, job):
+    """Where the MTP block holds `job`'s weight."""
+    return block.slot(job.source.name, job.source.expert, job.source.rows)
+
+
+def _outputs(block, inputs):
+    """The MTP block's outputs for each calibration batch, computed as the solve consumes them."""
+    return (block.run(z, positions) for z, positions in inputs)
 
 
 def _apply_quantized(layer, jobs: list[TensorJob], solved: dict, scale_mode: str, slot_of) -> None:

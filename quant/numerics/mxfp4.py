@@ -134,22 +134,20 @@ def _search_scales(w: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     lo, hi = _split_pairs(w)
     alo, ahi = (lo & 0x7FFFFFFF).view(torch.float32), (hi & 0x7FFFFFFF).view(torch.float32)
     floor = floor.to(torch.int32)
-    best = best_err = None
-    for byte in (floor, (floor + 1).clamp(0, 253), (floor - 1).clamp(0, 253)):
+
+    def error(byte: torch.Tensor) -> torch.Tensor:
         inv = _pow2_neg_e(byte)
         # (d * 2^(e - e_floor))^2 in units of 2^-14 = d^2 * 2^(14 + 2 (e - e_floor)), d in units of this candidate
         unit = ((2 * (byte - floor) + _SEARCH_UNIT_LOG2 + 127) << 23).view(torch.float32)
-        err = 0
-        for a in (alo, ahi):
-            y = a * inv
-            d = y - e2m1_round(y)
-            err = err + torch.floor(d * d * unit)
-        err = err.sum(dim=-1, keepdim=True)
-        if best is None:
-            best, best_err = byte, err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, byte, best), torch.where(better, err, best_err)
+        y_lo, y_hi = alo * inv, ahi * inv
+        d_lo, d_hi = y_lo - e2m1_round(y_lo), y_hi - e2m1_round(y_hi)
+        return (torch.floor(d_lo * d_lo * unit) + torch.floor(d_hi * d_hi * unit)).sum(dim=-1, keepdim=True)
+
+    best, best_err = floor, error(floor)
+    for byte in ((floor + 1).clamp(0, 253), (floor - 1).clamp(0, 253)):
+        err = error(byte)
+        better = err < best_err
+        best, best_err = torch.where(better, byte, best), torch.where(better, err, best_err)
     return torch.where(floor == 255, 255, best).to(torch.uint8)
 
 
@@ -199,9 +197,10 @@ def _example_bytes() -> torch.Tensor:
     return torch.full((4096, 1), 120, dtype=torch.uint8)
 
 
-_ROUND_UP_EXAMPLE = (lambda: torch.tensor(0x600000, dtype=torch.int32))
+def _round_up_example() -> torch.Tensor:
+    return torch.tensor(0x600000, dtype=torch.int32)
 
-BF16_SCALES = Kernel(_bf16_scales, examples=lambda: [(_example_words(torch.int32), _ROUND_UP_EXAMPLE())])
+BF16_SCALES = Kernel(_bf16_scales, examples=lambda: [(_example_words(torch.int32), _round_up_example())])
 BF16_CODES = Kernel(_bf16_codes, examples=lambda: [(_example_words(torch.int32),
                                                     torch.full((4096, 1), 0x0A000A00, dtype=torch.int32))])
 
@@ -213,7 +212,7 @@ def _encode_bf16(w: torch.Tensor, round_up_from: torch.Tensor, *, compiled: bool
 
 
 _WORD_DTYPES = (torch.int32, torch.int64)  # pair words of bf16 input (search mode) and of fp16/fp32 input
-SCALES = Kernel(_scales, examples=lambda: [(_example_words(dt), _ROUND_UP_EXAMPLE()) for dt in _WORD_DTYPES])
+SCALES = Kernel(_scales, examples=lambda: [(_example_words(dt), _round_up_example()) for dt in _WORD_DTYPES])
 SEARCH_SCALES = Kernel(_search_scales, examples=lambda: [(_example_words(dt), _example_bytes()) for dt in _WORD_DTYPES])
 CODES = Kernel(_codes, examples=lambda: [(_example_words(dt), _example_bytes()) for dt in _WORD_DTYPES])
 
@@ -363,7 +362,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def _error_sums(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[sum of squared quantization errors, sum of squares of x] over x [R, K] and its MXFP4 encoding, summed in
-    fp64 (each error is one IEEE fp32 operation, the same on every CPU; fp32 sums rounded differently per vector ISA). Codes are decoded arithmetically, not through `_dequantize`'s table: compiled,
+    fp64 (each error is one IEEE fp32 operation, the same on every CPU; fp32 sums rounded differently per vector ISA).
+    Codes are decoded arithmetically, not through `_dequantize`'s table: compiled,
     a table lookup is a gather the vectoriser cannot handle (six times slower here)."""
     rows = x.shape[0]
     xf = x.to(torch.float32).view(rows, -1, BLOCK // 2, 2)

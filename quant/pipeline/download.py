@@ -12,8 +12,8 @@ for the next run to resume.
 
 Every LFS file is hashed once downloaded and compared with the sha256 the Hub lists for it; a mismatch deletes
 the file and fetches it once more from the Hub itself (not from HF_HOME's cache, which huggingface_hub copies a
-cached blob from: a corrupt cached blob would come back), and a second mismatch is a one-line error (exit 2). A verified file gets a
-record (`scratch/.verified/<file>.sha256`), so a resumed run keeps it without hashing it again.
+cached blob from: a corrupt cached blob would come back), and a second mismatch is a one-line error (exit 2). A
+verified file gets a record (`scratch/.verified/<file>.sha256`), so a resumed run keeps it without hashing it again.
 """
 
 from __future__ import annotations

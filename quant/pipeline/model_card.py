@@ -62,7 +62,8 @@ def _role_table(tensors: dict) -> list[str]:
     for rec in tensors.values():
         if rec.get("action") == "quantize":
             by_role[(rec.get("role") or "?", rec.get("scheme") or "?")].append(rec)
-    lines = ["| role | scheme | modules | mean rel. MSE | worst rel. MSE | min SQNR (dB) |", "|---|---|---|---|---|---|"]
+    lines = ["| role | scheme | modules | mean rel. MSE | worst rel. MSE | min SQNR (dB) |",
+             "|---|---|---|---|---|---|"]
     for (role, scheme), recs in sorted(by_role.items()):
         # Error figures of extreme weights can overflow float32 sums (a source value near 3e38): such records
         # hold None or a non-finite number and are left out of the summary, not allowed to break it.

@@ -113,7 +113,8 @@ class HubChanges:
     """What changed on the Hub since an earlier run into OUT read it (a repository updated between a kill and the
     resume): `stale(shard, result)` says a finished shard read a source file whose sha256 on the Hub is no longer
     the one it was made from, so it is redone. The earlier run's view is its record of the Hub's sha256s
-    (`.quant-source/.verified/hub-sha256.json`, written before its first shard; every source file a shard reads counts, the
+    (`.quant-source/.verified/hub-sha256.json`, written before its first shard; every source file a shard reads
+    counts, the
     scales another shard holds too) and each finished shard's own source sha256 (its progress record). Once read,
     the record is replaced by the Hub's current sha256s: the shards kept read the same bytes under both."""
 

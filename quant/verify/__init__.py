@@ -45,8 +45,10 @@ def readable_profiles(config: dict, engines: list[str] | None, named: set[str] |
 
 def verify_checkpoint(path: str | Path | Checkpoint, engines: list[str] | None = None, tp: int | None = None,
                       metadata_dir: str | Path | None = None, named: set[str] | None = None) -> Report:
-    """Predict engine load failures of the Quark (or official block-FP8) checkpoint at `path`. `engines`: names ("sglang"), pinned
-    releases ("sglang==0.5.12") or "all"; default: the serving engines, SGLang and vLLM. Raises UnreadableCheckpoint when it cannot be read.
+    """Predict engine load failures of the Quark (or official block-FP8) checkpoint at `path`. `engines`: names
+    ("sglang"), pinned
+    releases ("sglang==0.5.12") or "all"; default: the serving engines, SGLang and vLLM. Raises UnreadableCheckpoint
+    when it cannot be read.
     `path` may be an open Checkpoint (quant.hub's, read from the Hub's headers). `named`: the releases to check even
     when they cannot read the model type (default: those `engines` names one by one; the self-check: none)."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, metadata_dir)

@@ -90,7 +90,7 @@ def fp8_moe_scale_load(rule: str, inter: int, hidden: int, tp: int = 1, block: i
     # w2 (down_proj, [H, I] sharded along I) comes first in checkpoint order, then w1/w3 (gate/up, [I, H]).
     for shard, param, loaded in (("w2", (math.ceil(hidden / r), math.ceil(ispp / r)), (ckpt_h, ckpt_i // tp)),
                                  ("w13", (math.ceil(ispp / r), math.ceil(hidden / r)), (ckpt_i // tp, ckpt_h))):
-        dest = tuple(min(p, l) for p, l in zip(param, loaded))  # _narrow_expert_data_for_padding
+        dest = tuple(min(p, n) for p, n in zip(param, loaded))  # _narrow_expert_data_for_padding
         where = f"_load_{'w2' if shard == 'w2' else 'w13'}"
         # copy_ broadcasts the source to the destination: torch names the trailing dimension where neither
         # size is 1, else the broadcast shape the destination cannot hold.
@@ -99,8 +99,8 @@ def fp8_moe_scale_load(rule: str, inter: int, hidden: int, tp: int = 1, block: i
                 return MoeScaleLoad(
                     f"RuntimeError(\"The size of tensor a ({dest[dim]}) must match the size of tensor b "
                     f"({loaded[dim]}) at non-singleton dimension {dim}\") in {where}", shard, param, loaded, r)
-        if dest != loaded and any(d < l for d, l in zip(dest, loaded)):
-            wide = [max(d, l) for d, l in zip(dest, loaded)]
+        if dest != loaded and any(d < n for d, n in zip(dest, loaded)):
+            wide = [max(d, n) for d, n in zip(dest, loaded)]
             return MoeScaleLoad(f"RuntimeError(\"output with shape {list(dest)} doesn't match the broadcast shape "
                                 f"{wide}\") in {where}", shard, param, loaded, r)
     return MoeScaleLoad(refine=r)
@@ -214,8 +214,8 @@ def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Find
                 parent = name[: -len(f".{shards[0]}.weight")]
                 if _EXPERT_PARENT.search(parent):
                     continue  # routed experts are a FusedMoE (moe_block_findings), not a merged linear
-                present = [(s, tensors.get(f"{parent}.{s}.weight")) for s in shards]
-                present = [(s, t) for s, t in present if t is not None and t.dtype == "F8_E4M3"]
+                stored = [(s, tensors.get(f"{parent}.{s}.weight")) for s in shards]
+                present = [(s, t) for s, t in stored if t is not None and t.dtype == "F8_E4M3"]
                 if len(present) < 2:
                     continue
                 checked = present[:-1] if rule == "last_shard_only" else present

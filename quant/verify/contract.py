@@ -11,7 +11,8 @@ scalar iff the input is static. MXFP8 ([1, 32], dynamic MXFP8 activations): `wei
 U8 [out, in/32], in % 32 == 0 (in/TP when row-parallel), no `input_scale` (vLLM 0.32 quark_ocp_mx.py:175-201, the
 unpacked branch: MXFP8_VALUE_DTYPE float8_e4m3fn, MXFP8_SCALE_DTYPE uint8 in utils/mxfp8_utils.py:9-10; experts in
 0.33 quark_moe.py:2047-2082 QuarkW8A8Mxfp8MoEMethod.create_weights: w13 [E, 2*I/TP, H] + [E, 2*I/TP, H/32], w2
-[E, H, I/TP] + [E, H, I/TP/32], ValueError unless H and I/TP are multiples of 32). Unquantized: `weight` in BF16/F16/F32 and no scale tensors.
+[E, H, I/TP] + [E, H, I/TP/32], ValueError unless H and I/TP are multiples of 32). Unquantized: `weight` in
+BF16/F16/F32 and no scale tensors.
 When the stored weight differs from the engine's parameter the weight itself is the finding (an MXFP4 weight
 left unpacked, or packed along the output dimension, would otherwise look like a wrong scale).
 """

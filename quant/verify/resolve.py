@@ -423,7 +423,8 @@ class ProfileChecker:
                      f"is ignored by the loader", "drop it from the export (it is never read)", "stray tensor")
             return
         raises = f"; {self.p.title} raises {entry.error}" if entry is not None else ""
-        self.add("error", issue.tensor, f"{built}: {issue.tensor} is {issue.problem}, expected {issue.expected}{raises}",
+        self.add("error", issue.tensor,
+                 f"{built}: {issue.tensor} is {issue.problem}, expected {issue.expected}{raises}",
                  "drop it from the export: the module as built has no parameter for it, and this release's loader "
                  "refuses what it cannot place", "tensor contract")
 

@@ -8,7 +8,8 @@ or 0xFF (E8M0's NaN: the expert outputs NaN), and FP8 scales of zero, inf or NaN
 Detection is pure functions over arrays (`e8m0_issues`, `float_issues`, `e4m3_issues`), the file walking is
 `scan_scales`. What counts as a scale: the tensors named `*.weight_scale`, `*.weight_scale_inv`,
 `*.weight_scale_2`, `*.input_scale`, `*.output_scale`, `*.{q,k,v}_scale` (and gpt-oss' U8 `*_scales`), and every
-F8_E8M0 tensor whatever its name (a sidecar table's `.scale`). U8 scales are E8M0 when the config's quantization_config declares an MX format (Quark `scale_format:
+F8_E8M0 tensor whatever its name (a sidecar table's `.scale`). U8 scales are E8M0 when the config's
+quantization_config declares an MX format (Quark `scale_format:
 e8m0` / fp4 dtypes, `quant_method: mxfp4`, ...); float scales (F32/BF16/F16) are FP8/INT scales; F8_E4M3 scales
 are NVFP4's block scales.
 

@@ -5,7 +5,8 @@ Engines allocate every parameter from the config and then copy the stored tensor
 tensor stored in the wrong layout (MXFP4 left unpacked, packed along the output dimension, a scale grid of the
 wrong size) is found by comparing it with the shape the config implies, and the finding names the tensor that
 differs. The [out, in] formulas of each linear are model-family data (`shapes:` in manifests/families/*.yaml,
-arithmetic over the text config's keys, optionally per model_type; quant/families/shapes.py); the stored-tensor shape of each scheme
+arithmetic over the text config's keys, optionally per model_type; quant/families/shapes.py); the stored-tensor shape
+of each scheme
 (packed MXFP4, E8M0 scales, block-FP8 grids) is derived from them in quant/verify/contract.py and block_fp8.py.
 A module no formula covers falls back to the shape read back from its weight (contract.logical_shape).
 """
@@ -87,7 +88,8 @@ def layout_findings(ckpt, shape_of: ShapeOf) -> list:
             missing = [i for i in range(len(indices) + 5) if i not in indices and i < experts][:5]
             out.append(Finding("error", "all", (), f"{coarse}.{missing[0]}.{proj}.weight",
                                f"{coarse} has {present} of the {experts} {proj} experts config.json declares "
-                               f"({key}), missing: {', '.join(map(str, missing))}{' ...' if experts - present > 5 else ''}; "
+                               f"({key}), missing: {', '.join(map(str, missing))}"
+                               f"{' ...' if experts - present > 5 else ''}; "
                                "the engines build all of them and leave the missing ones uninitialised",
                                "export every expert", "tensor layout"))
     return out

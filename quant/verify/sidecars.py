@@ -83,7 +83,8 @@ def _file_finding(exp: Expected, ckpt: Checkpoint) -> list[Finding]:
                         f"config.json declares the {side.name} sidecar ({side.declared_by}) and the export has "
                         f"{exp.file}, but {INDEX_FILE} lists none of its tensors: an engine that finds an index reads "
                         "only the files it names, so the draft is never loaded",
-                        f"add {exp.file}'s tensors to {INDEX_FILE}'s weight_map (quant quantize does)", RULE)] + contents
+                        f"add {exp.file}'s tensors to {INDEX_FILE}'s weight_map (quant quantize does)",
+                        RULE)] + contents
     return [Finding("error", "all", (), exp.file,
                     f"config.json declares the {side.name} sidecar ({side.declared_by}) but the export has no file "
                     f"{exp.file}", f"copy {exp.file} from the source byte for byte", RULE)]
