@@ -8,7 +8,7 @@ runs the real command as separate processes: `python -m quant quantize` for one,
 --standalone --nproc-per-node N -m quant quantize` for N, every process on --threads intra-op threads
 (OMP_NUM_THREADS). Printed per rank count, from each rank's own record (the JSON file each rank writes as its run
 ends: QUANT_GPTQ_TIMING with tests/gptq_faults on PYTHONPATH, whose sitecustomize installs quant.gptq.progress's
-`on_run_end` hook in every rank; the package writes none of its own): wall time, and per phase the slowest rank's
+wrapper of `report_run` in every rank; the package writes none of its own): wall time, and per phase the slowest rank's
 seconds and CPU seconds (the layer forward that feeds the next layer; the Hessians: the calibration forward of the
 layer with its inputs recorded, then their accumulation at the owners; the solves; the collectives, including
 waiting for a slower rank) with the speed-up of each phase over one process, and the bytes the ranks sent; whether

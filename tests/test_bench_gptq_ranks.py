@@ -1,6 +1,6 @@
 """scripts/bench_gptq_ranks.py (issue #34): its command line, the GLM-5.2 extrapolation's arithmetic on made-up
 phase seconds, and the per-rank timing records it reads: written by the hook tests/gptq_faults/sitecustomize.py
-installs in each rank (quant.gptq.progress.on_run_end; the package itself reads no timing variable). The slow test
+installs in each rank (around quant.gptq.run's report_run; the package reads no timing variable). The slow test
 runs the benchmark's own `run` on a tiny layer on 1 and 2 ranks (tests/test_gptq_ranks.py tests the ranks
 themselves)."""
 
@@ -56,36 +56,34 @@ def test_extrapolation_shares_the_forward_by_its_measured_scaling_and_the_units_
 
 
 def test_the_package_reads_no_timing_variable_and_holds_no_hook():
-    from gptq_faults.sitecustomize import TIMING_ENV
+    from gptq_faults.sitecustomize import KILL_ENV, TIMING_ENV
 
-    from quant.gptq import progress
+    from quant.gptq import loop, progress
 
-    assert progress.on_run_end == []
+    assert not hasattr(progress, "on_run_end") and not hasattr(loop, "on_layer_start")
     for path in (REPO / "quant").rglob("*.py"):
-        assert TIMING_ENV not in path.read_text(), path
+        assert TIMING_ENV not in path.read_text() and KILL_ENV not in path.read_text(), path
 
 
-def test_the_run_end_hooks_get_the_ranks_record(monkeypatch):
+def test_the_timing_record_of_a_rank():
     from quant.gptq import progress
     from quant.gptq.ranks import Ranks
 
     timing = Counter({"gptq_solve_s": 2.0, "cpu:gptq_solve_s": 1.5, "gptq_forward_s": 0.5})
-    got, lines = [], []
-    monkeypatch.setattr(progress, "on_run_end", [got.append])
+    lines = []
     progress.report_run(lines.append, Ranks(0, 1, sent=7), timing, 2, 0, (4, 8), 3.0, 0.25)
-    assert len(lines) == 1 and len(got) == 1
-    record = got[0]
+    assert len(lines) == 1
+    record = progress.timing_record(Ranks(0, 1, sent=7), timing, 0.25)
     assert record["rank"] == 0 and record["ranks"] == 1 and record["sent"] == 7 and record["received"] == 0
     assert set(record["wall_s"]) == set(progress.PHASES) and record["wall_s"]["gptq_solve_s"] == 2.0
     assert record["cpu_s"] == {"gptq_solve_s": 1.5, "gptq_comm_s": 0.25}
-    json.dumps(record)  # the benchmark's hook writes it as JSON
 
 
 def test_the_timing_hook_is_installed_in_a_fresh_process_by_the_benchmarks_environment(tmp_path):
     """`timing_env` (what the benchmark gives its subprocesses) alone makes a process's run write PREFIX.RANK."""
     bench = _script()
-    code = ("from collections import Counter; from quant.gptq import progress; from quant.gptq.ranks import Ranks; "
-            "progress.report_run(print, Ranks(0, 1), Counter({'gptq_solve_s': 1.0}), 1, 0, (1, 1), 1.0, 0.0)")
+    code = ("from collections import Counter; from quant.gptq import run; from quant.gptq.ranks import Ranks; "
+            "run.report_run(print, Ranks(0, 1), Counter({'gptq_solve_s': 1.0}), 1, 0, (1, 1), 1.0, 0.0)")
     prefix = tmp_path / "timing"
     env = {k: v for k, v in os.environ.items() if k not in ("QUANT_GPTQ_TIMING", "QUANT_GPTQ_KILL")}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, capture_output=True)

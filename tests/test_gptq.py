@@ -143,10 +143,20 @@ def test_gptq_recovers_most_of_rtns_held_out_loss(tmp_path, one_torch_thread):
     assert (nll["rtn"] - nll["gptq"]) / (nll["rtn"] - nll["bf16"]) >= 0.5, nll
 
 
-def _interrupted_at_layer_1(ranks, index: int) -> None:
-    """A run stopped (Ctrl-C) as it starts decoder layer 1: the layer loop's hook (quant.gptq.loop)."""
-    if index == 1:
-        raise KeyboardInterrupt
+def _interrupted_at_layer_1(monkeypatch):
+    """Stop the next runs (Ctrl-C) as they start decoder layer 1, where the layer loop (quant.gptq.loop) begins it;
+    returns what lets them run again."""
+    import quant.gptq.loop as loop
+
+    run = loop.LayerLoop.run
+
+    def interrupted(self, index: int, *args, **kwargs):
+        if index == 1:
+            raise KeyboardInterrupt
+        return run(self, index, *args, **kwargs)
+
+    monkeypatch.setattr(loop.LayerLoop, "run", interrupted)
+    return lambda: monkeypatch.setattr(loop.LayerLoop, "run", run)
 
 
 def test_gptq_resumes_from_the_solved_layers(toy_factory, tmp_path, monkeypatch, one_torch_thread):
@@ -157,13 +167,13 @@ def test_gptq_resumes_from_the_solved_layers(toy_factory, tmp_path, monkeypatch,
     src = toy_factory("qwen3-moe")
     clean = quantize_checkpoint(src, tmp_path / "clean", recipe="all-linear", method="gptq", gptq=FAST,
                                 check_engines=None, log=lambda m: None)
-    monkeypatch.setattr(loop, "on_layer_start", [_interrupted_at_layer_1])
+    resume = _interrupted_at_layer_1(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
                             check_engines=None, log=lambda m: None)
     assert (tmp_path / "out" / ".quant-gptq" / "layer-00000.json").is_file()
     assert not (tmp_path / "out" / "config.json").exists()
-    monkeypatch.setattr(loop, "on_layer_start", [])
+    resume()
     logs = []
     resumed = quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
                                   check_engines=None, log=logs.append)
@@ -250,11 +260,11 @@ def test_gptq_resume_reuses_no_layer_solved_from_other_bytes(toy_factory, tmp_pa
 
     src = tmp_path / "src"
     shutil.copytree(toy_factory("qwen3-moe"), src)
-    monkeypatch.setattr(loop, "on_layer_start", [_interrupted_at_layer_1])
+    resume = _interrupted_at_layer_1(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(src, tmp_path / "out", recipe="all-linear", method="gptq", gptq=FAST,
                             check_engines=None, log=lambda m: None)
-    monkeypatch.setattr(loop, "on_layer_start", [])
+    resume()
     shard = next(p for p in sorted(src.glob("*.safetensors"))
                  if any(".layers.0.mlp.experts.0." in n for n in load_file(p)))
     st = shard.stat()

@@ -5,11 +5,7 @@ weights and run forward to give the next layer its inputs.
 The MTP / NextN draft layers (beyond num_hidden_layers; transformers never runs them) are solved after the main
 layers, with the same solver and settings: each is built and fed as the engines run it (`quant.gptq.mtp`,
 `quant.model_exec.mtp`: the final-norm hidden state of the quantized main layers at t and the embedding of token
-t+1, through the draft's BF16 glue), and its records and solved weights go to `mtp-NNNNN.*` beside the layers'.
-
-`on_layer_start` is empty in production: callables `(ranks, index)` run as each main decoder layer starts, before
-it is read. The tests install one to inject faults (tests/gptq_faults/sitecustomize.py: a rank that kills itself
-there, in the real subprocesses of tests/test_gptq_ranks.py)."""
+t+1, through the draft's BF16 glue), and its records and solved weights go to `mtp-NNNNN.*` beside the layers'."""
 
 from __future__ import annotations
 
@@ -24,8 +20,6 @@ from quant.gptq.persist import chained, previous_solution, save_layer_solution
 from quant.gptq.progress import Phase, Progress, layer_line
 from quant.gptq.schedule import job_work
 from quant.planning.plan import TensorJob
-
-on_layer_start: list = []
 
 
 @dataclass
@@ -55,8 +49,6 @@ class LayerLoop:
         """Main decoder layer `index` over the calibration activations `hidden` (and what earlier layers carry
         beside them); returns the next layer's."""
         stack, timing = self.stack, self.timing
-        for hook in on_layer_start:
-            hook(self.ranks, index)
         t0 = time.perf_counter()
         layer = stack.load_layer(index)
         self.key = chained(self.key, stack.identity[index])

@@ -22,7 +22,6 @@ _EXPERT = re.compile(r"^(.*\bexperts\.\d+)\.")
 # in the phase they happened in.
 PHASES = ("gptq_calibration_s", "gptq_load_s", "gptq_hessians_s", "gptq_solve_s", "gptq_save_s", "gptq_apply_s",
           "gptq_forward_s", "gptq_comm_s")
-on_run_end: list = []
 
 
 class Phase:
@@ -56,7 +55,7 @@ def calibration_line(cal, devices: list[str], ranks: int = 1) -> str:
 
 def report_run(log, ranks, timing: Counter, layers: int, mtp: int, shape, seconds: float, comm_cpu: float) -> None:
     """The run's closing line; on several ranks, every rank's phases (the balance; scripts/bench_gptq_ranks.py reads
-    that line); then this rank's `timing_record` to each of the `on_run_end` hooks (none in production)."""
+    that line)."""
     comm = (f"; {ranks.size} ranks, rank 0 sent {ranks.sent / 1e6:.1f} MB and received {ranks.received / 1e6:.1f} MB "
             f"in {timing['gptq_comm_s']:.1f} s of collectives" if ranks.size > 1 else "")
     log(f"gptq: {layers} decoder layers" + (f" + {mtp} MTP layer{'s' * (mtp > 1)}" if mtp else "")
@@ -68,10 +67,6 @@ def report_run(log, ranks, timing: Counter, layers: int, mtp: int, shape, second
             f"{k.removeprefix('gptq_').removesuffix('_s')} " + "/".join(f"{t[k]:.2f}" for t in every) + " s"
             for k in PHASES) + "; MB sent " + "/".join(f"{t['sent'] / 1e6:.2f}" for t in every)
             + ", received " + "/".join(f"{t['received'] / 1e6:.2f}" for t in every))
-    if on_run_end:
-        record = timing_record(ranks, timing, comm_cpu)
-        for hook in on_run_end:
-            hook(record)
 
 
 def timing_record(ranks, timing: Counter, comm_cpu: float) -> dict:

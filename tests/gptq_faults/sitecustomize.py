@@ -1,15 +1,14 @@
-"""Test-only hooks of the GPTQ run, installed in the real processes the tests and benchmarks start (`quant quantize
+"""Test-only wrappers of the GPTQ run, installed in the real processes the tests and benchmarks start (`quant quantize
 --ranks N`, torchrun's ranks): a caller puts this directory on PYTHONPATH with one of these variables set, and
-Python imports this file as each process starts. The quant package itself reads no such variable: it only runs
-the hooks its lists hold (empty in production).
+Python imports this file as each process starts. The quant package itself reads no such variable and holds no
+hook: these wrap its public functions (the layer loop's `LayerLoop.run`, the run's `report_run`).
 
 - QUANT_GPTQ_KILL="RANK:LAYER" (`kill_env`, tests/test_gptq_ranks.py): that rank kills itself (SIGKILL, as `kill -9`
-  would) as it starts decoder layer LAYER (0-based), through the layer loop's `on_layer_start` hook
-  (quant.gptq.loop).
+  would) as it starts decoder layer LAYER (0-based), before the layer loop's `LayerLoop.run` (quant.gptq.loop).
 - QUANT_GPTQ_TIMING=PREFIX (`timing_env`, scripts/bench_gptq_ranks.py): as the run ends, each rank (one process:
   rank 0) writes PREFIX.RANK, its `quant.gptq.progress.timing_record` as JSON (its seconds per phase, the CPU
-  seconds of the phases that count them, the bytes its collectives moved), through the `on_run_end` hook
-  (quant.gptq.progress)."""
+  seconds of the phases that count them, the bytes its collectives moved), after the run's closing line
+  (`report_run`, as quant.gptq.run calls it)."""
 
 import os
 from pathlib import Path
@@ -38,22 +37,29 @@ def _install_kill(spec: str) -> None:
 
     from quant.gptq import loop
 
-    def die(ranks, layer: int) -> None:
-        if spec == f"{ranks.rank}:{layer}":
-            os.kill(os.getpid(), signal.SIGKILL)
+    run = loop.LayerLoop.run
 
-    loop.on_layer_start.append(die)
+    def dying_run(self, index: int, *args, **kwargs):
+        if spec == f"{self.ranks.rank}:{index}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run(self, index, *args, **kwargs)
+
+    loop.LayerLoop.run = dying_run
 
 
 def _install_timing(prefix: str) -> None:
     import json
 
-    from quant.gptq import progress
+    from quant.gptq import progress, run
 
-    def write(record: dict) -> None:
+    report_run = run.report_run
+
+    def reporting_run(log, ranks, timing, *args) -> None:
+        report_run(log, ranks, timing, *args)
+        record = progress.timing_record(ranks, timing, args[-1])  # comm_cpu, report_run's last argument
         Path(f"{prefix}.{record['rank']}").write_text(json.dumps(record, sort_keys=True))
 
-    progress.on_run_end.append(write)
+    run.report_run = reporting_run
 
 
 if os.environ.get(KILL_ENV):
