@@ -38,7 +38,7 @@ def load_script(name: str):
 
 
 def load_vectors(name: str):
-    """The reference vector module tests/data/<name>.py (data only; copied from shared/reference)."""
+    """The reference vector module tests/data/<name>.py (data only)."""
     import importlib.util
     from pathlib import Path
 

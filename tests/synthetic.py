@@ -2,8 +2,9 @@
 
 `write_sparse_safetensors` writes a real safetensors header and `truncate`s the file to its full size, so the
 file is valid for any header reader (offsets fit the file) but holds no data: a GLM-5.2-sized layout takes
-seconds and almost no disk. `glm_moe_dsa_layout` lists the BF16 tensors of a glm_moe_dsa model (moe-layouts
-§2.1/§2.2) and `quark_layout` turns selected modules into Quark MXFP4/FP8 tensors, as the quantizer writes them.
+seconds and almost no disk. `glm_moe_dsa_layout` lists the BF16 tensors of a glm_moe_dsa model (names as in the
+zai-org/GLM-5.1 listing) and `quark_layout` turns selected modules into Quark MXFP4/FP8 tensors, as the quantizer
+writes them.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def quantized_tensors(module: str, shape: tuple[int, int], scheme: str) -> Tenso
 
 # Modules a careful export keeps in BF16: engines never quantize routers, the indexer's weights_proj (nor, in
 # vLLM, its wk: fused with weights_proj into one unquantized GEMM; engines.yaml), embeddings and heads. The MTP layer stays BF16 except its routed experts: vLLM before PR #46757 cannot
-# build a BF16 FusedMoE from per-expert excludes (loader-contract §7 #2), so those are quantized like the
+# build a BF16 FusedMoE from per-expert excludes (vllm #48226, ROCm/vllm #1022), so those are quantized like the
 # main layers' experts to load on old and new releases alike.
 KEEP_BF16 = ("mlp.gate", "indexer.weights_proj", "indexer.wk", "embed_tokens", "lm_head")
 _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")

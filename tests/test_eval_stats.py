@@ -1,4 +1,4 @@
-"""Paired statistics on constructed answer sets with known results (lm-eval.md section 8)."""
+"""Paired statistics on constructed answer sets with known results."""
 
 import math
 
@@ -30,7 +30,7 @@ def test_exact_mcnemar_known_values():
 
 @pytest.mark.parametrize("b, c, expected_se", [(2, 0, 0.0071), (3, 1, 0.0100), (5, 3, 0.0142)])
 def test_paired_stderr_matches_worked_example(b, c, expected_se):
-    # lm-eval.md 8.3: GSM8K n = 200 with a 2-question deficit.
+    # Worked example: GSM8K n = 200 with a 2-question deficit.
     base, cand = answer_sets(200, 190, b, c)
     se = accuracy.paired_stderr(base, cand)
     assert se == pytest.approx(expected_se, abs=5e-5)

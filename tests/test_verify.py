@@ -1,6 +1,6 @@
 """verify-manifest on header-only toy checkpoints (glm_moe_dsa layout with an MTP layer).
 
-Each test builds a correct Quark export, injects one defect from the loader-contract failure catalogue (§7)
+Each test builds a correct Quark export, injects one defect that engines are known to fail on
 and checks the finding, the engine + release it names and the exit code through the CLI; where config alone
 can repair the defect, `--fix` must make it disappear.
 """

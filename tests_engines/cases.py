@@ -701,7 +701,7 @@ SGLANG_RELEASES = {
     "0.5.23": [],
     "0.5.12": ["releases/sglang-0.5.12", "releases/transformers-5.6.0"],
 }
-# GLM-5's release config.json carries no layer_types (moe-layouts.md 1.1); transformers 5.19 writes
+# GLM-5's release config.json carries no layer_types (zai-org/GLM-5.1 config.json); transformers 5.19 writes
 # ["indexed_attention", ...] into the toy's, which the transformers 5.6 SGLang 0.5.12 pins rejects while parsing the
 # config ("The `layer_types` entries must be in (...)"). The SGLang tier's toys drop it, as the release has it.
 SGLANG_TOY_DROP_KEYS = {"glm5": ["layer_types"]}

@@ -217,7 +217,8 @@ def _server_backend(source: str, label: str, options: BackendOptions) -> Backend
     model = options.server_model or served_model_name(url)
     cls = _api_classes()[options.endpoint]
     # The server tokenizes (tokenizer_backend=None, tokenized_requests=False): no local tokenizer is needed,
-    # no BOS is dropped and no context is silently left-truncated (lm-eval.md section 6.2).
+    # no BOS is dropped and no context is silently left-truncated (lm-evaluation-harness
+    # lm_eval/models/api_models.py, TemplateAPI).
     lm = cls(model=model, base_url=url, tokenizer_backend=None, tokenized_requests=False,
              num_concurrent=options.concurrency, max_retries=1, timeout=options.timeout,
              max_gen_toks=options.max_gen_toks)

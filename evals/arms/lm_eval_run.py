@@ -61,7 +61,7 @@ class RunSettings:
         max_gen_toks = self.max_gen_toks or default
         if spec.sampled:
             # do_sample must be explicit: HF and vLLM would otherwise follow a YAML's do_sample and ignore
-            # the temperature (lm-eval.md section 7.3).
+            # the temperature (lm-evaluation-harness lm_eval/models/utils.py normalize_gen_kwargs).
             return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                     "max_gen_toks": max_gen_toks}
         return {"do_sample": False, "temperature": 0.0, "max_gen_toks": max_gen_toks}

@@ -5,7 +5,8 @@ swaps the dataset for local files: GSM8K-format JSONL (`question`/`answer`) or t
 are written into the run's output directory because `include:` must name the installed lm-eval by absolute path.
 GPQA's stock `process_docs` shuffles the answer letters with the process-global RNG, frozen by whatever the
 datasets cache holds; ours seeds the shuffle from sha256 of the question, so every run and both models see the
-same letter order (lm-eval.md section 2.3 and 4.3).
+same letter order (stock: lm-evaluation-harness lm_eval/tasks/gpqa/*/utils.py; the same fix: modelscope/evalscope
+PR #1583).
 
 Reasoning models (issue #33): `gsm8k_boxed` is GSM8K as SGLang's nightly now asks it, zero-shot chat with the
 answer in `\boxed{}` scored by math_verify. SGLang's nightly runs it through sgl-eval (sglang#27757: "zero-shot

@@ -2,7 +2,7 @@
 
 Inputs are per-question scores in [0, 1], aligned so that index i is the same question in both arms. With one
 sample per question a score is 0 or 1; with several seeds (GPQA) it is the mean over the seeds, so the question
-stays the unit of resampling and the seeds are never treated as independent questions (lm-eval.md section 8.3).
+stays the unit of resampling and the seeds are never treated as independent questions.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ that round to zero give code 8). Mode "search" picks, per block, the exponent am
 least squared error (ties: floor, then floor+1, then floor-1).
 
 Everything is exact integer or power-of-two arithmetic (never a float8_e8m0fnu cast, which rounds to nearest), so the
-compiled and eager kernels agree bit for bit. Non-finite input raises QuantError. See mx-numerics.md for the peers.
+compiled and eager kernels agree bit for bit. Non-finite input raises QuantError. Peers: torchao
+prototype/mx_formats (to_mx: FLOOR, RCEIL, EVEN), amd/Quark even_round, triton_kernels, microsoft/microxcaling.
 """
 
 from __future__ import annotations

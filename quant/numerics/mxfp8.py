@@ -3,7 +3,7 @@ sharing one E8M0 scale per block of 32 along the last dimension. Layout (Quark, 
 [..., K], `weight_scale` uint8 [..., K/32], byte b meaning 2^(b - 127); 0xFF (NaN) is never written.
 
 Per block: amax = max |x| (fp32); shared exponent e = floor(log2(amax)) - 8 (emax of E4M3), plus one depending on the
-scale mode, clamped to [-127, 127] (all-zero or fp32-subnormal blocks: byte 0x00). The modes are mx-numerics.md's, with
+scale mode, clamped to [-127, 127] (all-zero or fp32-subnormal blocks: byte 0x00). The modes are mxfp4.py's, with
 E4M3's three mantissa bits in place of E2M1's one:
 - "even" (Quark's default, `even_round`: amax + 2^(23 - 3 - 1) masked to its exponent): up when the significand of
   amax is at least 1.9375, where amax / 2^e would round to 512 at E4M3 precision;

@@ -1,7 +1,8 @@
 """The `quantization_config` written into config.json.
 
-Quark schema for Quark-format outputs (every key SGLang, vLLM and transformers/Quark read; see
-loader-contract.md §2), or the DeepSeek/GLM official block-FP8 form for `fp8-block` outputs.
+Quark schema for Quark-format outputs (every key SGLang, vLLM and transformers/Quark read; see amd/Quark
+quark/torch/quantization/config/config.py QConfig.to_dict / from_dict and the engines' quark/quark.py QuarkConfig),
+or the DeepSeek/GLM official block-FP8 form for `fp8-block` outputs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Preflight for official block-FP8 checkpoints (`quant_method: "fp8"`, `weight_block_size: [128, 128]`, the
 DeepSeek-V3/GLM format; what `--scheme fp8-block` writes for the FP8 baseline).
 
-Contract (moe-layouts.md §4, mx-numerics.md §10): every quantized linear stores `weight` F8_E4M3 [out, in] and
+Contract (deepseek-ai/DeepSeek-V3 README_WEIGHTS.md): every quantized linear stores `weight` F8_E4M3 [out, in] and
 `weight_scale_inv` F32 [ceil(out/128), ceil(in/128)]; a linear stored in BF16 must be named in
 `modules_to_not_convert`, unless the engine builds that module without asking the quant config at all
 (routers, indexer weights_proj, embeddings, heads, the MTP eh_proj, which is a plain nn.Linear outside Quark).

@@ -1,4 +1,4 @@
-"""The tensors a module must have on disk for the scheme an engine builds it with (loader-contract §3).
+"""The tensors a module must have on disk for the scheme an engine builds it with (the create_weights below).
 
 [out, in] is what the engine allocates from config.json (quant/verify/shapes.py), not what is stored:
 MXFP4: `weight` U8 [out, in/2] + `weight_scale` U8 [out, in/32], in % 32 == 0, no `input_scale` (dynamic MX

@@ -1,4 +1,5 @@
-"""Checks on the exclude list itself, the MTP layers and checkpoint integrity (loader-contract §9.6, §9.7)."""
+"""Checks on the exclude list itself, the MTP layers and checkpoint integrity (exclude matching: vLLM / SGLang
+quark/utils.py should_ignore_layer, exact or `re:` + re.match; MTP tensors: vLLM deepseek_mtp.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`quantization_config` schema checks (loader-contract §2.4, §9.1) and scheme classification (§2.3)."""
+"""`quantization_config` schema checks (the keys vLLM / SGLang quark/quark.py QuarkConfig and amd/Quark
+QConfig.from_dict index) and scheme classification (QuarkConfig's _is_* predicates)."""
 
 from __future__ import annotations
 

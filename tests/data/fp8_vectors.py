@@ -1,5 +1,4 @@
-# Copied verbatim from /work/shared/reference/fp8_vectors.py (the project's shared numerics reference; see
-# mx-numerics.md section 11 there) so the tests never depend on that directory. Data only.
+# Reference vectors kept in the repository so the tests depend on nothing outside it. Data only.
 """Bit-exact block-FP8 test vectors (DeepSeek-V3 / GLM-5 style: float8_e4m3fn, 128x128 tiles, weight_scale_inv).
 
 Data only; no imports. ``FP8_BLOCK_VECTORS`` is a list of dicts, one per 128x128 float32 tile:

@@ -1,10 +1,9 @@
-# Copied verbatim from /work/shared/reference/mxfp4_vectors.py (the project's shared numerics reference; see
-# mx-numerics.md section 11 there) so the tests never depend on that directory. Data only.
+# Reference vectors kept in the repository so the tests depend on nothing outside it. Data only.
 """Bit-exact MXFP4 test vectors (OCP MX: E2M1 elements, E8M0 scale, block of 32).
 
 Data only; no imports. ``MXFP4_VECTORS`` is a list of dicts, one per 32-element block:
 
-    name         str    vector id (T1..T13; T10 = Inf is documented in mx-numerics.md only)
+    name         str    vector id (T1..T13; T10 = Inf is not in the list)
     note         str    what the vector exercises
     x            list[float], 32 inputs, each exactly representable in float32 (repr round-trips);
                  T9 contains float('nan')
