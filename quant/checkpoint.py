@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from quant.errors import QuantError, UnreadableCheckpoint
 from quant.families import text_config
+from quant.families.mtp import COUNT_KEYS as MTP_COUNT_KEYS  # every family's MTP count key
 from quant.families.shapes import LM_LAYER
 
 if TYPE_CHECKING:
@@ -253,11 +254,10 @@ COUNTS = {
     "shared_expert_intermediate_size": 1, "n_routed_experts": 1, "num_experts": 1, "num_local_experts": 1,
     "num_experts_per_tok": 1, "n_shared_experts": 0, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
     "q_lora_rank": 1, "kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 1, "v_head_dim": 1,
-    "index_n_heads": 1, "index_head_dim": 1, "num_nextn_predict_layers": 0, "mtp_num_hidden_layers": 0,
+    "index_n_heads": 1, "index_head_dim": 1, **dict.fromkeys(MTP_COUNT_KEYS, 0),
 }
 NULLABLE = {"q_lora_rank", "head_dim", "intermediate_size", "n_shared_experts", "first_k_dense_replace", "n_group",
-            "topk_group", "num_nextn_predict_layers", "mtp_num_hidden_layers"}
-MTP_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+            "topk_group", *MTP_COUNT_KEYS}
 EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 TENSOR_SPECS = ("input_tensors", "output_tensors", "weight", "bias")
 SHOWN = 5  # examples named in a message
@@ -371,7 +371,7 @@ def validate_config(config: dict, path: Path, tensor_names=()) -> None:
     names = list(tensor_names)
     # Any layer-like index counts here (mtp.layers.N too): a bound on loops over declared MTP layers.
     layers = {int(n) for name in names for n in _layer_numbers(name)}
-    for key in MTP_COUNTS:
+    for key in MTP_COUNT_KEYS:
         count = merged.get(key) or 0
         if count > max(len(layers), 64):
             raise UnreadableCheckpoint(f"{where}: '{key}' is {count}, more layers than the checkpoint's tensor "

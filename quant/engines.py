@@ -20,7 +20,7 @@ from functools import lru_cache
 import yaml
 
 from quant.engine_rules import DraftClass, EngineRules, MtpNamespace, StrayTensor, check_engines, release_rules
-from quant.families import text_config
+from quant.families import mtp_layout
 from quant.errors import QuantError, did_you_mean
 from quant.paths import MANIFESTS_DIR
 
@@ -50,12 +50,14 @@ def architecture(config: dict) -> str:
 # ---- MTP layers of a config -----------------------------------------------------------------------------
 
 def mtp_layers(config: dict) -> range:
-    """Checkpoint layer indices of the MTP/NextN layers: num_hidden_layers .. + num_nextn_predict_layers. The one
-    place in the engines layer that reads the MTP count."""
-    cfg = text_config(config)
-    n = int(cfg.get("num_hidden_layers") or 0)
-    k = int(cfg.get("num_nextn_predict_layers") or 0)
-    return range(n, n + k)
+    """Checkpoint layer indices of the MTP/NextN layers an engine's draft looks for in the decoder stack
+    (model.layers.{N + k}): the config's MTP layout's `nextn_layers` (quant/families/mtp.py)."""
+    return mtp_layout(config).nextn_layers
+
+
+def mtp_count_key(config: dict) -> str:
+    """The config.json key declaring the MTP layers, for the findings that name it."""
+    return mtp_layout(config).count_key
 
 
 def layer_index(module: str) -> int | None:
@@ -173,7 +175,7 @@ def mtp_namespace(rules: EngineRules, config: dict) -> MtpNamespace | None:
 def namespace_draft_name(rule: MtpNamespace, module: str, config: dict) -> str:
     """The name the engine's draft builds namespaced MTP module `module` under (engines.yaml mtp_namespace
     draft_names, applied in order; '{N}' is num_hidden_layers, '{N+k}' that plus the match's group k)."""
-    n = mtp_layers(config).start
+    n = mtp_layout(config).first
     name = module
     for r in rule.draft_names:
         m = re.search(r.match, name)
@@ -190,7 +192,7 @@ def namespace_layers(rule: MtpNamespace, config: dict) -> list[tuple[int, str]]:
     head whose engine loads it layer by layer (engines.yaml mtp_namespace layer_prefix); [] otherwise."""
     if not rule.layer_prefix:
         return []
-    return [(idx, rule.layer_prefix.replace("{k}", str(k))) for k, idx in enumerate(mtp_layers(config))]
+    return [(idx, rule.layer_prefix.replace("{k}", str(k))) for k, idx in enumerate(mtp_layout(config).published)]
 
 
 # ---- one engine release ---------------------------------------------------------------------------------
@@ -340,7 +342,7 @@ class Profile:
 
     def draft_exclude_mapper(self, config: dict) -> NameMapper:
         """The mapper the draft class's loader applies to `exclude` (mtp.draft_classes exclude_mapper)."""
-        return NameMapper.substrings(self.draft_class(config)[1].exclude_mapper, mtp_layers(config).start)
+        return NameMapper.substrings(self.draft_class(config)[1].exclude_mapper, mtp_layout(config).first)
 
     def draft_exclude_names(self, module: str, config: dict) -> list[str]:
         """Exclude entries this release's draft needs for checkpoint module `module` besides its checkpoint name

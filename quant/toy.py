@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from quant.errors import QuantError
-from quant.families import families_dir, load_family_file, mtp_count_key
+from quant.families import families_dir, load_family_file
+from quant.families.mtp import NEXTN_COUNT_KEY
 from quant.families.schema import BadData, check_keys
 from quant.paths import MANIFESTS_DIR
 from quant.toy_release import FILE_KEYS, RELEASE_EXTRAS_KEYS, encode_rows, merge_into, release_extras, release_file
@@ -68,11 +69,11 @@ class Fp8Release:
 
 
 @dataclass(frozen=True)
-class MtpLayout:
-    """Where a family stores its MTP layers: DeepSeek/GLM as extra decoder layers `model.layers.{N+k}.*` with
+class ToyMtp:
+    """How a toy writes its MTP layers, where its family stores them: DeepSeek/GLM as extra decoder layers `model.layers.{N+k}.*` with
     their extras beside the block; Qwen3.5 under its own namespace, `mtp.layers.{k}.*` plus `mtp.fc` etc."""
 
-    count_key: str  # config.json key holding the number of MTP layers
+    count_key: str  # config.json key holding the number of MTP layers: the family's (quant/families/mtp.py)
     layer_prefix: str  # "{text}layers.{n}." or "mtp.layers.{k}." (text = the text model prefix, n = N + k)
     extras_prefix: str  # where the extras live: "{text}layers.{n}." or "mtp."
     extras: dict[str, str]
@@ -96,7 +97,7 @@ class ToyFamily:
     release_config: dict
     fused_experts: bool
     mtp_layers: int
-    mtp: MtpLayout | None
+    mtp: ToyMtp | None
     f32_tensors: tuple[re.Pattern, ...]
     perturb: dict[str, float]
     config_json_renames: dict[str, str]
@@ -194,8 +195,8 @@ def toy_family(name: str) -> ToyFamily:
         release_config=dict(spec.get("release_config", {})),
         fused_experts=bool(spec.get("fused_experts", False)),
         mtp_layers=int(spec.get("mtp_layers", 0)),
-        mtp=MtpLayout(
-            count_key=mtp_count_key(load_family_file(file)),
+        mtp=ToyMtp(
+            count_key=load_family_file(file).mtp.count_key,
             layer_prefix=mtp.get("layer_prefix", "{text}layers.{n}."),
             extras_prefix=mtp.get("extras_prefix", "{text}layers.{n}."),
             extras=dict(mtp.get("extras", {})),
@@ -253,8 +254,8 @@ def build_toy(
 ) -> Path:
     """Write the toy checkpoint `name` to `out` and return `out`.
 
-    `overrides` replaces keys of the family's config (e.g. `{"num_hidden_layers": 3}`); the key
-    `num_nextn_predict_layers` sets the number of MTP layers. `out` must be absent or empty unless `force`.
+    `overrides` replaces keys of the family's config (e.g. `{"num_hidden_layers": 3}`); the family's MTP count
+    key (or the NextN one) sets the number of MTP layers. `out` must be absent or empty unless `force`.
     The checkpoint is built in a temporary sibling directory and renamed into place, so a crash never leaves a
     complete-looking `out`.
     """
@@ -356,8 +357,8 @@ def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, ma
                          f"{family.release_format or 'BF16'})")
     config = json.loads(json.dumps(family.config))
     text = _text_keys(family, config)
-    if int(overrides.get("num_nextn_predict_layers", text.get("num_nextn_predict_layers", 0)) or 0):
-        raise QuantError(f"toy {family.name}: no MTP layout for this family (num_nextn_predict_layers must be 0)")
+    if int(overrides.get(NEXTN_COUNT_KEY, text.get(NEXTN_COUNT_KEY, 0)) or 0):
+        raise QuantError(f"toy {family.name}: no MTP layout for this family ({NEXTN_COUNT_KEY} must be 0)")
     text.update({"vocab_size": VOCAB_SIZE, **_tokenizer_ids(), **{k: v for k, v in text.items() if k == "vocab_size"},
                  **overrides})
     tensors, config_json = layout_checkpoint(family.layout, config, family.text_config_key, seed)
@@ -403,10 +404,12 @@ def _model_config(family: ToyFamily, overrides: dict):
     else:
         kwargs = {**text_defaults, **kwargs, **overrides}
     text = _text_keys(family, kwargs)
-    count_key = family.mtp.count_key if family.mtp else "num_nextn_predict_layers"
-    n_mtp = int(text.pop(count_key, text.pop("num_nextn_predict_layers", family.mtp_layers)))
+    # The family's count key sets the number of MTP layers; the NextN key is accepted for every toy (and refused
+    # where the toy writes none)
+    count_key = family.mtp.count_key if family.mtp else NEXTN_COUNT_KEY
+    n_mtp = int(text.pop(count_key, text.pop(NEXTN_COUNT_KEY, family.mtp_layers)))
     if n_mtp and family.mtp is None:
-        raise QuantError(f"toy {family.name}: no MTP layout for this family (num_nextn_predict_layers must be 0)")
+        raise QuantError(f"toy {family.name}: no MTP layout for this family ({NEXTN_COUNT_KEY} must be 0)")
     if text["vocab_size"] < VOCAB_SIZE:
         raise QuantError(f"toy {family.name}: vocab_size {text['vocab_size']} is smaller than the toy tokenizer "
                          f"({VOCAB_SIZE} tokens)")

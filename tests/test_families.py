@@ -78,7 +78,7 @@ def test_the_family_layer_imports_nothing_above_it():
     for mod, deps in graph.items():
         if mod.startswith("quant.families"):
             assert deps <= {"quant.errors", "quant.paths", "quant.families", "quant.families.schema",
-                            "quant.families.adapters", "quant.families.sidecars"}, (mod, deps)
+                            "quant.families.adapters", "quant.families.sidecars", "quant.families.mtp"}, (mod, deps)
 
 
 # --------------------------------------------------------------------------------------- strict data files
@@ -267,28 +267,28 @@ def test_a_malformed_architectures_or_toys_key_is_named(tmp_path, monkeypatch, t
     # DeepSeek-V4: mtp.{k}.*, counted by num_nextn_predict_layers
     ({"model_type": "deepseek_v4", "num_hidden_layers": 43, "num_nextn_predict_layers": 1}, 1, [43], [],
      "num_nextn_predict_layers"),
-    # MiniMax-M2 declares MTP modules it never published (Family.unpublished_mtp says so)
+    # MiniMax-M2 declares MTP modules it never published (its layout's `unpublished` says so)
     ({"model_type": "minimax_m2", "num_hidden_layers": 62, "num_mtp_modules": 3}, 3, [62, 63, 64], [],
      "num_mtp_modules"),
     ({"model_type": "some_new_model", "num_hidden_layers": 4}, 0, [], [], "num_nextn_predict_layers"),
 ])
 def test_mtp_layers_from_config_and_family(config, count, indices, decoder_layers, count_key):
-    from quant.families import mtp_layers
+    from quant.families import mtp_layout
 
     family = load_family(lookup_family(config) or "generic")
-    mtp = mtp_layers(config, family)
+    mtp = mtp_layout(config, family)
     assert (mtp.count, list(mtp.indices), list(mtp.decoder_layers), mtp.count_key) == \
         (count, indices, decoder_layers, count_key)
-    assert family.mtp_layers(config) == decoder_layers  # the family's method is the same answer
+    assert mtp_layout(config) == mtp  # the config's own family is the same answer
 
 
 def test_mtp_layers_defaults_to_the_configs_family():
-    from quant.families import mtp_layers
+    from quant.families import mtp_layout
 
     config = {"model_type": "glm4_moe", "hidden_size": 8, "num_hidden_layers": 92, "n_routed_experts": 4,
               "num_nextn_predict_layers": 1}
-    assert mtp_layers(config) == mtp_layers(config, load_family("glm4_moe"))
-    assert list(mtp_layers(config).decoder_layers) == [92]
+    assert mtp_layout(config) == mtp_layout(config, load_family("glm4_moe"))
+    assert list(mtp_layout(config).decoder_layers) == [92]
 
 
 def test_cli_prints_one_line_and_exits_2_for_a_misspelled_recipe(tmp_path, toy_factory):
@@ -415,7 +415,9 @@ def test_minimax_mtp_is_refused_in_one_line(new_toys):
     with pytest.raises(QuantError, match="num_mtp_modules") as e:
         draft_layers(ckpt.config, ckpt.tensors)
     assert "\n" not in str(e.value)
-    line = load_family("minimax_m2").unpublished_mtp(ckpt.config, ckpt.tensors)
+    from quant.families import mtp_layout
+
+    line = mtp_layout(ckpt.config).unpublished_line(ckpt.tensors)
     assert "publishes no MTP weights" in line and "--no-mtp" in line
 
 

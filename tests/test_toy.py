@@ -244,18 +244,18 @@ def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_each_toy_is_its_family_files_record(bf16_toys, name):
     """A toy lives in its family's file: the family its config.json resolves to defines it, names the
-    architecture class it is written with, and counts its MTP layers as the toy built them (quant.families.mtp_layers,
+    architecture class it is written with, and counts its MTP layers as the toy built them (quant.families.mtp_layout,
     the one count)."""
-    from quant.families import family_for_config, mtp_layers
+    from quant.families import family_for_config, mtp_layout
 
     toy = toy_family(name)
     checkpoint = open_checkpoint(bf16_toys[name])
     family = family_for_config(checkpoint.config)
     assert family.name == toy.family and name in family.toys
     assert checkpoint.config["architectures"][0] in family.architectures[checkpoint.config["model_type"]]
-    mtp = mtp_layers(checkpoint.config, family)
+    mtp = mtp_layout(checkpoint.config, family)
     # MiniMax-M2's config declares MTP modules no release publishes (the toy builds none, as the release)
-    assert mtp.count == toy.mtp_layers or family.unpublished_mtp(checkpoint.config, checkpoint.tensors)
+    assert mtp.count == toy.mtp_layers or mtp.unpublished_line(checkpoint.tensors)
     for layer in mtp.decoder_layers:  # stored in the decoder stack: model.layers.{N + k}
         assert any(f"layers.{layer}." in n for n in checkpoint.tensors)
     if toy.mtp is not None:
@@ -265,10 +265,10 @@ def test_each_toy_is_its_family_files_record(bf16_toys, name):
 def test_the_mtp_count_key_of_a_namespaced_head_is_the_familys(tmp_path):
     """Qwen3.5's MTP head is counted by text_config.mtp_num_hidden_layers (family data), and an override of that key
     reshapes the toy."""
-    from quant.families import mtp_layers
+    from quant.families import mtp_layout
 
     two = open_checkpoint(build_toy("qwen3.5", tmp_path / "two", overrides={"mtp_num_hidden_layers": 2}))
-    assert mtp_layers(two.config).count == 2 and "mtp.layers.1.mlp.gate.weight" in two.tensors
+    assert mtp_layout(two.config).count == 2 and "mtp.layers.1.mlp.gate.weight" in two.tensors
 
 
 # ---------------------------------------------------------------------------------------------------- FP8 source

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Callable
 
 from quant.errors import QuantError
+from quant.families.mtp import MtpLayout, MtpSpec, parse_mtp_spec
 from quant.families.schema import BadData, check_keys, load_yaml
 from quant.families.sidecars import Sidecar, parse_sidecars
 from quant.paths import MANIFESTS_DIR
 
-__all__ = ["Family", "BadData", "KEEP", "GENERIC", "MtpLayers", "families_dir", "family_names", "load_family",
+__all__ = ["Family", "BadData", "KEEP", "GENERIC", "MtpLayout", "families_dir", "family_names", "load_family",
            "load_family_file", "family_for_config", "lookup_family", "unknown_family_note", "text_config",
-           "model_types", "text_prefix", "mtp_layers", "mtp_count_key"]
+           "model_types", "text_prefix", "mtp_layout"]
 
 KEEP = "keep"
 GENERIC = "generic"
@@ -35,16 +36,10 @@ GENERIC = "generic"
 FAMILY_KEYS = ("family", "inherit", "model_types", "architectures", "required_config", "mtp", "fused_experts",
                "mtp_draft", "roles", "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished",
                "adapter", "transformers_layer", "bf16_under_schemes", "toys", "transformers_since", "sidecars")
-MTP_KEYS = ("first_layer_key", "count_key", "keep")
-MTP_DRAFT_KEYS = ("count_key", "block", "embed_norm", "hidden_norm", "proj", "final_norm", "embed", "head", "glue",
-                  "zero_embedding_at_position_0", "decoder_config", "unsupported")
 DECODER_LAYER_KEYS = ("returns", "carry_bytes_per_token", "workspace_bytes_per_token")
-MTP_UNPUBLISHED_KEYS = ("count_keys", "reason")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
 TRANSFORMERS_LAYER_KEYS = ("text_model", "renames", "expert_projs", "fused_linears")
 NO_TRANSFORMERS_LAYER = {"text_model": None, "renames": {}, "expert_projs": {}, "fused_linears": {}}
-# The config.json key counting MTP layers when the family data names none (DeepSeek-V4, generic).
-DEFAULT_MTP_COUNT_KEY = "num_nextn_predict_layers"
 
 
 def families_dir() -> Path:
@@ -71,9 +66,9 @@ class Family:
     model_types: list[str]
     required_config: list[str]
     roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
-    mtp: dict | None
     fused_experts: dict | None
-    mtp_draft: dict | None = None  # how the engines run the MTP draft (quant/model_exec/mtp.py)
+    # Its MTP sections (`mtp`, `mtp_draft`, `mtp_unpublished`), parsed: `mtp_layout` applies them to a config
+    mtp: MtpSpec = field(default_factory=MtpSpec)
     # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
     # 3-D expert tensor) from config.json
     shapes: list[tuple[re.Pattern, tuple | dict]] = field(default_factory=list)
@@ -89,8 +84,6 @@ class Family:
     text_prefixes: list[str] = field(default_factory=lambda: ["model."])
     # Built-in recipes whose content is the family's own (AMD's published release of this family): name -> spec
     release_recipes: dict[str, dict] = field(default_factory=dict)
-    # MTP modules the config declares but the release does not publish: {count_keys: [...], reason: ...}
-    mtp_unpublished: dict | None = None
     # How GPTQ builds the decoder layers with transformers (quant/model_exec/layers.py builds them from config.json and
     # loads them tensor by tensor): `text_model`, the transformers class built for a wrapper AutoModelForCausalLM has
     # no model for, from its text config (a causal LM) or from the whole config when that is the class's own (the
@@ -133,78 +126,19 @@ class Family:
                 return role
         return None
 
-    def mtp_layers(self, config: dict) -> list[int]:
-        """Decoder-stack indices holding MTP/NextN layers (model.layers.{N + i}): `mtp_layers(config, self)`'s
-        `decoder_layers`."""
-        return list(mtp_layers(config, self).decoder_layers)
-
-    def mtp_keep_patterns(self) -> list[re.Pattern]:
-        return [re.compile(p) for p in (self.mtp or {}).get("keep", [])]
-
     def text_prefix(self, tensor_names) -> str:
         return text_prefix(tensor_names, self.text_prefixes)
 
-    def unpublished_mtp(self, config: dict, tensor_names=()) -> str | None:
-        """One line saying why this checkpoint has no MTP draft to run although its config declares one (MiniMax:
-        the config counts MTP modules the release does not publish); None when that is not the case."""
-        spec = self.mtp_unpublished
-        if not spec:
-            return None
-        cfg = text_config(config)
-        declared = [(k, cfg[k]) for k in spec.get("count_keys", []) if isinstance(cfg.get(k), int) and cfg[k] > 0]
-        if not declared or any(".mtp" in n or n.startswith("mtp.") for n in tensor_names):
-            return None
-        key, count = declared[0]
-        return (f"config.json declares {count} MTP module(s) ({key}) but the {self.name} release publishes no MTP "
-                f"weights ({spec.get('reason', 'no tensor names them')}): there is no draft to measure; "
-                "run without MTP (--no-mtp)")
 
-
-@dataclass(frozen=True)
-class MtpLayers:
-    """Which layers of a checkpoint are MTP (multi-token prediction / NextN) layers, by its config and family.
-
-    `count` layers, numbered `first` .. `first + count - 1` (`indices`, first = num_hidden_layers: the number the
-    engines give MTP layer k, N + k). `in_decoder_stack`: they are stored as decoder layers `{text}layers.{N + k}.*`
-    (DeepSeek-V3, GLM: family data `mtp`), so `decoder_layers` are those indices; otherwise they live under a
-    namespace of their own (Qwen3.5 `mtp.layers.{k}.*`, DeepSeek-V4 `mtp.{k}.*`) and `decoder_layers` is empty.
-    `count` is what config.json declares (`count_key`); whether the release publishes them is
-    `Family.unpublished_mtp`'s question (MiniMax-M2 counts modules it never published)."""
-
-    count: int
-    first: int
-    count_key: str
-    in_decoder_stack: bool
-
-    @property
-    def indices(self) -> range:
-        return range(self.first, self.first + self.count)
-
-    @property
-    def decoder_layers(self) -> range:
-        return self.indices if self.in_decoder_stack else range(0)
-
-
-def mtp_count_key(family: Family) -> str:
-    """The config.json key (of the text config) counting the family's MTP layers: its `mtp_draft.count_key`, else
-    its `mtp.count_key`, else num_nextn_predict_layers."""
-    return ((family.mtp_draft or {}).get("count_key") or (family.mtp or {}).get("count_key")
-            or DEFAULT_MTP_COUNT_KEY)
-
-
-def mtp_layers(config: dict, family: Family | None = None) -> MtpLayers:
-    """The MTP layers of a checkpoint with config.json `config` (a wrapper's or its text config) of `family` (default:
-    the config's own): how many, their indices, and whether they sit in the decoder stack. The one answer to "which
-    layers are MTP layers" (planning reads it; the engines' and GPTQ's MTP naming are meant to)."""
+def mtp_layout(config: dict, family: Family | None = None) -> MtpLayout:
+    """The MTP layout of a checkpoint with config.json `config` (a wrapper's or its text config) of `family`
+    (default: the family its model_type names, the generic one for any other config, with or without a
+    model_type: the engines ask about configs the tool would not quantize). The one answer to "which layers are
+    MTP layers, and how are they stored" (quant/families/mtp.py)."""
     if family is None:
-        family = family_for_config(config)
-    text = text_config(config)
-    count_key = mtp_count_key(family)
-    first_key = (family.mtp or {}).get("first_layer_key")
-    first = text.get(first_key or "num_hidden_layers")
-    count = int(text.get(count_key) or 0)
-    return MtpLayers(count=count if first is not None else 0, first=int(first or 0), count_key=count_key,
-                     in_decoder_stack=bool(first_key))
+        # the cached family, not load_family's copy: the engines ask once per module
+        family = _load_family_file(families_dir() / f"{lookup_family(config) or GENERIC}.yaml")
+    return family.mtp.layout(text_config(config), family.name)
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:
@@ -229,13 +163,7 @@ def _load_family_file(path: Path) -> Family:
     if data["family"] != path.stem:
         raise BadData(f"{where}: 'family' is {data['family']!r}; it must be the file name ({path.stem!r})")
     parent = load_family(data["inherit"]) if data.get("inherit") else None
-    mtp = data.get("mtp", parent.mtp if parent else None)
-    if "mtp" in data:
-        check_keys(data["mtp"], MTP_KEYS, where, "mtp")
-    if "mtp_draft" in data:
-        check_keys(data["mtp_draft"], MTP_DRAFT_KEYS, where, "mtp_draft")
     check_keys(data.get("decoder_layer"), DECODER_LAYER_KEYS, where, "decoder_layer")
-    check_keys(data.get("mtp_unpublished"), MTP_UNPUBLISHED_KEYS, where, "mtp_unpublished")
     roles = _roles(data.get("roles"), parent, where)
     shapes = _shapes(data.get("shapes"), where)
     recipes = {}  # a release recipe describes one published release: never inherited
@@ -258,9 +186,8 @@ def _load_family_file(path: Path) -> Family:
         model_types=model_type_list,
         required_config=list(data.get("required_config") or []),
         roles=roles,
-        mtp=mtp,
+        mtp=parse_mtp_spec(data, parent.mtp if parent else None, where),
         fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
-        mtp_draft=data.get("mtp_draft", parent.mtp_draft if parent else None),
         # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
         # (quant/families/shapes.py picks the config's model_type, else "default"; a `layer_types` entry picks by
         # the text config's layer_types entry of the module's layer).
@@ -271,7 +198,6 @@ def _load_family_file(path: Path) -> Family:
                       **{k: v for k, v in (data.get("decoder_layer") or {}).items() if k != "returns"}},
         text_prefixes=list(data.get("text_prefixes") or (parent.text_prefixes if parent else ["model."])),
         release_recipes=recipes,
-        mtp_unpublished=data.get("mtp_unpublished", parent.mtp_unpublished if parent else None),
         transformers_layer=_transformers_layer(data, parent, where),
         bf16_under_schemes=[(re.compile(p), frozenset(names))
                             for p, names in (data.get("bf16_under_schemes") or {}).items()]

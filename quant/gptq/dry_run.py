@@ -162,30 +162,24 @@ def solver_bytes(group: int, rows: int, k: int) -> int:
     return group * max(40 * k * k + 4 * rows * k, 4 * k * k + 24 * rows * k)
 
 
-def plan_layers(model, family, recipe, scheme, settings, dtype_bytes: int) -> list[LayerPlan]:
+def plan_layers(model, family, solved, settings, dtype_bytes: int) -> list[LayerPlan]:
     """Each decoder layer's GPTQ work and memory, from the meta model (shapes only)."""
     from quant.model_exec.layers import LayerNames
 
     prefix = family.text_prefixes[0]
     names = LayerNames.of_family(family)
-    return [_plan_layer(index, layer, f"{prefix}layers.{index}.", _solved_rule(family, recipe, scheme), settings,
-                        dtype_bytes, names) for index, layer in enumerate(model.get_decoder().layers)]
+    return [_plan_layer(index, layer, f"{prefix}layers.{index}.", solved, settings, dtype_bytes, names)
+            for index, layer in enumerate(model.get_decoder().layers)]
 
 
-def _solved_rule(family, recipe, scheme, mtp: bool = False):
-    """Whether GPTQ solves module `name`: an MXFP4 weight of the plan (`planning.plan.Planner.treatment`: the
-    recipe's role treatment, the engines' BF16-only modules, and for an MTP layer the recipe's mtp_layer and the
-    family's MTP keep patterns)."""
-    from quant.planning.recipes import SCHEME
+def solved_rule(treatment):
+    """Whether GPTQ solves module `name`: an MXFP4 weight of the plan, as `planning.plan.Planner.treatment`
+    (`treatment`, a `planning.treatment.ModuleTreatment`) decides it."""
     from quant.planning.schemes import MXFP4_SCHEMES
 
-    mxfp4 = scheme.name in MXFP4_SCHEMES
-    mtp_keep = family.mtp_keep_patterns() if mtp else []
-
     def solved(name: str) -> bool:
-        if not mxfp4 or (mtp and (recipe.mtp_layer == "bf16" or any(p.search(name) for p in mtp_keep))):
-            return False
-        return recipe.treatment(family.role_of(name), name) == SCHEME and not family.kept_under(name, scheme.name)
+        scheme = treatment(name)[1]
+        return scheme is not None and scheme.name in MXFP4_SCHEMES
 
     return solved
 
@@ -267,39 +261,29 @@ class MtpPlan:
     tokens: int  # calibration tokens it is fed: positions t whose token t+k+1 is in the window
 
 
-def plan_mtp(root: Path, config: dict, family, recipe, scheme, settings, dtype, dtype_bytes: int,
+def plan_mtp(root: Path, config: dict, family, mtp, solved, settings, dtype, dtype_bytes: int,
              samples: int, seq_len: int) -> list[MtpPlan]:
     """The MTP draft layers `--method gptq` solves after the main layers (`run.solve_checkpoint`: those of the
-    family data's `mtp_draft` up to the last one with a weight to solve; none when the recipe keeps the MTP layer
-    BF16 or the release publishes no MTP weights), each built as `quant.gptq.mtp.MtpBlock` builds it:
+    layout `mtp` up to the last one with a weight to solve; none when the recipe keeps the MTP layer BF16 or the
+    release publishes no MTP weights), each built as `quant.gptq.mtp.MtpBlock` builds it:
     `quant.model_exec.mtp.draft_config` (the family's `decoder_config`), on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quant.families import text_config
     from quant.model_exec.mtp import draft_config
 
-    spec = family.mtp_draft
-    if not spec or spec.get("unsupported") or family.unpublished_mtp(config):  # no draft: its weights are RTN
+    if mtp.draft is None or mtp.draft.unsupported or mtp.unpublished or not mtp.count:  # no draft: RTN
         return []
-    text = text_config(config)
-    count_key = spec.get("count_key") or (family.mtp or {}).get("count_key")
-    count = int(text.get(count_key) or 0) if count_key else 0
-    if not count:
-        return []
-    first = int(text.get((family.mtp or {}).get("first_layer_key", ""), 0) or 0)
     prefix = family.text_prefixes[0]
-    cfg = draft_config(root, family)
+    cfg = draft_config(root, mtp)
     with torch.device("meta"):
         layer = AutoModelForCausalLM.from_config(cfg, dtype=dtype).get_decoder().layers[0]
     hidden = int(cfg.hidden_size)
     source_elt = _source_element_bytes(config)
-    solved = _solved_rule(family, recipe, scheme, mtp=True)
     plans = []
-    for k in range(count):
-        block = spec["block"].format(text=prefix, n=first + k, k=k)
-        plan = _plan_layer(first + k if family.mtp else text["num_hidden_layers"] + k, layer, block, solved,
-                           settings, dtype_bytes)
+    for k, index in enumerate(mtp.indices):
+        block = mtp.block(k, prefix)
+        plan = _plan_layer(index, layer, block, solved, settings, dtype_bytes)
         elements = sum(p.numel() for p in layer.parameters())
         fused = max([p.numel() for p in layer.parameters() if p.dim() == 3] or [0])
         plans.append(MtpPlan(k=k, block=block, plan=plan, glue_bytes=(2 * hidden * hidden + 3 * hidden) * dtype_bytes,
@@ -460,9 +444,10 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     (`settings`: the run's GptqSettings)."""
     import torch
 
-    from quant.families import family_for_config, text_config
+    from quant.families import family_for_config, mtp_layout, text_config
     from quant.model_exec.layers import config_model
     from quant.planning.recipes import load_recipe
+    from quant.planning.treatment import ModuleTreatment
     from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
 
     if method not in ("rtn", "gptq"):
@@ -479,10 +464,11 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     family = family_for_config(config, root / "config.json")
     recipe_obj = load_recipe(recipe, family)
     cfg = text_config(config)
+    mtp = mtp_layout(config, family)
     model = MemoryModel(config_path=root / "config.json", family=family.name,
-                        decoder_layers=cfg.get("num_hidden_layers"), mtp=family.mtp_layers(config), scheme=scheme,
+                        decoder_layers=cfg.get("num_hidden_layers"), mtp=list(mtp.decoder_layers), scheme=scheme,
                         recipe=recipe_obj.name, mtp_layer=recipe_obj.mtp_layer, method=method,
-                        mtp_unsolvable=(family.mtp_draft or {}).get("unsupported", ""),
+                        mtp_unsolvable=mtp.draft.unsupported if mtp.draft else "",
                         devices=_device_list(devices, workers), ranks=ranks)
     if method == "rtn":
         return model
@@ -505,9 +491,11 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     resident = sum(p.numel() for n, p in text.named_parameters() if not n.startswith("layers.")) * dtype_bytes
     resident += batch * cal.seq_len * cal.seq_len  # the causal mask the layers are handed (bool [B, 1, S, S])
     model.settings, model.dtype, model.batch, model.hidden = settings, str(dtype).replace("torch.", ""), batch, hidden
-    model.plans = plan_layers(meta, family, recipe_obj, scheme_obj, settings, dtype_bytes)
-    model.mtp_plans = plan_mtp(root, config, family, recipe_obj, scheme_obj, settings, dtype, dtype_bytes,
-                               cal.samples, cal.seq_len)
+    # GPTQ solves what the plan quantizes to MXFP4: the planner's own rule, asked of every module
+    solved = solved_rule(ModuleTreatment(family, recipe_obj, scheme_obj, mtp))
+    model.plans = plan_layers(meta, family, solved, settings, dtype_bytes)
+    model.mtp_plans = plan_mtp(root, config, family, mtp, solved, settings, dtype, dtype_bytes, cal.samples,
+                               cal.seq_len)
     model.acts = tokens * hidden * dtype_bytes
     model.carry = sum(tokens * _expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
                       for name in family.layer_returns[1:] if name in carry_exprs)

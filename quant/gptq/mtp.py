@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quant.errors import QuantError
-
 
 @dataclass(frozen=True)
 class MtpLayerRef:
@@ -36,18 +34,15 @@ class MtpLayerRef:
 
 
 def mtp_layers(ckpt) -> list[MtpLayerRef]:
-    """The checkpoint's MTP draft layers (family data `mtp_draft`); [] when the family or checkpoint has none
+    """The checkpoint's MTP draft layers (its MTP layout's draft); [] when the family or checkpoint has none
     (MiniMax-M2's config counts MTP modules its release never published: nothing to solve there either)."""
-    from quant.families import family_for_config
+    from quant.families import family_for_config, mtp_layout
     from quant.model_exec.mtp import draft_layers
 
-    family = family_for_config(ckpt.config)
-    if (family.mtp_draft or {}).get("unsupported"):  # a block transformers cannot build: RTN (SolvedWeights says why)
+    mtp = mtp_layout(ckpt.config, family_for_config(ckpt.config))
+    # a block transformers cannot build is rounded to nearest (SolvedWeights says why)
+    if mtp.draft is not None and mtp.draft.unsupported:
         return []
-    try:
-        layers = draft_layers(ckpt.config, ckpt.tensors)
-    except QuantError:
-        if family.unpublished_mtp(ckpt.config, ckpt.tensors):
-            return []
-        raise
-    return [MtpLayerRef(k, names) for k, names in enumerate(layers)]
+    if mtp.unpublished_line(ckpt.tensors):
+        return []
+    return [MtpLayerRef(k, names) for k, names in enumerate(draft_layers(ckpt.config, ckpt.tensors))]

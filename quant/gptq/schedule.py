@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from quant.planning.plan import LAYER, Plan, TensorJob
+from quant.planning.plan import Plan, TensorJob
 from quant.planning.schemes import MXFP4_SCHEMES
+from quant.planning.treatment import LAYER
 
 
 # -- the jobs of each layer ------------------------------------------------------------------------------------

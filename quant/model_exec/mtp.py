@@ -53,46 +53,42 @@ def _text_prefix(tensor_names) -> str:
 
 
 def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
-    """The MTP draft layers a checkpoint stores, per the family data; [] when it has none."""
-    from quant.families import family_for_config, text_config
-
-    family = family_for_config(config)
-    spec = family.mtp_draft
-    if not spec:
-        return []
-    if spec.get("unsupported"):  # the family publishes MTP layers whose block transformers cannot build
-        raise QuantError(f"the {family.name} MTP draft cannot be run in process ({spec['unsupported']}); "
-                         "run without MTP (--no-mtp)")
-    text = text_config(config)
-    count_key = spec.get("count_key") or (family.mtp or {}).get("count_key")
-    count = text.get(count_key) or 0 if count_key else 0
-    first = text.get((family.mtp or {}).get("first_layer_key", ""), 0) or 0
+    """The MTP draft layers a checkpoint stores, per its MTP layout (`quant.families.mtp_layout`); [] when it has
+    none."""
+    mtp = _layout(config)
     names = set(tensor_names)
+    unpublished = mtp.unpublished_line(names)
+    if unpublished:  # MiniMax: the config counts MTP modules the release never published
+        raise QuantError(unpublished)
+    draft = mtp.draft
+    if draft is None:
+        return []
+    if draft.unsupported:  # the family publishes MTP layers whose block transformers cannot build
+        raise QuantError(f"the {mtp.family} MTP draft cannot be run in process ({draft.unsupported}); "
+                         "run without MTP (--no-mtp)")
     prefix = _text_prefix(names)
     layers = []
-    for k in range(int(count)):
-        block = spec["block"].format(text=prefix, n=int(first) + k, k=k)
+    for k in range(mtp.count):
+        block = mtp.block(k, prefix)
 
         def resolve(template: str) -> str:
             return template.format(block=block, text=prefix)
 
-        def first_stored(templates: list[str], what: str) -> str:
+        def first_stored(templates: tuple[str, ...], what: str) -> str:
             for t in templates:
                 if resolve(t) + ".weight" in names:
                     return resolve(t)
-            raise QuantError(f"MTP layer {k}: no {what} tensor ({', '.join(resolve(t) + '.weight' for t in templates)})")
+            tried = ", ".join(resolve(t) + ".weight" for t in templates)
+            raise QuantError(f"MTP layer {k}: no {what} tensor ({tried})")
 
         if not any(n.startswith(block) for n in names):
-            # MiniMax: the config counts MTP modules the release never published (family data mtp_unpublished)
-            raise QuantError(family.unpublished_mtp(config, names)
-                             or f"config.json declares {count} MTP layer(s) ({count_key}) but no tensor starts with "
-                                f"{block}")
+            raise QuantError(f"config.json declares {mtp.count} MTP layer(s) ({mtp.count_key}) but no tensor starts "
+                             f"with {block}")
         layers.append(DraftNames(
-            block=block, embed_norm=resolve(spec["embed_norm"]), hidden_norm=resolve(spec["hidden_norm"]),
-            proj=resolve(spec["proj"]), final_norm=resolve(spec["final_norm"]),
-            embed=first_stored(spec["embed"], "embedding"), head=first_stored(spec["head"], "output head"),
-            glue=tuple(spec.get("glue") or ()), zero_embedding_at_position_0=bool(spec.get(
-                "zero_embedding_at_position_0")),
+            block=block, embed_norm=resolve(draft.embed_norm), hidden_norm=resolve(draft.hidden_norm),
+            proj=resolve(draft.proj), final_norm=resolve(draft.final_norm),
+            embed=first_stored(draft.embed, "embedding"), head=first_stored(draft.head, "output head"),
+            glue=draft.glue, zero_embedding_at_position_0=draft.zero_embedding_at_position_0,
         ))
     return layers
 
@@ -111,12 +107,19 @@ def one_layer_config(hf_config, overrides: dict):
     return cfg
 
 
-def draft_config(root: Path, family):
-    """`one_layer_config` of the checkpoint at `root` with the family's `mtp_draft.decoder_config` overrides: the
-    config of the one-layer model whose decoder layer is the MTP block."""
+def draft_config(root: Path, mtp):
+    """`one_layer_config` of the checkpoint at `root` with its MTP layout `mtp`'s draft `decoder_config`
+    overrides: the config of the one-layer model whose decoder layer is the MTP block."""
     from transformers import AutoConfig
 
-    return one_layer_config(AutoConfig.from_pretrained(root), family.mtp_draft.get("decoder_config") or {})
+    return one_layer_config(AutoConfig.from_pretrained(root), dict(mtp.draft.decoder_config))
+
+
+def _layout(config: dict):
+    """The checkpoint's MTP layout, by its config's family (which must be known: the draft is family data)."""
+    from quant.families import family_for_config, mtp_layout
+
+    return mtp_layout(config, family_for_config(config))
 
 
 class CheckpointTensors:
@@ -270,7 +273,7 @@ def load_draft(root: Path, *, dtype=None, device: str = "cpu") -> MtpDraft | Non
     `root` must be an unquantized (or dequantized) checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from quant.families import family_for_config, text_config
+    from quant.families import text_config
 
     root = Path(root)
     reader = CheckpointTensors(root)
@@ -279,7 +282,7 @@ def load_draft(root: Path, *, dtype=None, device: str = "cpu") -> MtpDraft | Non
     if not layers:
         return None
     dtype = dtype or torch.bfloat16
-    cfg = draft_config(root, family_for_config(config))
+    cfg = draft_config(root, _layout(config))
     eps = text_config(config).get("rms_norm_eps", 1e-6)
     heads = []
     for names in layers:
@@ -314,12 +317,12 @@ class MtpBlock:
     def __init__(self, stack, names: DraftNames):
         from transformers import AutoModelForCausalLM
 
-        from quant.families import family_for_config, text_config
+        from quant.families import text_config
         from quant.model_exec.layers import materialize
 
         self.names, self.stack = names, stack
         device, dtype = stack.device, stack.dtype
-        cfg = draft_config(stack.ckpt.root, family_for_config(stack.ckpt.config))
+        cfg = draft_config(stack.ckpt.root, _layout(stack.ckpt.config))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **experts_options(dtype))
         decoder = model.get_decoder()

@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field
 
 from quant import __version__
 from quant.checkpoint import FLOAT_DTYPES, SCALE_INV, Checkpoint, Source
-from quant.families import Family, mtp_layers, text_config
+from quant.families import Family, mtp_layout, text_config
 from quant.families.sidecars import sidecar_files, sidecar_pattern
 from quant.errors import QuantError
-from quant.planning.recipes import BF16, SCHEME, SECONDARY, Recipe
-from quant.planning.schemes import Scheme, secondary_scheme
+from quant.planning.recipes import Recipe
+from quant.planning.schemes import Scheme
+from quant.planning.treatment import ModuleTreatment, layer_of
 from quant.sources import native
 
 FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<param>[a-z_]+)$")
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,6 @@ def source_format(ckpt: Checkpoint) -> str:
                      f"checkpoint (README: Microscaled sources)")
 
 
-def _layer_of(name: str) -> int | None:
-    m = LAYER.search(name)
-    return int(m.group(1)) if m else None
-
-
 class Planner:
     def __init__(self, ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, scale_mode: str):
         self.ckpt, self.family, self.recipe, self.scheme = ckpt, family, recipe, scheme
@@ -99,9 +94,10 @@ class Planner:
         self.config = text_config(ckpt.config)
         # MTP layers stored in the decoder stack (model.layers.{N + k}); a namespaced MTP head (Qwen3.5 mtp.*) is
         # planned by its family's roles
-        self.mtp = mtp_layers(self.config, family)
+        self.mtp = mtp_layout(self.config, family)
         self.mtp_layers = list(self.mtp.decoder_layers)
-        self.mtp_keep = family.mtp_keep_patterns()
+        # (role, scheme) of a module: the rule `quant quantize --dry-run` asks too
+        self.treatment = ModuleTreatment(family, recipe, scheme, self.mtp)
         self.format = source_format(ckpt)
         self.kept: list[str] = []
         self.quantized: dict[str, str] = {}
@@ -109,22 +105,6 @@ class Planner:
         # Sidecar tensors (the family's `sidecars`: Engram tables) are carried over as stored, bytes unchanged:
         # they are no linear any scheme applies to, and the engine loads them in their release dtype.
         self.sidecar = sidecar_pattern(family.sidecars)
-
-    def treatment(self, module: str) -> tuple[str | None, Scheme | None]:
-        """(role, scheme) for a module; scheme None = stays BF16."""
-        if _layer_of(module) in self.mtp_layers and (self.recipe.mtp_layer == "bf16"
-                                                     or any(p.search(module) for p in self.mtp_keep)):
-            return "mtp_keep", None
-        role = self.family.role_of(module)
-        treatment = self.recipe.treatment(role, module)
-        if treatment == SCHEME and self.family.kept_under(module, self.scheme.name):
-            return role, None
-        if treatment == SCHEME:
-            return role, self.scheme
-        if treatment in SECONDARY:
-            return role, secondary_scheme(self.scheme, treatment)
-        assert treatment == BF16
-        return role, None
 
     def check_weight(self, name: str, dtype: str, shape: tuple[int, ...], scheme: Scheme | None) -> None:
         where = f"{self.ckpt.root / self.ckpt.tensors[name].file}: tensor {name}"
@@ -254,7 +234,7 @@ def make_plan(ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, 
     ckpt.require_intact()
     planner = Planner(ckpt, family, recipe, scheme, scale_mode)
     for layer in planner.mtp_layers:
-        if not any(_layer_of(n) == layer for n in ckpt.tensors):
+        if not any(layer_of(n) == layer for n in ckpt.tensors):
             raise QuantError(f"{ckpt.root / 'config.json'}: declares MTP layer model.layers.{layer} "
                              f"({planner.mtp.count_key}) but no tensor of that layer is stored")
     # A sidecar file (MiniMax-M3.1's DSpark draft) is copied byte for byte beside the shards (quant/pipeline/

@@ -208,6 +208,7 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     config = ckpt.config
     out: list[Finding] = []
     mtp = engines.mtp_layers(config)
+    key = engines.mtp_count_key(config)
     n = int(text_config(config).get("num_hidden_layers") or 0)
     present = {engines.layer_index(t) for t in ckpt.tensors} - {None}
     for p in profiles:
@@ -219,14 +220,14 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
                 msg = f"{p.title} raises {rule.missing_layer_error.format(index=idx)}"
                 severity = "error"
             else:
-                msg = (f"num_nextn_predict_layers declares MTP layer {idx} but no {tensors} tensor "
+                msg = (f"{key} declares MTP layer {idx} but no {tensors} tensor "
                        f"exists: {p.title} builds the draft with nothing to load (inferred)")
                 severity = "warning"
             out.append(Finding(severity, p.engine, (p.release,), tensors, msg,
-                               "export the MTP layer (it stays BF16), or set num_nextn_predict_layers to 0",
+                               f"export the MTP layer (it stays BF16), or set {key} to 0",
                                "#13/#14 MTP missing"))
         if rule.max_layers and len(mtp) > rule.max_layers:
-            out.append(Finding("error", p.engine, (p.release,), "config.json:num_nextn_predict_layers",
+            out.append(Finding("error", p.engine, (p.release,), f"config.json:{key}",
                                f"{p.title} asserts num_nextn_layers == {rule.max_layers} "
                                "(\"Only 1 nextn layer is supported\")", "serve with one MTP layer",
                                "#13/#14 MTP missing"))
@@ -234,9 +235,9 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     if n and extra:
         out.append(Finding("warning", "all", (), f"model.layers.{extra[0]}.*",
                            f"tensors for layer(s) {', '.join(map(str, extra[:5]))} lie beyond num_hidden_layers "
-                           f"({n}) + num_nextn_predict_layers ({len(mtp)}): engines ignore them, or build them "
-                           "with the wrong scheme when MTP is enabled", "declare the MTP layer in "
-                           "num_nextn_predict_layers, or drop the tensors", "#13/#14 MTP missing"))
+                           f"({n}) + {key} ({len(mtp)}): engines ignore them, or build them "
+                           "with the wrong scheme when MTP is enabled", f"declare the MTP layer in {key}, or drop "
+                           "the tensors", "#13/#14 MTP missing"))
     return out
 
 
