@@ -70,8 +70,9 @@ class Fp8Release:
 
 @dataclass(frozen=True)
 class ToyMtp:
-    """How a toy writes its MTP layers, where its family stores them: DeepSeek/GLM as extra decoder layers `model.layers.{N+k}.*` with
-    their extras beside the block; Qwen3.5 under its own namespace, `mtp.layers.{k}.*` plus `mtp.fc` etc."""
+    """How a toy writes its MTP layers, where its family stores them: DeepSeek/GLM as extra decoder layers
+    `model.layers.{N+k}.*` with their extras beside the block; Qwen3.5 under its own namespace, `mtp.layers.{k}.*`
+    plus `mtp.fc` etc."""
 
     count_key: str  # config.json key holding the number of MTP layers: the family's (quant/families/mtp.py)
     layer_prefix: str  # "{text}layers.{n}." or "mtp.layers.{k}." (text = the text model prefix, n = N + k)

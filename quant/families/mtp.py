@@ -21,7 +21,9 @@ The engines number MTP layer k as num_hidden_layers + k wherever it is stored (v
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from quant.families.schema import BadData, check_keys
 
@@ -58,7 +60,7 @@ class MtpDraft:
     head: tuple[str, ...] = ()
     glue: tuple[str, ...] = ()   # first name parts under `block` that are not the decoder layer's
     zero_embedding_at_position_0: bool = False
-    decoder_config: dict = field(default_factory=dict, hash=False)  # overrides of the one-layer block's config
+    decoder_config: dict[str, Any] = field(default_factory=dict, hash=False)  # overrides of the one-layer block's config
     unsupported: str = ""
 
 
@@ -69,7 +71,7 @@ class MtpSpec:
     count_key: str = NEXTN_COUNT_KEY
     first_layer_key: str | None = None
     namespace: str | None = None
-    keep: tuple[re.Pattern, ...] = ()
+    keep: tuple[re.Pattern[str], ...] = ()
     draft: MtpDraft | None = None
     unpublished: str | None = None  # why the family's releases publish none of the layers their config declares
 
@@ -77,7 +79,7 @@ class MtpSpec:
     def storage(self) -> str:
         return DECODER_STACK if self.first_layer_key else NAMESPACE if self.namespace else UNSTATED
 
-    def layout(self, text: dict, family: str) -> MtpLayout:
+    def layout(self, text: dict[str, Any], family: str) -> MtpLayout:
         """The layout of a checkpoint whose text config (a wrapper's text_config merged in) is `text`."""
         first = text.get(self.first_layer_key or "num_hidden_layers")
         count = int(text.get(self.count_key) or 0)
@@ -101,7 +103,7 @@ class MtpLayout:
     count: int
     first: int
     storage: str
-    keep: tuple[re.Pattern, ...] = ()
+    keep: tuple[re.Pattern[str], ...] = ()
     draft: MtpDraft | None = None
     unpublished: str | None = None
 
@@ -136,9 +138,11 @@ class MtpLayout:
 
     def block(self, k: int, text_prefix: str) -> str:
         """The checkpoint prefix of draft layer k's block."""
+        if self.draft is None:
+            raise ValueError(f"the {self.family} family names no MTP draft block")
         return self.draft.block.format(text=text_prefix, n=self.first + k, k=k)
 
-    def unpublished_line(self, tensor_names=()) -> str | None:
+    def unpublished_line(self, tensor_names: Iterable[str] = ()) -> str | None:
         """One line saying why this checkpoint has no MTP draft to run although its config declares one (the family
         publishes none and no tensor lies where they would); None when that is not the case."""
         if not self.unpublished or not self.count or any(self._holds_mtp(n) for n in tensor_names):
@@ -153,7 +157,7 @@ class MtpLayout:
         return self.in_decoder_stack and any(f"layers.{i}." in name for i in self.indices)
 
 
-def parse_mtp_spec(data: dict, parent: MtpSpec | None, where: str) -> MtpSpec:
+def parse_mtp_spec(data: dict[str, Any], parent: MtpSpec | None, where: str) -> MtpSpec:
     """The MTP sections of family file `data` (at `where`), each inherited whole from `parent` when absent; an
     unknown key, a count key outside COUNT_KEYS or a draft without its names is a BadData naming the file."""
     spec = parent or MtpSpec()
@@ -169,7 +173,7 @@ def parse_mtp_spec(data: dict, parent: MtpSpec | None, where: str) -> MtpSpec:
     return spec
 
 
-def _with_storage(spec: MtpSpec, section, where: str) -> MtpSpec:
+def _with_storage(spec: MtpSpec, section: Any, where: str) -> MtpSpec:
     """`spec` with the `mtp` section's count key, storage and keep patterns (null: none of them)."""
     section = check_keys(section, MTP_KEYS, where, "mtp")
     count_key = section.get("count_key", NEXTN_COUNT_KEY)
@@ -190,7 +194,7 @@ def _with_storage(spec: MtpSpec, section, where: str) -> MtpSpec:
                     namespace=section.get("namespace"), keep=patterns)
 
 
-def _draft(section, where: str) -> MtpDraft | None:
+def _draft(section: Any, where: str) -> MtpDraft | None:
     section = check_keys(section, MTP_DRAFT_KEYS, where, "mtp_draft")
     if not section:
         return None
@@ -206,7 +210,7 @@ def _draft(section, where: str) -> MtpDraft | None:
         decoder_config=dict(section.get("decoder_config") or {}), unsupported=str(section.get("unsupported") or ""))
 
 
-def _replace(spec: MtpSpec, **changes) -> MtpSpec:
+def _replace(spec: MtpSpec, **changes: Any) -> MtpSpec:
     from dataclasses import replace
 
     return replace(spec, **changes)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -70,17 +71,8 @@ def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
     layers = []
     for k in range(mtp.count):
         block = mtp.block(k, prefix)
-
-        def resolve(template: str) -> str:
-            return template.format(block=block, text=prefix)
-
-        def first_stored(templates: tuple[str, ...], what: str) -> str:
-            for t in templates:
-                if resolve(t) + ".weight" in names:
-                    return resolve(t)
-            tried = ", ".join(resolve(t) + ".weight" for t in templates)
-            raise QuantError(f"MTP layer {k}: no {what} tensor ({tried})")
-
+        resolve = partial(_resolve, block=block, text=prefix)
+        first_stored = partial(_first_stored, resolve=resolve, names=names, k=k)
         if not any(n.startswith(block) for n in names):
             raise QuantError(f"config.json declares {mtp.count} MTP layer(s) ({mtp.count_key}) but no tensor starts "
                              f"with {block}")
@@ -92,6 +84,19 @@ def draft_layers(config: dict, tensor_names) -> list[DraftNames]:
         ))
     return layers
 
+
+
+def _resolve(template: str, block: str, text: str) -> str:
+    return template.format(block=block, text=text)
+
+
+def _first_stored(templates: tuple[str, ...], what: str, resolve, names: set[str], k: int) -> str:
+    """The first of `templates` (resolved for draft layer k) whose weight the checkpoint stores."""
+    for t in templates:
+        if resolve(t) + ".weight" in names:
+            return resolve(t)
+    tried = ", ".join(resolve(t) + ".weight" for t in templates)
+    raise QuantError(f"MTP layer {k}: no {what} tensor ({tried})")
 
 def one_layer_config(hf_config, overrides: dict):
     """The text config with one decoder layer: per-layer lists keep their last entry (the MTP layer is built like
