@@ -60,7 +60,8 @@ class MtpDraft:
     head: tuple[str, ...] = ()
     glue: tuple[str, ...] = ()   # first name parts under `block` that are not the decoder layer's
     zero_embedding_at_position_0: bool = False
-    decoder_config: dict[str, Any] = field(default_factory=dict, hash=False)  # overrides of the one-layer block's config
+    # overrides of the one-layer block's config
+    decoder_config: dict[str, Any] = field(default_factory=dict, hash=False)
     unsupported: str = ""
 
 

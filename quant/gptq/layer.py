@@ -25,15 +25,12 @@ import functools
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from quant.gptq.progress import Phase
 from quant.gptq.schedule import LayerSchedule, Unit, Workers, group_cost, layer_schedule, sweeps, unit_cost
 from quant.planning.plan import TensorJob
 from quant.planning.schemes import MXFP4_SCHEMES
-
-if TYPE_CHECKING:  # settings.py reads MIN_EXPERT_TOKENS from here
-    from quant.gptq.settings import GptqSettings
 
 # Routed experts that fewer calibration tokens were routed to stay round-to-nearest: their Hessian is too poorly
 # estimated to steer the rounding (the damping would dominate it). Part of the settings' identity (settings.py).
@@ -46,7 +43,7 @@ class LayerContext:
     timing (seconds per `progress.PHASES`), this process's place among the ranks (`ranks.Ranks`; size 1: one
     process) and `progress(jobs)`, told of the weights as they are solved (or rounded to nearest)."""
 
-    settings: GptqSettings
+    settings: Any  # a quant.gptq.settings.GptqSettings (which imports this module)
     scale_mode: str
     workers: Workers
     timing: Counter
@@ -277,7 +274,7 @@ def _run_solves(ctx: LayerContext, tasks: list, costs: list[float], records: dic
 
 
 def _solve_group(param, experts: tuple[int, ...] | None, hessians, counts, jobs: list[TensorJob], slots: dict,
-                 scale_mode: str, settings: GptqSettings, progress, device: str) -> tuple[dict, dict]:
+                 scale_mode: str, settings, progress, device: str) -> tuple[dict, dict]:
     """Solve one unit on `device`: a linear's weight (`experts` None), or the rows `experts` of fused experts, from
     their Hessians [G, K, K] and token counts [G]; returns the records and parts of the `jobs` they hold, and
     reports those jobs to `progress`."""

@@ -39,7 +39,6 @@ from quant.gptq.loop import LayerLoop
 from quant.gptq.persist import SolvedWeights, run_key
 from quant.gptq.progress import PHASES, Progress, calibration_line, report_run
 from quant.gptq.schedule import Workers, quantized_jobs_by_layer, split_mtp_jobs, work
-from quant.gptq.settings import GptqSettings
 from quant.planning.plan import Plan
 
 # What other packages import from here (the command, the benchmarks): the run, its result and phases. The settings
@@ -48,7 +47,7 @@ __all__ = ["PHASES", "SolvedWeights", "solve_checkpoint"]
 
 
 def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devices: str | list[str],
-                     settings: GptqSettings, layer_returns: list[str], digest: str, write, log=print,
+                     settings, layer_returns: list[str], digest: str, write, log=print,
                      ranks=None) -> SolvedWeights | None:
     """Solve every MXFP4 weight of the decoder layers with GPTQ into `store` (OUT/.quant-gptq/; resuming what an
     earlier run of the same plan solved there), each layer's record written by `write(path, text, tmp_dir)` (the
