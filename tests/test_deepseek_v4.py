@@ -155,7 +155,7 @@ def test_a_v4_export_without_its_mtp_layer_is_flagged_at_mtp_0(v4, tmp_path):
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     index["weight_map"] = {k: "model.safetensors" for k in tensors}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    mtp = [f for f in verify_checkpoint(ckpt, engines=["sglang", "vllm"]).findings if f.rule == "#13/#14 MTP missing"]
+    mtp = [f for f in verify_checkpoint(ckpt, engines=["sglang", "vllm"]).findings if f.rule == "mtp layer missing"]
     assert {(f.engine, f.severity, f.tensor) for f in mtp} == {("vllm", "error", "mtp.0.*"),
                                                               ("sglang", "warning", "mtp.0.*")}
     assert "MTP speculative decoding layer 2 weights missing" in [f for f in mtp if f.engine == "vllm"][0].message

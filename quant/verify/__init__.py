@@ -39,7 +39,7 @@ def readable_profiles(config: dict, engines: list[str] | None, named: set[str] |
     skipped = {p.label for p, _ in unread}
     notes = [Finding("warning", p.engine, (p.release,), f.tensor,
                      f"not checked by default: {f.message}", f"{f.fix}; --engine {p.label} checks it (and fails)",
-                     "#42 default releases") for p, f in unread]
+                     "default releases") for p, f in unread]
     return [p for p in profiles if p.label not in skipped], notes
 
 

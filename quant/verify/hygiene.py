@@ -107,7 +107,7 @@ def exclude_findings(exclude: list[str], names: set[str], profiles: list[Profile
                                    f"exclude entry {entry!r} is a glob: {ps[0].title} matches exact names or "
                                    "re: patterns only, so it excludes nothing",
                                    f"replace it with {glob_to_regex(entry)!r} (keep the glob for {glob_engines})",
-                                   "#10 fnmatch glob"))
+                                   "exclude glob"))
             if semantics == "exact_or_regex" and entry.startswith("re:"):
                 try:
                     re.compile(entry[3:])
@@ -120,7 +120,7 @@ def exclude_findings(exclude: list[str], names: set[str], profiles: list[Profile
                                    f"exclude entry {entry!r}: Quark matches exclude entries with fnmatch, so a "
                                    f"re: pattern excludes nothing in {engine}",
                                    f"also list the module names (or an fnmatch glob) for {engine}",
-                                   "#10 fnmatch glob"))
+                                   "exclude glob"))
         out.extend(_pattern_warnings(entry, index))
     return out
 
@@ -225,19 +225,19 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
                 severity = "warning"
             out.append(Finding(severity, p.engine, (p.release,), tensors, msg,
                                f"export the MTP layer (it stays BF16), or set {key} to 0",
-                               "#13/#14 MTP missing"))
+                               "mtp layer missing"))
         if rule.max_layers and len(mtp) > rule.max_layers:
             out.append(Finding("error", p.engine, (p.release,), f"config.json:{key}",
                                f"{p.title} asserts num_nextn_layers == {rule.max_layers} "
                                "(\"Only 1 nextn layer is supported\")", "serve with one MTP layer",
-                               "#13/#14 MTP missing"))
+                               "mtp layer missing"))
     extra = sorted(i for i in present if i >= n + len(mtp))
     if n and extra:
         out.append(Finding("warning", "all", (), f"model.layers.{extra[0]}.*",
                            f"tensors for layer(s) {', '.join(map(str, extra[:5]))} lie beyond num_hidden_layers "
                            f"({n}) + {key} ({len(mtp)}): engines ignore them, or build them "
                            "with the wrong scheme when MTP is enabled", f"declare the MTP layer in {key}, or drop "
-                           "the tensors", "#13/#14 MTP missing"))
+                           "the tensors", "mtp layer missing"))
     return out
 
 
@@ -259,5 +259,5 @@ def shared_expert_fusion_findings(config: dict, profiles: list[Profile]) -> list
     return [Finding("warning", engine, tuple(p.release for p in ps), EXCLUDE_KEY,
                     f"exclude lists shared experts ({vetoes[0]}{' ...' if len(vetoes) > 1 else ''}): {ps[0].title} "
                     "disables shared-expert fusion for every layer (slower decode, no load failure)",
-                    "accept it, or quantize the shared experts like the routed ones", "#16 shared-expert fusion")
+                    "accept it, or quantize the shared experts like the routed ones", "shared-expert fusion")
             for engine, ps in by_engine.items()]

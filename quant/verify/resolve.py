@@ -219,7 +219,7 @@ class ProfileChecker:
                      f"{self.p.title} raises {text} for the {kind} scheme on {unit_kind} modules "
                      f"(e.g. {runtimes[0]}; {len(runtimes)} module(s))",
                      "use a scheme this engine supports (W-MXFP4+A-MXFP4 or FP8 W8A8 with activations) "
-                     "or exclude these modules", "#19 unsupported scheme")
+                     "or exclude these modules", "unsupported scheme")
         return self.findings
 
     # ---- resolution ------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class ProfileChecker:
         if unit.missing_shards:
             self.add("error", f"{first}.weight", f"{self._built(unit)} but the checkpoint lacks shard(s) "
                      f"{', '.join(unit.missing_shards)}", "store every shard of the fused module",
-                     "#5 fused shards")
+                     "fused shards")
             return None
         # never-quantized patterns name module types (routers, eh_proj, heads): shards and experts share them;
         # the engine's own name counts too (engines.yaml build_prefixes: block_sparse_moe.gate built as mlp.gate)
@@ -290,7 +290,7 @@ class ProfileChecker:
                 self.add("error", f"{first}.weight", f"{self._built(unit)}: exclude matches {', '.join(hit)} "
                          f"but not {', '.join(miss)}; {self.p.title} raises {text}",
                          f"give every shard the same decision: add {', '.join(miss)} to exclude, or remove the "
-                         f"entries matching {', '.join(hit)}", "#5 fused shards")
+                         f"entries matching {', '.join(hit)}", "fused shards")
                 return None
             excluded = Resolution(None, "it is excluded", ctx.exclude.matching_entries(names[0])) \
                 if excluded else None
@@ -306,7 +306,7 @@ class ProfileChecker:
                      f"{self._built(unit)}: exclude entry {coarse_hits[0]} matches the FusedMoE prefix; "
                      f"{self.p.title} raises {self.p.rules.errors.coarse_moe_exclude}",
                      f"remove {coarse_hits[0]} from exclude (this release cannot keep a FusedMoE unquantized)",
-                     "#2 MoE coarse prefix")
+                     "moe coarse prefix")
             raise _BuildFails
         if coarse_hits:
             return Resolution(None, "its coarse FusedMoE prefix is excluded", coarse_hits)
@@ -333,7 +333,7 @@ class ProfileChecker:
             self.add("error", f"{unit.members[0]}.weight",
                      f"{self._built(unit)}: shards take different configs ({', '.join(f[0] for f in found)}); "
                      f"{self.p.title} raises {text}", "give every shard the same layer_quant_config entry",
-                     "#5 fused shards")
+                     "fused shards")
             return None
         source, cfg = found[0]
         if cfg is None:
@@ -452,7 +452,7 @@ class ProfileChecker:
                 fix = f"remove {', '.join(res.entries)} from exclude, or store {unit.members[0]} in BF16"
             else:
                 fix = f"store {member} in BF16 (the engine builds it unquantized)"
-            rule = "#4/#17 eh_proj" if ".eh_proj" in member else "dtype mismatch"
+            rule = "mtp eh_proj" if ".eh_proj" in member else "dtype mismatch"
         elif stored == "float":
             message = head + (f" ({ctx.exclude_note})" if ctx.exclude_note else "")
             fix, rule = self._exclude_fix(ctx, unit)
@@ -460,19 +460,19 @@ class ProfileChecker:
             message = f"{head}; the {label} scheme comes {res.reason}"
             fix = (f"add a layer_quant_config key that {self.p.title} matches against {unit.runtime} "
                    f"(it matches runtime names; keys are not remapped for the draft)")
-            rule = "#6 layer_quant_config" if ctx.label == "draft" else "layer_quant_config"
+            rule = "layer_quant_config" if ctx.label == "draft" else "layer_quant_config"
         self.add("error", issue.tensor, message, fix, rule)
 
     def _exclude_fix(self, ctx: BuildContext, unit: Unit) -> tuple[str, str]:
-        mtp_rule = "#1 MTP runtime names" if ctx.label == "draft" and self.p.rules.mtp.draft_naming == "nextn" \
+        mtp_rule = "mtp runtime names" if ctx.label == "draft" and self.p.rules.mtp.draft_naming == "nextn" \
             else None
         if ".eh_proj" in unit.runtime:
-            mtp_rule = "#4/#17 eh_proj"
+            mtp_rule = "mtp eh_proj"
         if unit.kind != "moe":
             names = self._lookup_names(ctx, unit)
             return f"add {' and '.join(names)} to exclude", mtp_rule or "dtype mismatch"
         moe = self.p.rules.moe
-        rule = mtp_rule or ("#2/#3 MoE coarse prefix" if ctx.label == "draft" else "#5 MoE coarse prefix")
+        rule = mtp_rule or ("moe coarse prefix" if ctx.label == "draft" else "moe coarse prefix")
         if moe.excluded_when == "coarse" and moe.coarse_exclude == "unquantized":
             return (f"add {unit.runtime} to exclude ({self.p.title} looks the FusedMoE up by this coarse "
                     "prefix; per-expert entries do not count)", rule)

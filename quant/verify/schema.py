@@ -12,7 +12,7 @@ QCFG = "config.json:quantization_config"
 
 
 def _finding(profile: Profile | None, tensor: str, message: str, fix: str, severity: str = "error",
-             rule: str = "#18 config schema") -> Finding:
+             rule: str = "config schema") -> Finding:
     engine, versions = (profile.engine, (profile.release,)) if profile else ("all", ())
     return Finding(severity, engine, versions, tensor, message, fix, rule)
 
@@ -118,7 +118,7 @@ def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
                 f"layer_types has {len(types)} entries and num_hidden_layers is {layers}: {profile.title} raises "
                 f"{error.format(layers=layers, types=len(types))} reading config.json",
                 f"write one layer_types entry per decoder layer ({layers}; MTP layers are not listed)",
-                rule="#31 layer_types length"))
+                rule="layer_types length"))
     return out
 
 
@@ -146,7 +146,7 @@ def unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
                          f"'model type `{model_type}` but Transformers does not recognize this architecture' before "
                          "any weight is read",
                          f"serve it with {first} or newer" if first else "no profiled release of this engine reads it",
-                         rule="#42 release cannot parse")]
+                         rule="release cannot parse")]
     known = known_model_types()
     if known is None or model_type in known:
         return []
@@ -158,7 +158,7 @@ def unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
                      f"registered by {', '.join(registered)}; transformers' AutoConfig does not know it): reading "
                      "config.json raises before any weight is read",
                      f"serve it with a release that registers it ({', '.join(registered)})",
-                     rule="#31 engine config registry")]
+                     rule="engine config registry")]
 
 
 def profile_config_problems(config: dict, profile: Profile) -> list[Finding]:
@@ -239,15 +239,15 @@ def _kv_cache_problems(q: dict, profile: Profile) -> list[Finding]:
                          "kv_cache_group parameter setting, but no kv_cache quantization settings were found in "
                          "the quantization configuration.\")",
                          "add layer_quant_config entries keyed exactly like kv_cache_group, or empty the group",
-                         rule="#18 kv cache")]
+                         rule="kv cache")]
     outs = [m.get("output_tensors") if isinstance(m, dict) else None for m in matched]
     if any(o != outs[0] for o in outs) or not isinstance(outs[0], dict):
         return [_finding(profile, key, "kv_cache_group layer configs disagree or have no output_tensors: "
                          f"{profile.title} raises ValueError", "give every KV entry the same fp8 output_tensors",
-                         rule="#18 kv cache")]
+                         rule="kv cache")]
     spec = outs[0]
     if spec.get("dtype") != "fp8_e4m3" or spec.get("qscheme") != "per_tensor":
         return [_finding(profile, key, f"KV-cache spec {spec.get('dtype')}/{spec.get('qscheme')}: "
                          f"{profile.title} raises NotImplementedError (fp8_e4m3 per_tensor only)",
-                         "use an fp8_e4m3 per_tensor KV-cache spec", rule="#18 kv cache")]
+                         "use an fp8_e4m3 per_tensor KV-cache spec", rule="kv cache")]
     return []

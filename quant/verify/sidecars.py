@@ -15,7 +15,7 @@ from quant.verify.report import Finding
 
 __all__ = ["sidecar_findings", "content_findings", "source_draft_problems"]
 
-RULE = "#43 sidecar"
+RULE = "sidecar"
 
 
 def _tensor_findings(exp: Expected, ckpt: Checkpoint) -> list[Finding]:
