@@ -151,7 +151,7 @@ def check_inputs(request: EvalRequest, specs) -> None:
 
     needed = {}
     for source in sources_of(specs):
-        local = getattr(request, source.local)
+        local = source.local_copy(request)
         if local is not None:
             data_files(source, local)
         elif source.hub is not None:

@@ -92,7 +92,7 @@ def eval_data(request: EvalRequest, specs, dest: Path) -> dict[str, Path | None]
 
     data = {}
     for source in sources_of(specs):
-        local = getattr(request, source.local)
+        local = source.local_copy(request)
         data[source.name] = local if local is not None or source.hub is None else hub_data.fetch(source, dest)
     return data
 

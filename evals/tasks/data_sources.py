@@ -18,13 +18,17 @@ class DataSource:
     name: str                       # what a task record's `data:` names
     what: str                       # the data set, in messages
     format: str                     # "gsm8k-jsonl" (train/test JSON lines, question/answer) | "gpqa-csv"
-    local: str                      # the EvalRequest field naming a local copy
+    local: str | None               # the EvalRequest field naming a local copy; None: the hub's only
     hub: tuple[str, str] | None     # (repo, config) loaded when no local copy is given; None: local only
     hint: str                       # what to pass for a local copy (the hub-offline error says it)
 
     @property
     def flag(self) -> str:
-        return "--" + self.local.replace("_", "-")
+        return "--" + self.local.replace("_", "-") if self.local else f"{self.what} from the hub"
+
+    def local_copy(self, request):
+        """The local copy `request` names for this source, or None."""
+        return getattr(request, self.local) if self.local else None
 
 
 DATA_SOURCES: dict[str, DataSource] = {

@@ -130,7 +130,7 @@ def _our_keys(path: Path, ours) -> dict:
         want, _, what = OUR_KEYS[key]
         ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
         if not ok or (want is not bool and isinstance(value, bool)):
-            raise QuantError(f"{path}: quant.{key}: {value!r} is not a {want.__name__} ({what})")
+            raise QuantError(f"{path}: quant.{key}: {value!r} is not of type {want.__name__} ({what})")
     for key, (_, required, what) in OUR_KEYS.items():
         if required and key not in ours:
             raise QuantError(f"{path}: quant.{key} is missing ({what})")
