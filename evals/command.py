@@ -107,17 +107,23 @@ def command(
                                      "does); the tables and notes go to stderr"),
 ) -> None:
     """Compare a candidate against a baseline on the eval tasks with paired statistics."""
+    _run(dict(locals()))
+
+
+def _run(options: dict) -> None:
+    """The request built from the options (each EvalRequest field from the option of its name; --limit 0 means all
+    questions), evaluated and shown; exits with the verdict's code."""
     from evals.compare import EXIT_CODES, evaluate
 
-    if card is not None:
+    if options["card"] is not None:
         from evals.report.card import check_card_target
 
-        check_card_target(card)
+        check_card_target(options["card"])
 
-    fields = EvalRequest.__dataclass_fields__  # every option of the same name; --limit 0 means all questions
-    request = EvalRequest(**{**{k: v for k, v in locals().items() if k in fields}, "limit": limit or None})
+    fields = EvalRequest.__dataclass_fields__
+    request = EvalRequest(**{**{k: v for k, v in options.items() if k in fields}, "limit": options["limit"] or None})
     report = evaluate(request, log=lambda m: typer.echo(m, err=True))
-    _show(report, out, write_gate, card, json_output)
+    _show(report, request.out, request.write_gate, options["card"], options["json_output"])
     raise typer.Exit(EXIT_CODES[report.verdict])
 
 
