@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from evals.arms.answers import digests_for_this_run
-from evals.arms.tasks import parse_tasks
+from evals.tasks.registry import parse_tasks
 from evals.judge import (EXIT_CODES, apply_request_gate, build_report, compare_records, read_request_gate,
                          write_baseline_gate)
 from evals.out_dir import RUNS_DIR, SCRATCH_DIR, check_gate_target, check_not_itself, claim_out, prepare_out

@@ -32,6 +32,7 @@ from evals.statistics.results import EvalReport
 from quant.errors import QuantError
 
 DEFAULT_TOLERANCE = 0.08  # vLLM's test_gsm8k_correctness.py
+DEFAULT_GATE_TASK = "gsm8k"  # vLLM's configs gate GSM8K: a gate file without our `task:` key means it
 GATE_KEYS = {
     "model_name": str, "accuracy_threshold": float, "tolerance": float, "min_acceptance_length": float,
     "num_questions": int, "num_fewshot": int, "server_args": str, "env": dict, "startup_max_wait_seconds": int,
@@ -85,7 +86,7 @@ class Gate:
     num_questions: int | None = None
     num_fewshot: int | None = None
     model_name: str | None = None
-    task: str = "gsm8k"
+    task: str = DEFAULT_GATE_TASK
     carried: dict = field(default_factory=dict)  # server_args, env, startup_max_wait_seconds: vLLM's, kept as is
 
 
@@ -121,7 +122,7 @@ def read_gate(path: Path) -> Gate:
     return Gate(float(data["accuracy_threshold"]), float(data.get("tolerance", DEFAULT_TOLERANCE)),
                 float(data["min_acceptance_length"]) if "min_acceptance_length" in data else None,
                 data.get("num_questions"), data.get("num_fewshot"), data.get("model_name"),
-                data.get("task", "gsm8k"), carried)
+                data.get("task", DEFAULT_GATE_TASK), carried)
 
 
 def check_run(gate: Gate, path: Path, tasks: list, limit: int | None, mtp: bool) -> None:
@@ -176,7 +177,7 @@ def gate_from_baseline(report: EvalReport, spec, margin_points: float, mtp_margi
     if length is not None and math.isfinite(length):
         # never below 1 (read_gate refuses it): every round accepts at least the verified token
         gate["min_acceptance_length"] = max(1.0, round(length * (1 - mtp_margin_points / 100), 3))
-    if task != "gsm8k":
+    if task != DEFAULT_GATE_TASK:
         gate["task"] = task
     return {k: v for k, v in gate.items() if v is not None}
 

@@ -4,7 +4,7 @@ and written from its baseline arm."""
 
 from __future__ import annotations
 
-from evals.gate import apply_gate, check_run, gate_from_baseline, read_gate, write_gate
+from evals.gate import DEFAULT_GATE_TASK, apply_gate, check_run, gate_from_baseline, read_gate, write_gate
 from evals.report.render import METHODS
 from evals.request import EvalRequest
 from evals.statistics import accuracy, evidence
@@ -48,7 +48,8 @@ def build_report(request: EvalRequest, specs, settings: dict, baseline_arm: dict
                                   + [r.acceptance.verdict for r in rows if r.acceptance])
     return EvalReport(verdict=verdict, exit_code=EXIT_CODES[verdict], margin_points=request.margin,
                       mtp_margin_points=request.mtp_margin, problems=problems,
-                      next_steps=evidence.next_steps(rows, request.limit, {s.name: s.size for s in specs})
+                      next_steps=evidence.next_steps(rows, request.limit, {s.name: s.size for s in specs},
+                                                     {s.name for s in specs if s.sampled})
                       if verdict == Verdict.INCONCLUSIVE else [],
                       baseline=baseline_arm, candidate=candidate_arm, settings=settings, rows=rows, methods=METHODS)
 
@@ -71,7 +72,8 @@ def apply_request_gate(report: EvalReport, gate) -> None:
 
 
 def write_baseline_gate(request: EvalRequest, specs, report: EvalReport) -> None:
-    """--write-gate: a gate from this run's baseline arm (on GSM8K where it ran, else the first task)."""
-    spec = next((s for s in specs if s.name == "gsm8k"), specs[0])
+    """--write-gate: a gate from this run's baseline arm (on the gate format's own task where it ran, else the first
+    task)."""
+    spec = next((s for s in specs if s.name == DEFAULT_GATE_TASK), specs[0])
     write_gate(request.write_gate, gate_from_baseline(report, spec, request.margin, request.mtp_margin,
                                                       request.candidate_name))

@@ -7,15 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evals.arms.backends import ACTIVATIONS, DTYPES, is_url
-from evals.arms.tasks import EVAL_DATA_DIR, THINKING_MODES
+from evals.arms.tasks import THINKING_MODES
+from evals.tasks.data_sources import EVAL_DATA_DIR, sources_of
 from quant.errors import QuantError
 
 MAX_MARGIN_POINTS = 50.0  # a margin wider than this admits any candidate: refused as a mistake
-GSM8K_TASKS = {"gsm8k", "gsm8k_boxed"}  # the tasks asked on GSM8K's data (--data-dir, else the hub)
 
 
 @dataclass(frozen=True)
 class EvalRequest:
+    """What `quant eval` is asked. These defaults are the command line's too (evals/command.py reads them)."""
+
     candidate: str
     baseline: str | None = None         # checkpoint or URL; or reuse an earlier run's baseline (baseline_run)
     baseline_run: Path | None = None
@@ -123,6 +125,8 @@ def same_source(a: str, b: str) -> bool:
 
 def check_chat(request: EvalRequest, specs) -> None:
     """Chat tasks need a server's chat endpoint; --thinking needs every task asked through a chat template."""
+    from evals.tasks.registry import registry
+
     servers = [s for s in (request.candidate, request.baseline) if s and is_url(s)]
     for spec in specs:
         if spec.chat and servers and request.endpoint != "chat":
@@ -130,8 +134,12 @@ def check_chat(request: EvalRequest, specs) -> None:
         in_process = [s for s in (request.candidate, request.baseline) if s and not is_url(s)]
         if request.thinking is not None and not spec.chat and (in_process or request.endpoint != "chat"):
             raise QuantError(f"--thinking {request.thinking}: {spec.name} is asked as a plain completion, with no chat "
-                             f"template to switch thinking in (chat tasks: gsm8k_boxed; or servers with "
-                             f"--endpoint chat)")
+                             f"template to switch thinking in (chat tasks: {chat_tasks(registry())}; or "
+                             f"servers with --endpoint chat)")
+
+
+def chat_tasks(tasks: dict) -> str:
+    return ", ".join(name for name, task in tasks.items() if task.chat) or "none"
 
 
 def check_inputs(request: EvalRequest, specs) -> None:
@@ -139,19 +147,15 @@ def check_inputs(request: EvalRequest, specs) -> None:
     (all of it named in one error when the hub is off), and every server answering with the model asked for."""
     from evals.arms import hub_data
     from evals.arms.backends import served_models
-    from evals.arms.tasks import gpqa_data_file, gsm8k_data_files
+    from evals.arms.data_files import data_files
 
-    names = {s.name for s in specs}
-    gsm8k = bool(names & GSM8K_TASKS)
-    if request.data_dir is not None and gsm8k:
-        gsm8k_data_files(request.data_dir)
-    if request.gpqa_csv is not None and "gpqa_diamond" in names:
-        gpqa_data_file(request.gpqa_csv)
     needed = {}
-    if gsm8k and request.data_dir is None:
-        needed["GSM8K"] = hub_data.GSM8K_HINT
-    if "gpqa_diamond" in names and request.gpqa_csv is None:
-        needed["GPQA-Diamond"] = hub_data.GPQA_HINT
+    for source in sources_of(specs):
+        local = source.local_copy(request)
+        if local is not None:
+            data_files(source, local)
+        elif source.hub is not None:
+            needed[source.what] = source.hint
     hub_data.require_data(needed)
     for label, source in (("candidate", request.candidate), ("baseline", request.baseline)):
         if source and is_url(source):

@@ -16,8 +16,9 @@ from evals.arms.tasks import write_task_files
 from evals.out_dir import RUNS_DIR
 from evals.replay import measure_mtp, server_mtp
 from evals.report.render import REPORT_JSON
-from evals.request import GSM8K_TASKS, EvalRequest
+from evals.request import EvalRequest
 from evals.statistics import evidence
+from evals.tasks.data_sources import sources_of
 from quant.errors import QuantError
 
 RUN_SETTINGS = ("limit", "seeds", "max_gen_toks", "temperature", "top_p", "mtp_depth", "thinking")
@@ -50,9 +51,8 @@ def run_arms(request: EvalRequest, specs, earlier, scratch: Path, log) -> tuple[
     """Both arms (the baseline first, or `earlier`'s reused; an arm with failed requests stops the run before the
     next), their samples left in scratch/runs/; returns each arm's description and records."""
     datasets_cache = scratch / "hf_datasets_cache"
-    gsm8k_dir, gpqa_csv = eval_data(request, specs, scratch / "data")
-    task_dir = write_task_files(scratch / "tasks", specs, gsm8k_dir=gsm8k_dir, toy_dir=request.toy_data_dir,
-                                gpqa_csv=gpqa_csv, datasets_cache=datasets_cache, thinking=request.thinking)
+    task_dir = write_task_files(scratch / "tasks", specs, data=eval_data(request, specs, scratch / "data"),
+                                datasets_cache=datasets_cache, thinking=request.thinking)
     go_offline(datasets_cache)
     run_settings = RunSettings(limit=request.limit, max_gen_toks=request.max_gen_toks, seeds=request.seeds,
                                temperature=request.temperature, top_p=request.top_p, thinking=request.thinking)
@@ -85,19 +85,16 @@ def _reuse_baseline(request: EvalRequest, specs, earlier, scratch: Path, log) ->
     return baseline_arm, baseline
 
 
-def eval_data(request: EvalRequest, specs, dest: Path) -> tuple[Path | None, Path | None]:
-    """Local data the user gave, else the tasks' datasets from the hub (before the run goes offline)."""
+def eval_data(request: EvalRequest, specs, dest: Path) -> dict[str, Path | None]:
+    """{data source: local path} of the tasks' data: the user's copy, else the hub's (fetched under `dest` before
+    the run goes offline), else None (a local-only source with no copy: the task writer names the flag)."""
     from evals.arms import hub_data
-    from evals.arms.tasks import GPQA_COLUMNS
 
-    names = {s.name for s in specs}
-    gsm8k_dir = request.data_dir
-    if gsm8k_dir is None and names & GSM8K_TASKS:
-        gsm8k_dir = hub_data.fetch_gsm8k(dest / "gsm8k")
-    gpqa_csv = request.gpqa_csv
-    if gpqa_csv is None and "gpqa_diamond" in names:
-        gpqa_csv = hub_data.fetch_gpqa_diamond(dest / "gpqa_diamond.csv", GPQA_COLUMNS)
-    return gsm8k_dir, gpqa_csv
+    data = {}
+    for source in sources_of(specs):
+        local = source.local_copy(request)
+        data[source.name] = local if local is not None or source.hub is None else hub_data.fetch(source, dest)
+    return data
 
 
 def _generations(records: list[dict]) -> int:

@@ -327,13 +327,13 @@ def score(checkpoint: Path, limit: int, depth: int = 3, log=print) -> tuple[floa
     from evals.arms.backends import BackendOptions, open_backend
     from evals.arms.mtp_measure import measure_records
     from evals.arms.lm_eval_run import RunSettings, go_offline, run_arm
-    from evals.arms.tasks import TASKS, write_task_files
+    from evals.arms.tasks import write_task_files
+    from evals.tasks.registry import registry
 
-    spec = TASKS["toy_arith"]
+    spec = registry()["toy_arith"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        task_dir = write_task_files(tmp / "tasks", [spec], gsm8k_dir=None, toy_dir=DATA_DIR, gpqa_csv=None,
-                                    datasets_cache=tmp / "cache")
+        task_dir = write_task_files(tmp / "tasks", [spec], data={spec.data: DATA_DIR}, datasets_cache=tmp / "cache")
         go_offline(tmp / "cache")
         backend = open_backend(str(checkpoint), "trained", BackendOptions(batch_size=32), tmp / "work")
         records = run_arm(backend, [spec], task_dir, tmp / "runs", RunSettings(limit=limit, max_gen_toks=24, seeds=1),

@@ -10,9 +10,9 @@ import eval_rows
 import pytest
 import yaml
 
-from evals.arms.tasks import TASKS
 from evals.gate import apply_gate, check_run, gate_from_baseline, read_gate, write_gate
 from evals.statistics.results import EvalReport
+from evals.tasks.registry import registry
 from quant.errors import QuantError
 
 # The fields of vLLM's tests/evals/gsm8k/configs/DeepSeek-V4.1-Flash-NVFP4-DSpark-TP4.yaml, as it has them.
@@ -114,19 +114,19 @@ def test_a_bad_gate_file_stops_quant_eval_before_any_work(tmp_path, text, key):
 def test_a_run_that_does_not_ask_what_the_gate_was_set_for_is_refused(tmp_path):
     path = gate_file(tmp_path)
     gate = read_gate(path)
-    specs = [TASKS["gsm8k"]]
+    specs = [registry()["gsm8k"]]
     check_run(gate, path, specs, limit=None, mtp=True)  # all 1,319 questions, 5-shot: what the gate says
     with pytest.raises(QuantError, match="num_questions 1319, but this run asks 200.*--limit 1319"):
         check_run(gate, path, specs, limit=200, mtp=True)
     with pytest.raises(QuantError, match="gates gsm8k, which --tasks does not run"):
-        check_run(gate, path, [TASKS["toy_arith"]], limit=None, mtp=True)
+        check_run(gate, path, [registry()["toy_arith"]], limit=None, mtp=True)
     with pytest.raises(QuantError, match="min_acceptance_length needs the MTP measurement"):
         check_run(gate, path, specs, limit=None, mtp=False)
 
 
 def test_a_gate_written_from_a_baseline_reads_back_and_gates_the_baseline_itself(tmp_path):
     r = report(0.9, baseline_accuracy=0.91234)
-    written = gate_from_baseline(r, TASKS["gsm8k"], margin_points=2.0, mtp_margin_points=5.0, model_name=None)
+    written = gate_from_baseline(r, registry()["gsm8k"], margin_points=2.0, mtp_margin_points=5.0, model_name=None)
     assert written == {"model_name": "cand", "accuracy_threshold": 0.9123, "tolerance": 0.02,
                        "num_questions": 1319, "num_fewshot": 5, "min_acceptance_length": 3.04}
     path = tmp_path / "written.yaml"
@@ -140,7 +140,7 @@ def test_a_gate_written_from_a_baseline_reads_back_and_gates_the_baseline_itself
                                                                                  baseline_length=1.0),
                                         candidate_accuracy=0.9, baseline_accuracy=0.9, n_questions=1319)],
                          candidate={"name": "cand"})
-    flat = gate_from_baseline(r, TASKS["gsm8k"], margin_points=2.0, mtp_margin_points=5.0, model_name=None)
+    flat = gate_from_baseline(r, registry()["gsm8k"], margin_points=2.0, mtp_margin_points=5.0, model_name=None)
     assert flat["min_acceptance_length"] == 1.0
     write_gate(path, flat)
     assert read_gate(path).min_acceptance_length == 1.0

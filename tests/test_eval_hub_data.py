@@ -14,7 +14,8 @@ import pytest
 from evals.arms import hub_data
 from evals.compare import EvalRequest
 from evals.run_arms import eval_data
-from evals.arms.tasks import GPQA_COLUMNS, gpqa_data_file, gsm8k_data_files, parse_tasks
+from evals.arms.data_files import GPQA_COLUMNS, gpqa_data_file, gsm8k_data_files
+from evals.tasks.registry import parse_tasks
 from quant.errors import QuantError
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -39,9 +40,10 @@ def local_gsm8k(n: int = 20) -> datasets.DatasetDict:
 def test_gsm8k_comes_from_openai_gsm8k_main(online, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or local_gsm8k())
-    gsm8k_dir, gpqa = eval_data(EvalRequest(candidate="x", tasks="gsm8k"), parse_tasks("gsm8k"), tmp_path)
+    data = eval_data(EvalRequest(candidate="x", tasks="gsm8k"), parse_tasks("gsm8k"), tmp_path)
     assert calls == [(("openai/gsm8k", "main"), {})]
-    assert gpqa is None
+    assert list(data) == ["gsm8k"]
+    gsm8k_dir = data["gsm8k"]
     files = gsm8k_data_files(gsm8k_dir)  # the same check the task writer applies to a user's --data-dir
     first = json.loads(Path(files["test"]).open().readline())
     assert first == json.loads((SHARED_GSM8K / "test.jsonl").open().readline())
@@ -52,7 +54,8 @@ def test_gpqa_comes_from_the_gated_dataset(online, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a) or
                         datasets.DatasetDict({"train": datasets.Dataset.from_list([row, row])}))
-    _, gpqa = eval_data(EvalRequest(candidate="x", tasks="gpqa_diamond"), parse_tasks("gpqa_diamond"), tmp_path)
+    gpqa = eval_data(EvalRequest(candidate="x", tasks="gpqa_diamond"), parse_tasks("gpqa_diamond"),
+                     tmp_path)["gpqa_diamond"]
     assert calls == [("Idavidrein/gpqa", "gpqa_diamond")]
     assert gpqa_data_file(gpqa)
     assert list(csv.reader(gpqa.open()))[1] == [row[c] for c in GPQA_COLUMNS]
@@ -61,7 +64,7 @@ def test_gpqa_comes_from_the_gated_dataset(online, monkeypatch, tmp_path):
 def test_local_data_is_used_without_asking_the_hub(online, monkeypatch, tmp_path):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("hub asked"))
     request = EvalRequest(candidate="x", tasks="gsm8k", data_dir=SHARED_GSM8K)
-    assert eval_data(request, parse_tasks("gsm8k"), tmp_path) == (SHARED_GSM8K, None)
+    assert eval_data(request, parse_tasks("gsm8k"), tmp_path) == {"gsm8k": SHARED_GSM8K}
 
 
 @pytest.mark.parametrize("task,flag", [("gsm8k", "--data-dir"), ("gpqa_diamond", "--gpqa-csv")])

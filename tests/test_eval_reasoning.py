@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from evals.arms.lm_eval_run import RunSettings, template_kwargs
-from evals.arms.tasks import TASKS, last_boxed, split_reasoning
+from evals.arms.tasks import last_boxed, split_reasoning
 from evals.compare import EvalRequest, evaluate
+from evals.tasks.registry import registry
 from quant.errors import QuantError
 from test_eval_tasks import load_docs, write_gpqa_csv, write_gsm8k_dir
 
@@ -33,7 +34,7 @@ def score(task, doc, response: str, name: str | None = None) -> tuple[str, float
 
 def test_gsm8k_boxed_is_sglangs_prompt_scored_by_math_verify(tmp_path):
     data = SHARED_GSM8K if (SHARED_GSM8K / "test.jsonl").exists() else write_gsm8k_dir(tmp_path / "g")
-    task = load_docs(tmp_path, "gsm8k_boxed", gsm8k_dir=data)
+    task = load_docs(tmp_path, "gsm8k_boxed", data)
     doc = next(iter(task.test_docs()))
     gold = doc["answer"].split("####")[-1].strip().replace(",", "")
     assert task.doc_to_text(doc) == ("Solve the following math problem. Make sure to put the answer (and only "
@@ -58,8 +59,8 @@ def test_gsm8k_boxed_is_sglangs_prompt_scored_by_math_verify(tmp_path):
 
 def test_gpqa_with_thinking_extracts_from_the_answer_only(tmp_path):
     csv_path = write_gpqa_csv(tmp_path / "gpqa.csv", n=3)
-    plain = load_docs(tmp_path / "plain", "gpqa_diamond", gpqa_csv=csv_path)
-    thinking = load_docs(tmp_path / "thinking", "gpqa_diamond", gpqa_csv=csv_path, thinking="on")
+    plain = load_docs(tmp_path / "plain", "gpqa_diamond", csv_path)
+    thinking = load_docs(tmp_path / "thinking", "gpqa_diamond", csv_path, thinking="on")
     doc = next(iter(thinking.validation_docs()))
     right = doc["answer"]
     wrong = next(f"({c})" for c in "ABCD" if f"({c})" != right)
@@ -84,11 +85,11 @@ def test_split_and_box_edge_cases():
 
 
 def test_thinking_budgets_and_template_switch():
-    spec = TASKS["gsm8k_boxed"]
+    spec = registry()["gsm8k_boxed"]
     assert RunSettings(limit=1, max_gen_toks=None, seeds=1).gen_kwargs(spec)["max_gen_toks"] == 2048
     assert RunSettings(limit=1, max_gen_toks=None, seeds=1, thinking="on").gen_kwargs(spec)["max_gen_toks"] == 16384
     assert RunSettings(limit=1, max_gen_toks=99, seeds=1, thinking="on").gen_kwargs(spec)["max_gen_toks"] == 99
-    gpqa = TASKS["gpqa_diamond"]
+    gpqa = registry()["gpqa_diamond"]
     assert RunSettings(limit=1, max_gen_toks=None, seeds=1, thinking="on").gen_kwargs(gpqa)["max_gen_toks"] == 32768
     assert template_kwargs("off") == {"enable_thinking": False, "thinking": False}
     assert template_kwargs(None) == {}

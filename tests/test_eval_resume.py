@@ -283,7 +283,7 @@ def test_sglang_acceptance_replays_are_kept_like_answers(tmp_path):
     from evals.arms.backends import BackendOptions
     from evals.arms.lm_eval_run import RunSettings
     from evals.arms.server_metrics import probe
-    from evals.arms.tasks import parse_tasks
+    from evals.tasks.registry import parse_tasks
     from evals.replay import server_mtp
     from test_server_spec import _Handler
 

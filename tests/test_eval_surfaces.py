@@ -19,7 +19,7 @@ from quant.pipeline.model_card import accuracy_section
 SETTINGS = {"mtp_depth": 3, "tasks": ["gsm8k"], "limit": 30, "seeds": [0], "max_gen_toks": None, "ci_level": 0.95,
             "lm_eval_version": "0.4"}
 REQUEST = SimpleNamespace(margin=2.0, mtp_margin=5.0, limit=30)
-SPECS = [SimpleNamespace(name="gsm8k", floor=0.0, size=1319)]
+SPECS = [SimpleNamespace(name="gsm8k", floor=0.0, size=1319, sampled=False)]
 ARM = {"name": "arm", "source": "x", "description": "d", "notes": [], "failed_requests": 0}
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from evals.arms.lm_eval_run import go_offline
-from evals.arms.tasks import GPQA_COLUMNS, TASKS, gpqa_choice_order, parse_tasks, write_task_files
+from evals.arms.data_files import GPQA_COLUMNS
+from evals.arms.tasks import gpqa_choice_order, write_task_files
+from evals.tasks.registry import parse_tasks, registry
 from quant.errors import QuantError
 
 GPQA_EXTRA_COLUMNS = ("Record ID", "High-level domain")
@@ -39,14 +41,15 @@ def write_gsm8k_dir(path: Path, n: int = 8) -> Path:
     return path
 
 
-def load_docs(tmp: Path, task: str, thinking: str | None = None, **files):
+def load_docs(tmp: Path, task: str, data: Path, thinking: str | None = None):
     from lm_eval.tasks import TaskManager
 
-    task_dir = write_task_files(tmp / "tasks", [TASKS[task]], datasets_cache=tmp / "cache",
-                                thinking=thinking, **{"gsm8k_dir": None, "toy_dir": None, "gpqa_csv": None, **files})
+    spec = registry()[task]
+    task_dir = write_task_files(tmp / "tasks", [spec], data={spec.data: data}, datasets_cache=tmp / "cache",
+                                thinking=thinking)
     go_offline(tmp / "cache")
-    loaded = TaskManager(include_path=str(task_dir), include_defaults=False).load([TASKS[task].lm_eval_task])
-    return loaded["tasks"][TASKS[task].lm_eval_task]
+    loaded = TaskManager(include_path=str(task_dir), include_defaults=False).load([spec.lm_eval_task])
+    return loaded["tasks"][spec.lm_eval_task]
 
 
 def test_unknown_or_empty_task_is_an_error():
@@ -59,25 +62,23 @@ def test_unknown_or_empty_task_is_an_error():
 
 def test_missing_data_is_named(tmp_path):
     with pytest.raises(QuantError, match=r"nowhere/train\.jsonl: not found"):
-        write_task_files(tmp_path / "t", parse_tasks("gsm8k"), gsm8k_dir=tmp_path / "nowhere", toy_dir=None,
-                         gpqa_csv=None, datasets_cache=tmp_path / "c")
+        write_task_files(tmp_path / "t", parse_tasks("gsm8k"), data={"gsm8k": tmp_path / "nowhere"},
+                         datasets_cache=tmp_path / "c")
     with pytest.raises(QuantError, match="needs --gpqa-csv"):
-        write_task_files(tmp_path / "t", parse_tasks("gpqa_diamond"), gsm8k_dir=None, toy_dir=None,
-                         gpqa_csv=None, datasets_cache=tmp_path / "c")
+        write_task_files(tmp_path / "t", parse_tasks("gpqa_diamond"), data={}, datasets_cache=tmp_path / "c")
     bad = tmp_path / "bad.csv"
     bad.write_text("Question,Correct Answer\nq,a\n")
     with pytest.raises(QuantError, match="bad.csv: GPQA CSV lacks the column.*Incorrect Answer 1"):
-        write_task_files(tmp_path / "t", parse_tasks("gpqa_diamond"), gsm8k_dir=None, toy_dir=None,
-                         gpqa_csv=bad, datasets_cache=tmp_path / "c")
+        write_task_files(tmp_path / "t", parse_tasks("gpqa_diamond"), data={"gpqa_diamond": bad},
+                         datasets_cache=tmp_path / "c")
     data = write_gsm8k_dir(tmp_path / "g")
     (data / "test.jsonl").write_text(json.dumps({"q": 1}) + "\n")
     with pytest.raises(QuantError, match="test.jsonl: first record lacks the column"):
-        write_task_files(tmp_path / "t", parse_tasks("gsm8k"), gsm8k_dir=data, toy_dir=None, gpqa_csv=None,
-                         datasets_cache=tmp_path / "c")
+        write_task_files(tmp_path / "t", parse_tasks("gsm8k"), data={"gsm8k": data}, datasets_cache=tmp_path / "c")
 
 
 def test_gsm8k_format_task_uses_lm_evals_prompt_offline(tmp_path):
-    task = load_docs(tmp_path, "gsm8k", gsm8k_dir=write_gsm8k_dir(tmp_path / "g"))
+    task = load_docs(tmp_path, "gsm8k", write_gsm8k_dir(tmp_path / "g"))
     docs = list(task.test_docs())
     assert len(docs) == 8 and docs[0]["question"] == "test 0 plus 1?"
     assert task.doc_to_text(docs[0]) == "Question: test 0 plus 1?\nAnswer:"
@@ -88,7 +89,7 @@ def test_gsm8k_format_task_uses_lm_evals_prompt_offline(tmp_path):
 def gpqa_orders(tmp_path: Path, reverse: bool) -> dict[str, tuple[list[str], str]]:
     tmp_path.mkdir()
     random.seed(12345 if reverse else 0)  # the stock process_docs would follow this global state
-    task = load_docs(tmp_path, "gpqa_diamond", gpqa_csv=write_gpqa_csv(tmp_path / "gpqa.csv", reverse=reverse))
+    task = load_docs(tmp_path, "gpqa_diamond", write_gpqa_csv(tmp_path / "gpqa.csv", reverse=reverse))
     return {d["Question"]: (d["choices"], d["answer"]) for d in task.validation_docs()}
 
 

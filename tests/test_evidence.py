@@ -54,7 +54,7 @@ def test_every_inconclusive_verdict_says_what_would_decide_it():
     steps = evidence.next_steps([_row(verdict="inconclusive", n_to_pass=420, n=200)], 200, {"gsm8k": 1319})
     assert steps and "--limit 420" in steps[0]
     steps = evidence.next_steps([_row("gpqa_diamond", verdict="inconclusive", n_to_pass=900, n=198)], None,
-                                {"gpqa_diamond": 198})
+                                {"gpqa_diamond": 198}, {"gpqa_diamond"})
     assert steps and "--seeds" in steps[0]
     steps = evidence.next_steps([_row(acceptance=_acc(verdict="inconclusive"))], 200, {"gsm8k": 1319})
     assert steps and "MTP" in steps[0]

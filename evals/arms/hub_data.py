@@ -3,8 +3,10 @@
 lm-eval's own tasks read `openai/gsm8k` (config `main`) and the gated `Idavidrein/gpqa` (config
 `gpqa_diamond`); with no data flags `quant eval` loads the same datasets through `datasets` (cached where
 `datasets` caches, using the user's Hugging Face token for the gated one) and writes them as the local files the
-generated task YAMLs read, so the prompts and scoring are identical on both paths. `--data-dir` / `--gpqa-csv`
-serve offline and air-gapped machines; with the hub switched off and no local data, one line says what to pass.
+generated task YAMLs read, so the prompts and scoring are identical on both paths. Which data set, from which
+repo, and the flag of a local copy are each data source's (evals/tasks/data_sources.py). `--data-dir` /
+`--gpqa-csv` serve offline and air-gapped machines; with the hub switched off and no local data, one line says
+what to pass.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import json
 import os
 from pathlib import Path
 
+from evals.arms.data_files import GPQA_COLUMNS, GSM8K_COLUMNS, GSM8K_SPLITS
+from evals.tasks.data_sources import DataSource
 from quant.errors import QuantError
 
-GSM8K_HUB = ("openai/gsm8k", "main")
-GPQA_HUB = ("Idavidrein/gpqa", "gpqa_diamond")
 OFFLINE_FLAGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
@@ -27,10 +29,6 @@ def hub_offline() -> str | None:
         if os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on"):
             return flag
     return None
-
-
-GSM8K_HINT = "--data-dir DIR (train.jsonl and test.jsonl with question/answer)"
-GPQA_HINT = "--gpqa-csv FILE (the gpqa_diamond CSV)"
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -75,24 +73,31 @@ def _load(repo: str, config: str, what: str, flag_hint: str):
                          "a local copy") from None
 
 
-def fetch_gsm8k(dest: Path) -> Path:
-    """openai/gsm8k [main] as dest/{train,test}.jsonl (question/answer); returns dest."""
-    data = _load(*GSM8K_HUB, "GSM8K", GSM8K_HINT)
+def fetch(source: DataSource, dest: Path) -> Path:
+    """`source` from the hub, written under `dest` in its format: a GSM8K-format directory dest/NAME, or the CSV
+    dest/NAME.csv; returns that path."""
+    data = _load(*source.hub, source.what, source.hint)
+    if source.format == "gsm8k-jsonl":
+        return _write_jsonl(data, dest / source.name)
+    return _write_csv(data, dest / f"{source.name}.csv")
+
+
+def _write_jsonl(data, dest: Path) -> Path:
+    """{train,test}.jsonl with the question/answer columns."""
     dest.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "test"):
+    for split in GSM8K_SPLITS:
         with open(dest / f"{split}.jsonl", "w") as f:
             for row in data[split]:
-                f.write(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n")
+                f.write(json.dumps({c: row[c] for c in GSM8K_COLUMNS}) + "\n")
     return dest
 
 
-def fetch_gpqa_diamond(dest: Path, columns: tuple[str, ...]) -> Path:
-    """Idavidrein/gpqa [gpqa_diamond] (gated: needs an accepted licence and a token) as a CSV with `columns`."""
-    data = _load(*GPQA_HUB, "GPQA-Diamond", GPQA_HINT)
+def _write_csv(data, dest: Path) -> Path:
+    """The train split (gated GPQA's only one) as a CSV with GPQA's columns."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(columns)
+        writer.writerow(GPQA_COLUMNS)
         for row in data["train"]:
-            writer.writerow([row[c] for c in columns])
+            writer.writerow([row[c] for c in GPQA_COLUMNS])
     return dest

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evals.arms.backends import FAILED_GENERATION, Backend
-from evals.arms.tasks import TaskSpec
+from evals.tasks.record import EvalTask
 from quant.errors import QuantError
 
 SAMPLES_FILE = "samples.jsonl"
@@ -52,10 +52,10 @@ class RunSettings:
     top_p: float = 1.0
     thinking: str | None = None  # "on" / "off": the chat template's thinking switch; None: the template's default
 
-    def seed_list(self, spec: TaskSpec) -> list[int]:
+    def seed_list(self, spec: EvalTask) -> list[int]:
         return list(range(self.seeds)) if spec.sampled else [0]
 
-    def gen_kwargs(self, spec: TaskSpec) -> dict:
+    def gen_kwargs(self, spec: EvalTask) -> dict:
         default = spec.thinking_max_gen_toks if self.thinking == "on" and spec.thinking_max_gen_toks else \
             spec.default_max_gen_toks
         max_gen_toks = self.max_gen_toks or default
@@ -136,7 +136,7 @@ def _light_provenance():
         evaluator.add_env_info, evaluator.get_git_commit_hash = originals
 
 
-def sample_record(spec: TaskSpec, seed: int, sample: dict) -> dict:
+def sample_record(spec: EvalTask, seed: int, sample: dict) -> dict:
     """The part of one lm-eval sample the comparison needs, JSON-ready."""
     response = sample["resps"][0][0] if sample["resps"] and sample["resps"][0] else ""
     arguments = sample.get("arguments") or [[None]]
@@ -170,7 +170,7 @@ def template_kwargs(thinking: str | None) -> dict:
     return {"enable_thinking": on, "thinking": on}
 
 
-def _chat(backend: Backend, spec: TaskSpec, settings: RunSettings) -> bool:
+def _chat(backend: Backend, spec: EvalTask, settings: RunSettings) -> bool:
     """Whether this task is asked as chat messages by this arm; prepares the arm's chat template switch."""
     chat = backend.chat or spec.chat
     if not chat:
@@ -188,7 +188,7 @@ def _chat(backend: Backend, spec: TaskSpec, settings: RunSettings) -> bool:
     return True
 
 
-def _check_context(backend: Backend, spec: TaskSpec, max_gen_toks: int) -> None:
+def _check_context(backend: Backend, spec: EvalTask, max_gen_toks: int) -> None:
     if backend.kind != "transformers":
         return  # the server tokenizes and enforces its own context length
     context = backend.lm.max_length
@@ -197,11 +197,11 @@ def _check_context(backend: Backend, spec: TaskSpec, max_gen_toks: int) -> None:
                          f"{context}-token context of {backend.source}; lower --max-gen-toks")
 
 
-def run_dir_name(spec: TaskSpec, seed: int) -> str:
+def run_dir_name(spec: EvalTask, seed: int) -> str:
     return f"{spec.name}-seed{seed}" if spec.sampled else spec.name
 
 
-def write_records(out_dir: Path, specs: list[TaskSpec], records: list[dict]) -> None:
+def write_records(out_dir: Path, specs: list[EvalTask], records: list[dict]) -> None:
     """One samples.jsonl per task (and seed) under `out_dir`, as run_arm writes them."""
     for spec in specs:
         for seed in sorted({r["seed"] for r in records if r["task"] == spec.name}):
@@ -213,7 +213,7 @@ def write_records(out_dir: Path, specs: list[TaskSpec], records: list[dict]) -> 
                         f.write(json.dumps(r) + "\n")
 
 
-def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Path, settings: RunSettings,
+def run_arm(backend: Backend, specs: list[EvalTask], task_dir: Path, out_dir: Path, settings: RunSettings,
             log=print, store=None) -> list[dict]:
     """Evaluate `backend` on every task (and seed); write samples and lm-eval results under `out_dir`. With
     `store` (evals.arms.answers.AnswerStore), answers kept by an earlier run are reused and new ones kept."""
@@ -263,7 +263,7 @@ def run_arm(backend: Backend, specs: list[TaskSpec], task_dir: Path, out_dir: Pa
     return records
 
 
-def _progress_line(label: str, spec: TaskSpec, seed: int, task_records: list[dict], done: int, total: int,
+def _progress_line(label: str, spec: EvalTask, seed: int, task_records: list[dict], done: int, total: int,
                    started: float) -> str:
     """`  baseline: gsm8k: 200 questions answered (1 of 2 runs of this arm, 0:03:10; about 0:03:10 left)`."""
     elapsed = time.monotonic() - started

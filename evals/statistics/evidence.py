@@ -4,7 +4,7 @@
   errors, timeouts, bodies that are not JSON, responses with the wrong number of choices) ends the run as an
   error (EvidenceMissing, exit 69), never as a pass or a fail: a broken baseline must not make a candidate look
   good, and a broken candidate server is not a quantization regression.
-- Every arm is above its floor: a task's accuracy at or below its floor (`TaskSpec.floor`: chance level for
+- Every arm is above its floor: a task's accuracy at or below its floor (its record's `floor`: chance level for
   multiple choice, a documented minimum for free-form answers) means the setup is broken (prompt format, chat
   template, tokenizer, server), not that two models are equally good; so is the baseline's depth-1 draft
   acceptance at or below `ACCEPTANCE_FLOOR` (a dead candidate draft beside a working baseline one is a fail: the
@@ -74,8 +74,10 @@ def floor_problems(rows: list[ComparisonRow], floors: dict[str, float]) -> list[
     return problems
 
 
-def next_steps(rows: list[ComparisonRow], limit: int | None, questions: dict[str, int]) -> list[str]:
-    """What would decide each inconclusive comparison."""
+def next_steps(rows: list[ComparisonRow], limit: int | None, questions: dict[str, int],
+               sampled: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """What would decide each inconclusive comparison. `questions`: {task: questions in its set}; `sampled`: the
+    tasks generated with seeds, which more seeds can decide even when run with one."""
     steps = []
     for row in rows:
         if not row.primary:
@@ -87,7 +89,7 @@ def next_steps(rows: list[ComparisonRow], limit: int | None, questions: dict[str
             if n and (available is None or n <= available):
                 steps.append(f"{row.label}: run at least {n} questions (--limit {n}; this run had {have}) to "
                              f"pass at this discordance, or it may fail with more evidence")
-            elif row.seeds and len(row.seeds) > 1 or row.task == "gpqa_diamond":
+            elif row.seeds and len(row.seeds) > 1 or row.task in sampled:
                 steps.append(f"{row.label}: the whole set ({have} questions) cannot decide at this margin; add "
                              f"generation seeds (--seeds) to average out sampling, or accept a wider --margin "
                              f"deliberately")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from evals.arms.tasks import EVAL_DATA_DIR
+from evals.tasks.data_sources import EVAL_DATA_DIR
 
 TRAINED_TOY = EVAL_DATA_DIR / "toy_arith" / "model"
 
