@@ -32,7 +32,7 @@ def load_baseline_run(run: Path, specs, settings: dict) -> tuple[dict, list[dict
     try:
         earlier = json.loads(report_path.read_text())
     except (OSError, ValueError) as e:
-        raise QuantError(f"--baseline-run {run}: no finished eval output here ({report_path}: {e})")
+        raise QuantError(f"--baseline-run {run}: no finished eval output here ({report_path}: {e})") from None
     for key in RUN_SETTINGS:
         if earlier["settings"].get(key) != settings[key]:
             raise QuantError(f"--baseline-run {run}: it ran with {key}={earlier['settings'].get(key)!r}, this run "

@@ -4,7 +4,8 @@ server restart) and is run again asks only what is missing and ends with the rep
 The store is one SQLite file per arm in the eval's scratch directory (OUT/.quant-eval/answers/ARM.sqlite), one
 row per answer, committed as it arrives (a server's answer on its own, in process a batch at a time; WAL journal:
 a killed process loses only what it had not yet committed, never a committed row, and never leaves half a row).
-SGLang's acceptance replays (evals.replay) are kept in the same store under their own request type. lm-eval's own request cache
+SGLang's acceptance replays (evals.replay) are kept in the same store under their own request type. lm-eval's own
+request cache
 (`use_cache`, `lm_eval.api.model.CachingLM`) is not used: it keys a request by its arguments alone (whatever model
 answered it), skips every sampled request (GPQA's seeded generations) and writes through a background thread.
 

@@ -1,5 +1,5 @@
-"""The two ways a model is evaluated: an OpenAI-compatible server (SGLang, vLLM, evals.arms.model_server) through lm-eval's
-local-completions / local-chat-completions, or a checkpoint run in this process by transformers through HFLM.
+"""The two ways a model is evaluated: an OpenAI-compatible server (SGLang, vLLM, evals.arms.model_server) through
+lm-eval's local-completions / local-chat-completions, or a checkpoint run in this process by transformers through HFLM.
 
 In process, a quantized checkpoint (Quark MXFP4, Quark FP8, block FP8) is first dequantized into a plain BF16
 copy by `quant.dequant.dequantize_checkpoint`, so its weights hold the quantized values (MXFP4 exactly; FP8 times
@@ -285,10 +285,7 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
 
     from quant.checkpoint import open_checkpoint
 
-    if dtype not in DTYPES:
-        raise QuantError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
-    if activations is not None and activations not in ACTIVATIONS:
-        raise QuantError(f"--activations {activations!r}: choose from {', '.join(ACTIVATIONS)}")
+    _check_choices(dtype, activations)
     ckpt = open_checkpoint(path)
     weights = describe_weights(ckpt)
     quantized = "quantization_config" in ckpt.config
@@ -317,27 +314,14 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
 
             draft = load_draft(load_dir, dtype=getattr(torch, dtype), device=_torch_device(device))
     except (OSError, ValueError) as e:
-        raise QuantError(f"{path}: transformers cannot load the checkpoint ({e})")
+        raise QuantError(f"{path}: transformers cannot load the checkpoint ({e})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if quantized:
             shutil.rmtree(load_dir, ignore_errors=True)
     device = _torch_device(device)
     model = model.to(device).eval()
-    mode = "bf16"
-    if formats:
-        from quant.dequant import emulate_activations
-
-        from quant.families import family_for_config
-
-        layers = (ckpt.config.get("text_config") or ckpt.config).get("num_hidden_layers")
-        family = family_for_config(ckpt.config, ckpt.root / "config.json")
-        hooked = emulate_activations(model, formats, layers, family.transformers_layer)
-        mode = "emulate" if hooked else "bf16"
-        if hooked:
-            notes.append("activations emulated: each quantized linear's input quantize-dequantized as the scheme says ("
-                         + ", ".join(f"{label} on {n}" for label, n in sorted(hooked.items())) + " modules)"
-                         + ("; the MTP draft's layers run BF16 activations" if with_draft else ""))
+    mode = _emulate_activations(model, ckpt, formats, with_draft, notes) if formats else "bf16"
     if quantized and mode == "bf16":
         why = "--activations bf16" if activations == "bf16" else "the scheme quantizes weights only"
         notes.append(f"weights-only emulation: quantized weights dequantized into BF16, activations not quantized "
@@ -348,6 +332,30 @@ def load_checkpoint_model(path: Path, work_dir: Path, *, dtype: str = "bfloat16"
     if with_draft:
         return model, tokenizer, description, notes, draft
     return model, tokenizer, description, notes
+
+
+def _check_choices(dtype: str, activations: str | None) -> None:
+    if dtype not in DTYPES:
+        raise QuantError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    if activations is not None and activations not in ACTIVATIONS:
+        raise QuantError(f"--activations {activations!r}: choose from {', '.join(ACTIVATIONS)}")
+
+
+def _emulate_activations(model, ckpt, formats: dict, with_draft: bool, notes: list[str]) -> str:
+    """Hook each quantized linear of `model` to quantize-dequantize its input as the scheme says; the mode that
+    runs ("emulate", or "bf16" when no module was hooked), its note appended to `notes`."""
+    from quant.dequant import emulate_activations
+    from quant.families import family_for_config
+
+    layers = (ckpt.config.get("text_config") or ckpt.config).get("num_hidden_layers")
+    family = family_for_config(ckpt.config, ckpt.root / "config.json")
+    hooked = emulate_activations(model, formats, layers, family.transformers_layer)
+    if not hooked:
+        return "bf16"
+    notes.append("activations emulated: each quantized linear's input quantize-dequantized as the scheme says ("
+                 + ", ".join(f"{label} on {n}" for label, n in sorted(hooked.items())) + " modules)"
+                 + ("; the MTP draft's layers run BF16 activations" if with_draft else ""))
+    return "emulate"
 
 
 def _transformers_backend(path: Path, label: str, options: BackendOptions, work_dir: Path) -> Backend:

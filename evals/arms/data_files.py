@@ -43,9 +43,9 @@ def gsm8k_data_files(data_dir: Path) -> dict[str, str]:
                         raise QuantError(f"{path}:{number}: not a JSON object")
                     first = record if first is None else first
         except FileNotFoundError:
-            raise QuantError(f"{path}: not found (a GSM8K-format directory needs train.jsonl and test.jsonl)")
+            raise QuantError(f"{path}: not found (a GSM8K-format directory needs train.jsonl and test.jsonl)") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise QuantError(f"{path}: not a UTF-8 JSON-lines file ({e})")
+            raise QuantError(f"{path}: not a UTF-8 JSON-lines file ({e})") from None
         if first is None:
             raise QuantError(f"{path}: no records")
         missing = [c for c in GSM8K_COLUMNS if c not in first]
@@ -62,7 +62,7 @@ def gpqa_data_file(csv_path: Path) -> str:
         with path.open(newline="") as f:
             header = next(csv.reader(f), [])
     except OSError as e:
-        raise QuantError(f"{path}: cannot read the GPQA CSV ({e.strerror or e})")
+        raise QuantError(f"{path}: cannot read the GPQA CSV ({e.strerror or e})") from None
     missing = [c for c in GPQA_COLUMNS if c not in header]
     if missing:
         raise QuantError(f"{path}: GPQA CSV lacks the column(s) {', '.join(missing)}")

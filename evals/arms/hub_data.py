@@ -76,7 +76,10 @@ def _load(repo: str, config: str, what: str, flag_hint: str):
 def fetch(source: DataSource, dest: Path) -> Path:
     """`source` from the hub, written under `dest` in its format: a GSM8K-format directory dest/NAME, or the CSV
     dest/NAME.csv; returns that path."""
-    data = _load(*source.hub, source.what, source.hint)
+    if source.hub is None:
+        raise QuantError(f"{source.what}: no hub copy to load ({source.hint})")
+    repo, config = source.hub
+    data = _load(repo, config, source.what, source.hint)
     if source.format == "gsm8k-jsonl":
         return _write_jsonl(data, dest / source.name)
     return _write_csv(data, dest / f"{source.name}.csv")

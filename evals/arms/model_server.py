@@ -6,8 +6,8 @@ Endpoints: GET /v1/models, POST /v1/completions (prompt: string or list of strin
 the reasoning comes back as `message.reasoning_content` and only the answer as `content`, as SGLang's and vLLM's
 reasoning parsers return it).
 Requests are served one generation at a time (a lock around the model). Quantized checkpoints are dequantized
-into BF16 first, their activations emulated or not as in the in-process backend (--activations). With --idle-timeout the server stops
-itself after that many seconds without a request.
+into BF16 first, their activations emulated or not as in the in-process backend (--activations). With --idle-timeout
+the server stops itself after that many seconds without a request.
 """
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.model_name or args.checkpoint.resolve().name
-    server = serve(Generator(model, tokenizer, name, checkpoint_digest(args.checkpoint)), args.host, args.port, args.idle_timeout)
+    generator = Generator(model, tokenizer, name, checkpoint_digest(args.checkpoint))
+    server = serve(generator, args.host, args.port, args.idle_timeout)
     host, port = server.server_address[:2]
     print(f"serving {name} ({description}) on http://{host}:{port}/v1", flush=True)
     try:

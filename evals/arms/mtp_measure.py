@@ -1,4 +1,5 @@
-"""Draft acceptance of an in-process arm, measured on its own eval generations (evals/statistics/acceptance.py defines it).
+"""Draft acceptance of an in-process arm, measured on its own eval generations (evals/statistics/acceptance.py defines
+it).
 
 For each question the prompt (tokenized as lm-eval's HFLM did for generation) and the generated answer are run
 through the target once, teacher-forced: its hidden state after the final norm and its greedy next token at every

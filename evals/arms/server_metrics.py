@@ -18,8 +18,8 @@ strings (greedy speculative decoding is lossless, so it is the same generation),
 `tokens`: the SGLang arm pairs per question on the mean accepted length. Where meta_info also carries the
 accepted draft count (spec_num_correct_drafts, or its older names), tokens = rounds + accepted drafts, i.e. vLLM's
 1 + accepted / rounds; completion_tokens / spec_verify_ct, SGLang's own spec_accept_length, also counts the token
-the prefill produced (+1/rounds) and is the fallback for releases without the count. GET /get_server_info tells whether the
-server speculates (`speculative_algorithm`).
+the prefill produced (+1/rounds) and is the fallback for releases without the count. GET /get_server_info tells
+whether the server speculates (`speculative_algorithm`).
 """
 
 from __future__ import annotations
