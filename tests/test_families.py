@@ -133,29 +133,29 @@ def test_a_user_recipe_with_known_keys_still_loads(tmp_path):
     assert recipe.roles["attention"] == "fp8" and recipe.mtp_layer == "bf16" and recipe.keep
 
 
-def _families_copy(tmp_path: Path, name: str, old: str, new: str) -> Path:
-    """A copy of manifests/families with `old` replaced by `new` in NAME.yaml."""
-    from quant.families import families_dir
+def _toys_copy(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """A copy of manifests/toys with `old` replaced by `new` in NAME.yaml."""
+    from quant.toy.build import TOYS_DIR
 
-    shutil.copytree(families_dir(), tmp_path / "families")
-    path = tmp_path / "families" / f"{name}.yaml"
+    shutil.copytree(TOYS_DIR, tmp_path / "toys")
+    path = tmp_path / "toys" / f"{name}.yaml"
     assert old in path.read_text()
     write(path, path.read_text().replace(old, new, 1))
-    return tmp_path / "families"
+    return tmp_path / "toys"
 
 
-def test_unknown_key_in_a_toy_of_a_family_file_is_named(tmp_path):
-    from quant.toy import TOYS_MANIFEST, _manifest
+def test_unknown_key_in_a_toy_is_named(tmp_path):
+    from quant.toy.build import TOYS_MANIFEST, _manifest
 
-    families = _families_copy(tmp_path, "qwen3_moe", "    config_class: Qwen3MoeConfig\n",
-                              "    config_class: Qwen3MoeConfig\n    fused_expert: false\n")
+    toys = _toys_copy(tmp_path, "qwen3_moe", "    config_class: Qwen3MoeConfig\n",
+                      "    config_class: Qwen3MoeConfig\n    fused_expert: false\n")
     with pytest.raises(BadData, match=r"qwen3_moe.yaml: toys.qwen3-moe: unknown key 'fused_expert'") as e:
-        _manifest(TOYS_MANIFEST, families)
+        _manifest(TOYS_MANIFEST, toys)
     assert e.value.exit_code == 2
 
 
 def test_unknown_key_in_toys_yaml_is_named(tmp_path):
-    from quant.toy import TOYS_MANIFEST, _manifest
+    from quant.toy.build import TOYS_MANIFEST, _manifest
 
     text = TOYS_MANIFEST.read_text().replace("\nperturbations:\n", "\nperturbation:\n")
     with pytest.raises(BadData, match="toys.yaml: unknown key 'perturbation'") as e:
@@ -163,47 +163,55 @@ def test_unknown_key_in_toys_yaml_is_named(tmp_path):
     assert e.value.exit_code == 2
 
 
-def test_every_toy_lives_in_its_family_file_and_toys_yaml_keeps_only_the_shared_keys():
+def test_every_toy_lives_beside_its_family_record_and_toys_yaml_keeps_only_the_shared_keys():
     import yaml
 
-    from quant.families import family_names
+    from quant.families import families_dir, family_names
     from quant.toy import TOY_NAMES, TOYS_MANIFEST, toy_family
+    from quant.toy.build import TOYS_DIR
 
     assert set(yaml.safe_load(TOYS_MANIFEST.read_text())) == {"order", "quantization_config", "perturbations"}
-    defined = [toy for name in family_names() for toy in load_family(name).toys]
+    files = {p.stem: yaml.safe_load(p.read_text())["toys"] for p in TOYS_DIR.glob("*.yaml")}
+    assert set(files) <= set(family_names())
+    defined = [toy for toys in files.values() for toy in toys]
     assert sorted(defined) == sorted(TOY_NAMES) and len(set(defined)) == len(defined)
     for toy in TOY_NAMES:
-        assert toy in load_family(toy_family(toy).family).toys
+        assert toy in files[toy_family(toy).family]
+    assert not any("toys" in yaml.safe_load(p.read_text()) for p in families_dir().glob("*.yaml"))
     assert {toy_family(t).family for t in ("qwen3-moe", "qwen3.5", "qwen3.5-fused")} == {"qwen3_moe"}
+    assert toy_family("glm5-next").family == "glm5_next"  # its own file, though the family inherits glm_moe_dsa
     assert TOY_NAMES[:3] == ("glm5", "deepseek-v3", "qwen3-moe")  # toys.yaml `order`, not the files' order
 
 
-def test_toys_are_not_inherited():
-    assert "glm5" in load_family("glm_moe_dsa").toys
-    assert set(load_family("glm5_next").toys) == {"glm5-next"}  # inherits glm_moe_dsa
-    assert load_family("generic").toys == {}
+def test_a_toy_toys_yaml_does_not_list_comes_after_the_listed_ones(tmp_path):
+    from quant.toy.build import TOYS_MANIFEST, _manifest
+
+    text = TOYS_MANIFEST.read_text().replace("glm4.7, ", "")
+    names = list(_manifest(write(tmp_path / "toys.yaml", text))["toys"])
+    assert names[-1] == "glm4.7" and names[:-1] == [n for n in _manifest()["toys"] if n != "glm4.7"]
 
 
 @pytest.mark.parametrize("edit,message", [
     (("perturb_base: norm\n", "perturb_base: nrom\n"), "perturb_base 'nrom' is not a table"),
-    (("toys:\n  glm5:\n", "toys:\n  glm5x:\n"), "'order' does not list the toy.s. glm5x"),
+    (("toys:\n  glm5:\n", "toys:\n  glm5x:\n"), "'order' lists glm5, which no toy file defines"),
+    (("toys:\n", "toy:\n"), "glm_moe_dsa.yaml: unknown key 'toy'"),
 ])
 def test_a_toy_naming_what_toys_yaml_lacks_is_refused(tmp_path, edit, message):
-    from quant.toy import TOYS_MANIFEST, _manifest
+    from quant.toy.build import TOYS_MANIFEST, _manifest
 
     with pytest.raises(BadData, match=message):
-        _manifest(TOYS_MANIFEST, _families_copy(tmp_path, "glm_moe_dsa", *edit))
+        _manifest(TOYS_MANIFEST, _toys_copy(tmp_path, "glm_moe_dsa", *edit))
 
 
-def test_a_toy_defined_twice_or_missing_is_refused(tmp_path):
-    from quant.toy import TOYS_MANIFEST, _manifest
+def test_a_toy_defined_twice_or_of_no_family_is_refused(tmp_path):
+    from quant.toy.build import TOYS_MANIFEST, _manifest
 
-    families = _families_copy(tmp_path, "glm4_moe", "toys:\n  glm4.7:\n", "toys:\n  glm5:\n")
+    toys = _toys_copy(tmp_path, "glm4_moe", "toys:\n  glm4.7:\n", "toys:\n  glm5:\n")
     with pytest.raises(BadData, match="toys.glm5: toy 'glm5' is already defined in"):
-        _manifest(TOYS_MANIFEST, families)
-    text = TOYS_MANIFEST.read_text().replace("glm4.7, ", "")
-    with pytest.raises(BadData, match="'order' does not list the toy.s. glm4.7 .glm4_moe.yaml."):
-        _manifest(write(tmp_path / "toys.yaml", text))
+        _manifest(TOYS_MANIFEST, toys)
+    (toys / "glm4_moe.yaml").rename(toys / "glm4_mo.yaml")
+    with pytest.raises(BadData, match="glm4_mo.yaml: no model family 'glm4_mo'"):
+        _manifest(TOYS_MANIFEST, toys)
 
 
 def test_perturb_base_comes_first_and_the_toys_own_entries_after():
@@ -235,7 +243,7 @@ def test_each_family_names_its_architecture_classes():
     ("architectures: {other: [XForCausalLM]}\n", "names model_type 'other', which is not one of the file's"),
     ("architectures: {mine: []}\n", "architectures.mine must be a non-empty list of class names"),
     ("architectures: [XForCausalLM]\n", "architectures must be a mapping of model_type"),
-    ("toys: [x]\n", "toys must be a mapping of toy name -> toy spec"),
+    ("toys: {x: {}}\n", "unknown key 'toys'"),
 ])
 def test_a_malformed_architectures_or_toys_key_is_named(tmp_path, monkeypatch, text, message):
     import quant.families as families

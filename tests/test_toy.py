@@ -16,7 +16,7 @@ from safetensors import safe_open
 from quant.checkpoint import open_checkpoint, text_config
 from quant.errors import QuantError
 from quant.toy import TOY_NAMES, build_toy, toy_family
-from quant.toy_tokenizer import VOCAB_SIZE
+from quant.toy.tokenizer import VOCAB_SIZE
 
 pytestmark = pytest.mark.xdist_group("toy")
 
@@ -243,7 +243,7 @@ def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name
 
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_each_toy_is_its_family_files_record(bf16_toys, name):
-    """A toy lives in its family's file: the family its config.json resolves to defines it, names the
+    """A toy lives beside its family's record: the family its config.json resolves to holds it, names the
     architecture class it is written with, and counts its MTP layers as the toy built them (quant.families.mtp_layout,
     the one count)."""
     from quant.families import family_for_config, mtp_layout
@@ -251,7 +251,7 @@ def test_each_toy_is_its_family_files_record(bf16_toys, name):
     toy = toy_family(name)
     checkpoint = open_checkpoint(bf16_toys[name])
     family = family_for_config(checkpoint.config)
-    assert family.name == toy.family and name in family.toys
+    assert family.name == toy.family and toy.file.parent.name == "toys" and toy.file.stem == family.name
     assert checkpoint.config["architectures"][0] in family.architectures[checkpoint.config["model_type"]]
     mtp = mtp_layout(checkpoint.config, family)
     # MiniMax-M2's config declares MTP modules no release publishes (the toy builds none, as the release)
@@ -421,12 +421,12 @@ def test_overrides_reshape_the_model_and_the_mtp_layer(tmp_path):
 
 
 def test_a_failed_build_leaves_no_output(tmp_path, monkeypatch):
-    import quant.toy
+    import quant.toy.build
 
     def crash(directory):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(quant.toy, "save_toy_tokenizer", crash)
+    monkeypatch.setattr(quant.toy.build, "save_toy_tokenizer", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         build_toy("qwen3-moe", tmp_path / "toy")
     assert list(tmp_path.iterdir()) == []

@@ -5,8 +5,9 @@ layers live and what an official release of it keeps in BF16.
 The knowledge is data (`manifests/families/*.yaml`); this package loads it strictly (an unknown key is an error
 naming it) and answers questions about a config. It imports nothing from the rest of the tool but `quant.errors`
 and `quant.paths`, so the checkpoint reader, validation, the preflight, the pipeline, GPTQ and the eval stage all
-sit above it. Adding a family is one YAML file here (`model_types`, `architectures`, `roles`, `shapes`, `mtp`, ...,
-and its toy under `toys`) and, only for what data cannot say, a small adapter in `quant/families/adapters.py`; the
+sit above it. Adding a family is one YAML file here (`model_types`, `architectures`, `roles`, `shapes`, `mtp`, ...),
+its toy beside it (manifests/toys/<family>.yaml, read by quant.toy) and, only for what data cannot say, a small
+adapter in `quant/families/adapters.py`; the
 engines' own rules for it (manifests/engines.yaml, keyed by the architecture classes the file names) only where an
 engine differs.
 """
@@ -35,7 +36,7 @@ GENERIC = "generic"
 # The keys a family file may hold (each read below); anything else is a misspelling.
 FAMILY_KEYS = ("family", "inherit", "model_types", "architectures", "required_config", "mtp", "fused_experts",
                "mtp_draft", "roles", "shapes", "decoder_layer", "text_prefixes", "release_recipes", "mtp_unpublished",
-               "adapter", "transformers_layer", "bf16_under_schemes", "toys", "transformers_since", "sidecars")
+               "adapter", "transformers_layer", "bf16_under_schemes", "transformers_since", "sidecars")
 DECODER_LAYER_KEYS = ("returns", "carry_bytes_per_token", "workspace_bytes_per_token")
 RELEASE_RECIPE_KEYS = ("description", "source", "roles", "keep", "mtp_layer")
 TRANSFORMERS_LAYER_KEYS = ("text_model", "renames", "expert_projs", "fused_linears")
@@ -100,9 +101,6 @@ class Family:
     # The `architectures` of config.json each model type is released with: {model_type: [class, ...]} (the keys
     # engines.yaml rules are filed under); never inherited, like model_types
     architectures: dict[str, list[str]] = field(default_factory=dict)
-    # The family's toy checkpoints, {toy name: spec} as written (quant/toy.py reads and checks them; the keys are
-    # documented in manifests/toys.yaml); never inherited
-    toys: dict[str, dict] = field(default_factory=dict)
     # The first transformers release whose AutoConfig knows each model type ({model_type: "5.16.1"}; a type no
     # release knows is absent: engines parse it with config classes of their own, engines.yaml config_registry).
     # An engine release that runs an older transformers and registers no class of its own cannot read config.json
@@ -172,9 +170,6 @@ def _load_family_file(path: Path) -> Family:
     adapter = parent.adapter if parent else None
     model_type_list = list(data.get("model_types") or [])
     architectures = _architectures(data.get("architectures"), model_type_list, where)
-    toys = data.get("toys") or {}
-    if not isinstance(toys, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in toys.items()):
-        raise BadData(f"{where}: toys must be a mapping of toy name -> toy spec (manifests/toys.yaml lists the keys)")
     if "adapter" in data:
         from quant.families.adapters import ADAPTERS
 
@@ -204,7 +199,6 @@ def _load_family_file(path: Path) -> Family:
         + (parent.bf16_under_schemes if parent else []),
         adapter=adapter,
         architectures=architectures,
-        toys=dict(toys),
         transformers_since=_transformers_since(data.get("transformers_since"), model_type_list, where),
         sidecars=parse_sidecars(data["sidecars"], where) if "sidecars" in data else
         list(parent.sidecars if parent else []),

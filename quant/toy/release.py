@@ -6,13 +6,13 @@ Applied after transformers' save and the release's config fixes, before the rele
   drop     regexes of tensors transformers writes that the release lacks (V4.1 has no learned hc_head)
   nest     {key: text_config, keep: [top-level keys]}: every other config.json key moves under `key`
            (model_type dropped there), as the release nests it
-  layout   tensors the transformers model lacks, in quant/toy_layout.py's group syntax over the nested config;
+  layout   tensors the transformers model lacks, in quant/toy/layout.py's group syntax over the nested config;
            a name's `{last}` is the last MTP stage (DSpark heads live on mtp.{last})
   fp8_rows regexes of tables stored as float8_e4m3fn with one E8M0 `.scale` per 32 entries of a row (the Engram
            tables' storage, vLLM's ParallelEngramEmbedding block_size 32)
   file     a safetensors file the release ships beside its shards (MiniMax-M3.1's DSpark draft): {name, config:
            the config.json keys declaring it (merged in, as release_config is), layout: its tensors in
-           quant/toy_layout.py's syntax over the text config's keys read over the top level's}; written as stored
+           quant/toy/layout.py's syntax over the text config's keys read over the top level's}; written as stored
            (no release storage format applies) and listed in the index
 """
 
@@ -59,7 +59,7 @@ def _layout_with_last(layout: dict, last: int) -> dict:
 
 def release_extras(spec: dict, tensors: dict, config_json: dict, n_mtp: int, seed: int) -> tuple[dict, dict]:
     """(tensors, config.json) of the release: `spec` is the toy's `release_extras`."""
-    from quant.toy_layout import layout_checkpoint
+    from quant.toy.layout import layout_checkpoint
 
     drop = [re.compile(p) for p in spec.get("drop") or []]
     tensors = {k: v for k, v in tensors.items() if not any(p.search(k) for p in drop)}
@@ -83,7 +83,7 @@ def release_file(spec: dict, config_json: dict, seed: int) -> tuple[tuple[str, d
     into config.json, its tensors laid out over the text config read over the top level (quant.families.
     text_config: a wrapper release may declare it at the top, as MiniMax-M3.1 does its dspark_* keys)."""
     from quant.families import text_config
-    from quant.toy_layout import layout_checkpoint
+    from quant.toy.layout import layout_checkpoint
 
     file = spec.get("file")
     if not file:

@@ -4,9 +4,10 @@ The weights come from the family's transformers class (`from_config` + `save_pre
 expert layout are exactly what transformers writes. On top of that this module adds what transformers never
 writes (the MTP layer's extras, F32 routing bias, non-constant norms), optionally turns the model into an
 official-style block-FP8 source, and writes shards, index, config, generation config and the byte-level
-tokenizer. Family knowledge (dimensions, MTP extras, what the FP8 release quantizes) lives in the family's file,
-`manifests/families/<family>.yaml` under `toys`; `manifests/toys.yaml` documents the keys and holds what all toys
-share (their order, the official block-FP8 quantization_config, the named perturbation tables).
+tokenizer. Toy knowledge (dimensions, MTP extras, what the FP8 release quantizes) lives in the toy file beside
+the family's record, `manifests/toys/<family>.yaml` under `toys`; `manifests/toys.yaml` documents the keys and
+holds what all toys share (their order, the official block-FP8 quantization_config, the named perturbation
+tables).
 
 Same name, seed and options give byte-identical files.
 """
@@ -25,19 +26,21 @@ from pathlib import Path
 import yaml
 
 from quant.errors import QuantError
-from quant.families import families_dir, load_family_file
+from quant.families import family_names, load_family
 from quant.families.mtp import NEXTN_COUNT_KEY
-from quant.families.schema import BadData, check_keys
+from quant.families.schema import BadData, check_keys, load_yaml
 from quant.paths import MANIFESTS_DIR
-from quant.toy_release import FILE_KEYS, RELEASE_EXTRAS_KEYS, encode_rows, merge_into, release_extras, release_file
-from quant.toy_tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
+from quant.toy.release import FILE_KEYS, RELEASE_EXTRAS_KEYS, encode_rows, merge_into, release_extras, release_file
+from quant.toy.tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
 
 __all__ = ["TOY_NAMES", "build_toy", "toy_family", "toy_tokenizer", "parse_shard_size", "write_safetensors"]
 
 TOYS_MANIFEST = MANIFESTS_DIR / "toys.yaml"
+TOYS_DIR = MANIFESTS_DIR / "toys"  # <family>.yaml: that family's toys, beside its record in manifests/families/
+TOY_FILE_KEYS = ("toys",)
 # The keys toys.yaml may hold (the manifest's header documents each); anything else is a misspelling.
 MANIFEST_KEYS = ("order", "quantization_config", "perturbations")
-# The keys of a toy (a `toys` entry of a family file; toys.yaml's header documents each).
+# The keys of a toy (a `toys` entry of a toy file; toys.yaml's header documents each).
 TOY_KEYS = ("config_class", "model_class", "text_config_key", "text_prefix", "config", "release_config",
             "fused_experts", "mtp_layers", "mtp", "f32_tensors", "perturb_base", "perturb", "config_json_renames",
             "renames", "fp8_block", "native", "release_files", "layout", "release_format",
@@ -90,7 +93,7 @@ class ToyFamily:
     holds the toy under `toys`)."""
 
     name: str
-    config_class: str | None  # None: a layout toy (quant/toy_layout.py), no transformers class
+    config_class: str | None  # None: a layout toy (quant/toy/layout.py), no transformers class
     model_class: str | None  # transformers class when not AutoModelForCausalLM (vision-language wrappers)
     text_config_key: str | None  # "text_config" for wrappers: the language model's keys live there
     text_prefix: str  # tensor-name prefix of the language model ("model." or "model.language_model.")
@@ -107,19 +110,20 @@ class ToyFamily:
     native: dict | None = None  # a release that ships microscaled (DeepSeek-V4): the toy's `native`
     release_files: dict | None = None  # JSON side files the release ships (file name -> content), e.g. Kimi-K2.5's
     #                                    preprocessor_config.json, which vLLM reads even for a text-only run
-    layout: dict | None = None  # every tensor of a family transformers has no class for (quant/toy_layout.py)
+    layout: dict | None = None  # every tensor of a family transformers has no class for (quant/toy/layout.py)
     release_format: str | None = None  # the release's storage (a source format) the toy is written in by default
     release_ignore: tuple[str, ...] = ()  # the release's own ignore list for it (else the format's, per module)
-    release_extras: dict | None = None  # what the release adds to the transformers model (quant/toy_release.py)
+    release_extras: dict | None = None  # what the release adds to the transformers model (quant/toy/release.py)
     family: str | None = None  # the model family whose file defines the toy
     file: Path | None = None  # that file
 
 
 @cache
-def _manifest(path: Path = TOYS_MANIFEST, families: Path | None = None) -> dict:
-    """toys.yaml with every toy gathered from the family files (`families`: their directory, default
-    manifests/families) under "toys" as {name: (family, file, spec)} in toys.yaml's `order`, each spec checked
-    against the toy keys and its `perturb_base` resolved into `perturb`."""
+def _manifest(path: Path = TOYS_MANIFEST, toys_dir: Path | None = None) -> dict:
+    """toys.yaml with every toy gathered from the toy files (`toys_dir`, default manifests/toys: one <family>.yaml
+    beside each family's record) under "toys" as {name: (family, file, spec)}: the toys toys.yaml's `order` lists
+    first, in that order, then any other by name; each spec checked against the toy keys and its `perturb_base`
+    resolved into `perturb`."""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -127,33 +131,42 @@ def _manifest(path: Path = TOYS_MANIFEST, families: Path | None = None) -> dict:
     check_keys(data, MANIFEST_KEYS, str(path))
     order = data.get("order")
     if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or len(set(order)) != len(order):
-        raise BadData(f"{path}: 'order' must list every toy once, by name")
+        raise BadData(f"{path}: 'order' must list toys once each, by name")
     tables = data.get("perturbations") or {}
     if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
         raise BadData(f"{path}: 'perturbations' must map a table name to {{regex: std}}")
     found: dict[str, tuple[str, Path, dict]] = {}
-    for file in sorted((families or families_dir()).glob("*.yaml")):
-        family = load_family_file(file)
-        for name, spec in family.toys.items():
+    families = set(family_names())
+    for file in sorted((toys_dir or TOYS_DIR).glob("*.yaml")):
+        for name, spec in _toy_file(file, families).items():
             where = f"{file}: toys.{name}"
             if name in found:
                 raise BadData(f"{where}: toy {name!r} is already defined in {found[name][1]}")
-            check_keys(spec, TOY_KEYS, where)
-            check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
-            check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
-            check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
-            check_keys(spec.get("release_extras"), RELEASE_EXTRAS_KEYS, where, "release_extras")
-            check_keys((spec.get("release_extras") or {}).get("file"), FILE_KEYS, where, "release_extras.file")
-            found[name] = (family.name, file, _with_perturb_base(spec, tables, where))
-    missing = [n for n in found if n not in order]
-    if missing:
-        raise BadData(f"{path}: 'order' does not list the toy(s) {', '.join(missing)} "
-                      f"({', '.join(str(found[n][1].name) for n in missing)})")
+            found[name] = (file.stem, file, _with_perturb_base(spec, tables, where))
     unknown = [n for n in order if n not in found]
     if unknown:
-        raise BadData(f"{path}: 'order' lists {', '.join(unknown)}, which no family file's `toys` defines")
-    data["toys"] = {name: found[name] for name in order}
+        raise BadData(f"{path}: 'order' lists {', '.join(unknown)}, which no toy file defines")
+    data["toys"] = {name: found[name] for name in [*order, *sorted(n for n in found if n not in order)]}
     return data
+
+
+def _toy_file(file: Path, families: set[str]) -> dict[str, dict]:
+    """The toys of one toy file, each spec's keys checked; refused (BadData naming the file) when its name is no
+    model family's."""
+    if file.stem not in families:
+        raise BadData(f"{file}: no model family {file.stem!r} (manifests/families/{file.stem}.yaml) holds these toys")
+    toys = check_keys(load_yaml(file), TOY_FILE_KEYS, str(file)).get("toys")
+    if not isinstance(toys, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in toys.items()):
+        raise BadData(f"{file}: toys must be a mapping of toy name -> toy spec (manifests/toys.yaml lists the keys)")
+    for name, spec in toys.items():
+        where = f"{file}: toys.{name}"
+        check_keys(spec, TOY_KEYS, where)
+        check_keys(spec.get("mtp"), TOY_MTP_KEYS, where, "mtp")
+        check_keys(spec.get("fp8_block"), TOY_FP8_KEYS, where, "fp8_block")
+        check_keys(spec.get("native"), TOY_NATIVE_KEYS, where, "native")
+        check_keys(spec.get("release_extras"), RELEASE_EXTRAS_KEYS, where, "release_extras")
+        check_keys((spec.get("release_extras") or {}).get("file"), FILE_KEYS, where, "release_extras.file")
+    return toys
 
 
 def _with_perturb_base(spec: dict, tables: dict, where: str) -> dict:
@@ -176,7 +189,7 @@ TOY_NAMES = toy_names()
 
 
 def toy_family(name: str) -> ToyFamily:
-    """The toy `name` from its family file (`toys`); QuantError listing the valid names otherwise."""
+    """The toy `name` from its toy file (manifests/toys/<family>.yaml); QuantError listing the valid names otherwise."""
     toys = _manifest()["toys"]
     if name not in toys:
         raise QuantError(f"unknown toy {name!r}; valid names: {', '.join(toys)}")
@@ -197,7 +210,7 @@ def toy_family(name: str) -> ToyFamily:
         fused_experts=bool(spec.get("fused_experts", False)),
         mtp_layers=int(spec.get("mtp_layers", 0)),
         mtp=ToyMtp(
-            count_key=load_family_file(file).mtp.count_key,
+            count_key=load_family(family).mtp.count_key,
             layer_prefix=mtp.get("layer_prefix", "{text}layers.{n}."),
             extras_prefix=mtp.get("extras_prefix", "{text}layers.{n}."),
             extras=dict(mtp.get("extras", {})),
@@ -326,7 +339,7 @@ def _write_toy_files(family: ToyFamily, directory: Path, *, fp8_block: bool, max
     _perturb(tensors, family.perturb, generator)
     config_json = _release_config_json(family, config_json, n_main, n_mtp)
     side_file = None  # a file the release ships beside the shards (MiniMax-M3.1's DSpark draft)
-    if family.release_extras:  # DeepSeek-V4.1: Engram, DSpark heads, vision, nested config (quant/toy_release.py)
+    if family.release_extras:  # DeepSeek-V4.1: Engram, DSpark heads, vision, nested config (quant/toy/release.py)
         tensors, config_json = release_extras(family.release_extras, tensors, config_json, n_mtp, seed)
         side_file, config_json = release_file(family.release_extras, config_json, seed)
     if family.native and not fp8_block:
@@ -346,12 +359,12 @@ def _write_toy_files(family: ToyFamily, directory: Path, *, fp8_block: bool, max
 
 def _write_layout_toy(family: ToyFamily, directory: Path, *, fp8_block: bool, max_shard_size: int | None, seed: int,
                       overrides: dict, source_format: str | None) -> None:
-    """A toy of a family transformers has no class for: tensors from its layout (quant/toy_layout.py), config.json
+    """A toy of a family transformers has no class for: tensors from its layout (quant/toy/layout.py), config.json
     the release's, stored as the release stores it (`release_format`, a source format) unless `source_format` names
     another."""
     import torch
 
-    from quant.toy_layout import layout_checkpoint
+    from quant.toy.layout import layout_checkpoint
 
     if fp8_block:
         raise QuantError(f"toy {family.name}: no block-FP8 release of this family (its release is "
