@@ -465,3 +465,29 @@ def test_amd_recipe_qwen35_keeps_attention_linear_attention_vision_and_mtp(toy_f
 def test_amd_recipe_for_a_family_without_a_release_says_so(new_toys):
     with pytest.raises(QuantError, match="minimax_m2 family has no 'amd' release recipe"):
         plan_for(new_toys["minimax-m2"], "amd")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("fused_experts: {gate_up_proj: {split: [gate_proj, up_proj], dim: 2}}\n",
+     r"fused_experts.gate_up_proj.dim must be 1"),
+    ("fused_experts: {gate_up_proj: {split: []}}\n", r"fused_experts.gate_up_proj.split must list the linears"),
+    ("fused_experts: {gate_up_proj: {splits: [gate_proj]}}\n", r"unknown key 'splits'"),
+    ("fused_experts: [gate_up_proj]\n", r"fused_experts must map a fused parameter"),
+])
+def test_a_malformed_fused_experts_is_named(tmp_path, monkeypatch, text, message):
+    import quant.families as families
+
+    shutil.copytree(families.families_dir(), tmp_path / "families")
+    write(tmp_path / "families" / "mine.yaml", "family: mine\ninherit: generic\nmodel_types: [mine]\n" + text)
+    monkeypatch.setattr(families, "families_dir", lambda: tmp_path / "families")
+    with pytest.raises(BadData, match=message):
+        load_family("mine")
+
+
+def test_fused_experts_split_in_order():
+    from quant.families import FusedSplit
+
+    fused = load_family("qwen3_moe").fused_experts
+    assert fused == {"gate_up_proj": FusedSplit(("gate_proj", "up_proj")), "down_proj": FusedSplit(("down_proj",))}
+    assert load_family("qwen4_exp").fused_experts == fused  # inherited
+    assert load_family("deepseek_v3").fused_experts is None

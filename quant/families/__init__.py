@@ -26,7 +26,7 @@ from quant.families.schema import BadData, check_keys, load_yaml
 from quant.families.sidecars import Sidecar, parse_sidecars
 from quant.paths import MANIFESTS_DIR
 
-__all__ = ["Family", "BadData", "KEEP", "GENERIC", "MtpLayout", "families_dir", "family_names", "load_family",
+__all__ = ["Family", "FusedSplit", "BadData", "KEEP", "GENERIC", "MtpLayout", "families_dir", "family_names", "load_family",
            "load_family_file", "family_for_config", "lookup_family", "unknown_family_note", "text_config",
            "model_types", "text_prefix", "mtp_layout"]
 
@@ -61,13 +61,39 @@ def model_types(config: dict) -> list[str]:
     return list(dict.fromkeys(t for t in types if isinstance(t, str) and t))
 
 
+@dataclass(frozen=True)
+class FusedSplit:
+    """How one fused 3-D expert tensor [E, rows, in] splits into per-expert linears: its rows, in order, are
+    `parts` (e.g. gate_proj then up_proj of gate_up_proj), each `rows / len(parts)` long."""
+
+    parts: tuple[str, ...]
+
+
+def _fused_experts(raw: object, where: str) -> dict[str, FusedSplit] | None:
+    """The family's `fused_experts` ({param: {split: [...], dim: 1}}), checked; None: the family has none."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadData(f"{where}: fused_experts must map a fused parameter to {{split: [...], dim: 1}}")
+    out = {}
+    for param, spec in raw.items():
+        spec = check_keys(spec, ("split", "dim"), where, f"fused_experts.{param}")
+        parts = spec.get("split")
+        if not isinstance(parts, list) or not parts or not all(isinstance(x, str) for x in parts):
+            raise BadData(f"{where}: fused_experts.{param}.split must list the linears its rows hold, in order")
+        if spec.get("dim", 1) != 1:  # [E, rows, in]: the rows are what the engines split (w13 / w2)
+            raise BadData(f"{where}: fused_experts.{param}.dim must be 1 (the rows of [experts, rows, in])")
+        out[param] = FusedSplit(tuple(parts))
+    return out
+
+
 @dataclass
 class Family:
     name: str
     model_types: list[str]
     required_config: list[str]
     roles: dict[str, list[re.Pattern]]  # role -> patterns, in match order ("keep" first)
-    fused_experts: dict | None
+    fused_experts: dict[str, FusedSplit] | None  # fused 3-D expert parameter -> how its rows split
     # Its MTP sections (`mtp`, `mtp_draft`, `mtp_unpublished`), parsed: `mtp_layout` applies them to a config
     mtp: MtpSpec = field(default_factory=MtpSpec)
     # (module regex, (out expression, in expression)) or {model_type: ...}: how engines size each linear (and fused
@@ -182,7 +208,8 @@ def _load_family_file(path: Path) -> Family:
         required_config=list(data.get("required_config") or []),
         roles=roles,
         mtp=parse_mtp_spec(data, parent.mtp if parent else None, where),
-        fused_experts=data.get("fused_experts", parent.fused_experts if parent else None),
+        fused_experts=_fused_experts(data["fused_experts"], where) if "fused_experts" in data else
+        (parent.fused_experts if parent else None),
         # A family's own formulas go before the inherited ones; a formula is [dims...] or {model_type: [dims...]}
         # (quant/families/shapes.py picks the config's model_type, else "default"; a `layer_types` entry picks by
         # the text config's layer_types entry of the module's layer).

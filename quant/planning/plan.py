@@ -181,7 +181,7 @@ class Planner:
         if fused is None or len(info.shape) != 3:
             return False
         experts, rows, _ = info.shape
-        parts = fused["split"]
+        parts = fused.parts
         if rows % len(parts):
             raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has {rows} rows, "
                              f"not divisible into {', '.join(parts)}")
