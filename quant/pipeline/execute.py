@@ -20,7 +20,7 @@ from quant.checkpoint import Checkpoint, SourceReader, safetensors_dtype
 from quant.errors import QuantError
 from quant.files import share_like_other_files, sha256_file, write_atomic
 from quant.pipeline.output import TMP_DIR
-from quant.pipeline.progress import ShardResult, progress_path
+from quant.pipeline.shard_records import ShardResult, progress_path
 from quant.planning.plan import Plan, ShardJob, TensorJob
 from quant.planning.schemes import SCHEMES
 from quant.sources import native

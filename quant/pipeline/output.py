@@ -25,7 +25,7 @@ from quant.errors import EngineFailure
 from quant.ownership import Claim, claim, real_path, remove_path, same_job
 from quant.files import write_atomic
 from quant.pipeline.model_card import CARD_FILE
-from quant.pipeline.progress import PROGRESS_DIR
+from quant.pipeline.shard_records import PROGRESS_DIR
 
 COMPLETE_MARKER = ".quant-complete"
 STAGING_DIR = ".quant-staging"

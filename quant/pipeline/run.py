@@ -29,7 +29,7 @@ from quant.files import sha256_bytes, write_atomic
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
 from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record,
                                    side_files)
-from quant.pipeline.progress import ShardResult, completed
+from quant.pipeline.shard_records import ShardResult, completed
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
 from quant.pipeline.sidecars import sidecar_files_present, sidecar_index, sidecar_records
 from quant.pipeline.source_files import (HubChanges, HubFiles, LocalChanges, LocalFiles, check_disk, side_file_names,

@@ -21,7 +21,7 @@ from quant.hub import HubCheckpoint, HubRef, hub_reference
 from quant.pipeline.download import VERIFIED_DIR, download
 from quant.pipeline.fetch import ShardFetcher
 from quant.pipeline.output import OWN_FILES, SOURCE_DIR, read_record
-from quant.pipeline.progress import ShardResult
+from quant.pipeline.shard_records import ShardResult
 from quant.planning.needs import SourceUse, required_disk
 from quant.planning.plan import Plan, ShardJob
 from quant.planning.source import HUB_PATTERNS
