@@ -1,15 +1,16 @@
-"""The schema of manifests/engines.yaml: every rule an engine profile can state, declared once with its type, its
-default and what it means, and the one reader that turns the YAML into typed, frozen `EngineRules`.
+"""The schema of the engine rules (quant/manifests/engines/): every rule an engine profile can state, declared once
+with its type, its default and what it means, and the reader that turns the YAML into typed, frozen `EngineRules`.
 
-An engine section holds `title`, `default_releases`, `releases` and engine-wide rules; each release lists only
-the rules that differ. Both are checked against this schema when the file is read: an unknown or misspelled key
-(`engines.sglang.0.5.19.maps_exclud`) or a value of the wrong type is a QuantError naming the file, the key path
+An engine's engine.yaml holds its engine-wide rules, each release file only the rules that differ
+(quant/engine_files.py reads the folder). Both are checked against this schema when read: an unknown or misspelled
+key (`maps_exclud` in sglang/0.5.19.yaml) or a value of the wrong type is a QuantError naming the file, the key path
 and the closest declared spelling, instead of a rule silently left at its default. A release's rules are the
-engine-wide ones with the release's overrides merged in (`merge`: mappings merge key by key, anything else is
-replaced; a release cannot remove a mapping entry).
+engine-wide ones (or those of the release it inherits) with the release's overrides merged in (`merge`: mappings
+merge key by key, anything else is replaced; a release cannot remove a mapping entry).
 
 Code reads rules as attributes (`profile.rules.moe.excluded_when`) or asks the profile (quant.engines.Profile);
-no engine name appears in the branches of the engines layer (quant/engines.py, this file) or of quant/verify/.
+no engine name appears in the branches of the engines layer (quant/engines.py, quant/engine_files.py, this file)
+or of quant/verify/.
 """
 
 from __future__ import annotations
@@ -262,11 +263,6 @@ class EngineRules:
     mtp: Mtp = rule(Mtp(), "the MTP/NextN draft")
 
 
-# An engine section's keys besides its rules: its title, the releases `--engine NAME` checks, whether a preflight
-# naming no engine checks it (`serving`), and its releases.
-ENGINE_KEYS = ("title", "default_releases", "serving", "releases")
-
-
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """`base` with `override` applied: mappings merge key by key, anything else is replaced."""
     out = copy.deepcopy(base)
@@ -311,17 +307,19 @@ def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
-class _Reader:
+class RuleReader:
+    """Reads raw YAML rules against the schema; each error names its file and the key path inside it."""
+
     def __init__(self, file: object) -> None:
         self.file = file
 
     def fail(self, where: str, problem: str) -> QuantError:
-        return QuantError(f"{self.file}: {where}: {problem}")
+        return QuantError(f"{self.file}: {where}: {problem}" if where else f"{self.file}: {problem}")
 
     def unknown(self, where: str, key: object, allowed: Iterable[str]) -> QuantError:
         close = difflib.get_close_matches(str(key), list(allowed), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(allowed)})"
-        return self.fail(f"{where}.{key}", f"unknown rule key{hint}")
+        return self.fail(_at(where, key), f"unknown rule key{hint}")
 
     def section(self, cls: type, raw: Any, where: str, partial: bool) -> Any:
         """`raw` checked against dataclass `cls`; built with defaults unless `partial` (a release's overrides)."""
@@ -334,7 +332,7 @@ class _Reader:
         values: dict[str, Any] = {}
         for name, f in fields.items():
             if name in raw:
-                values[name] = self.value(raw[name], _hints(cls)[name], f"{where}.{name}", partial)
+                values[name] = self.value(raw[name], _hints(cls)[name], _at(where, name), partial)
             elif f.metadata.get(_REQUIRED) and not partial:
                 raise self.fail(where, f"missing rule key '{name}' ({f.metadata['meaning']})")
         return None if partial else cls(**values)
@@ -382,6 +380,11 @@ class _Reader:
         return value
 
 
+def _at(where: str, key: object) -> str:
+    """The key path of `key` inside `where` ('' at the top of a file)."""
+    return f"{where}.{key}" if where else str(key)
+
+
 def _shape_fits(value: Any, tp: Any) -> bool:
     """Whether `value` has the Python shape of type `tp` (picks the branch of a union)."""
     if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
@@ -405,47 +408,13 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def engine_wide(engine_data: dict[str, Any]) -> dict[str, Any]:
-    """An engine section's engine-wide rules (its keys other than title, default_releases and releases)."""
-    return {k: v for k, v in engine_data.items() if k not in ENGINE_KEYS}
+def check_overrides(raw: Any, file: object) -> None:
+    """Rules as a file states them (engine-wide or a release's overrides) checked against the schema: a QuantError
+    naming the file and the key path on an unknown key or a value of the wrong type."""
+    RuleReader(file).section(EngineRules, raw, "", partial=True)
 
 
-def check_engines(data: Any, file: object) -> None:
-    """Every engine section of engines.yaml checked against the schema: its keys, each release's overrides and
-    each merged profile. QuantError naming the file and the key path on the first problem."""
-    reader = _Reader(file)
-    if not isinstance(data, dict) or not isinstance(data.get("engines"), dict):
-        raise QuantError(f"{file}: no 'engines' mapping")
-    for key in data:
-        if key != "engines":
-            raise QuantError(f"{file}: {key}: unknown key (known: engines)")
-    for engine, section in data["engines"].items():
-        where = f"engines.{engine}"
-        if not isinstance(section, dict):
-            raise reader.fail(where, f"expected a mapping, got {type(section).__name__}")
-        allowed = [*ENGINE_KEYS, *(f.name for f in dataclasses.fields(EngineRules))]
-        for key in section:
-            if key not in allowed:
-                raise reader.unknown(where, key, allowed)
-        if not isinstance(section.get("title", ""), str):
-            raise reader.fail(f"{where}.title", "expected a string")
-        if not isinstance(section.get("serving", False), bool):
-            raise reader.fail(f"{where}.serving", "expected true or false")
-        releases = section.get("releases")
-        if not isinstance(releases, dict) or not releases:
-            raise reader.fail(f"{where}.releases", "expected a mapping of releases")
-        defaults = section.get("default_releases") or []
-        if not isinstance(defaults, list) or any(str(r) not in releases for r in defaults):
-            raise reader.fail(f"{where}.default_releases", f"expected a list of releases among "
-                                                           f"{', '.join(releases)}")
-        reader.section(EngineRules, engine_wide(section), where, partial=True)
-        for release, override in releases.items():
-            reader.section(EngineRules, override or {}, f"{where}.{release}", partial=True)
-            release_rules(section, engine, release, file)
-
-
-def release_rules(section: dict[str, Any], engine: str, release: str, file: object) -> EngineRules:
-    """The typed rules of one release: the engine-wide rules of `section` with the release's merged in."""
-    merged = merge(engine_wide(section), section["releases"][release] or {})
-    rules: EngineRules = _Reader(file).section(EngineRules, merged, f"engines.{engine}.{release}", partial=False)
+def typed_rules(merged: dict[str, Any], file: object) -> EngineRules:
+    """One release's merged rules as typed, frozen EngineRules (`file`: the release's, named by any error)."""
+    rules: EngineRules = RuleReader(file).section(EngineRules, merged, "", partial=False)
     return rules
