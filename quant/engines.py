@@ -79,14 +79,14 @@ class NameMapper:
     `substr` (orig_to_new_substr: the longest key found anywhere in the name, replaced once) first, then `prefix`
     (orig_to_new_prefix: the first key the name starts with). A module name is mapped the way its tensor names
     are, as "<module>." (so "lm_head" follows an "lm_head." rule). The one implementation of name mapping: the
-    model classes' mappers (engines.yaml name_mappers) and the draft classes' exclude mappers both go through it."""
+    model classes' mappers (engine rules name_mappers) and the draft classes' exclude mappers both go through it."""
 
     substr: tuple[tuple[str, str], ...] = ()
     prefix: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, mapping: dict[str, str]) -> NameMapper:
-        """engines.yaml `name_mappers` spelling: a key starting with "." is a substring entry, any other a prefix."""
+        """engine rules `name_mappers` spelling: a key starting with "." is a substring entry, any other a prefix."""
         return cls(_longest_first((k, v) for k, v in mapping.items() if k.startswith(".")),
                    tuple((k, v) for k, v in mapping.items() if not k.startswith(".")))
 
@@ -122,7 +122,7 @@ def _longest_first(items) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class Renamer:
     """The names an engine release builds a checkpoint module under: its name mapper, then its build-prefix renames
-    in order (engines.yaml `build_prefixes`, never applied to `exclude`); a rule with split replacements (`into`)
+    in order (engine rules `build_prefixes`, never applied to `exclude`); a rule with split replacements (`into`)
     makes one module of each (transformers builds Kimi's fused vision wqkv as attn.q_proj, attn.k_proj and
     attn.v_proj)."""
 
@@ -145,18 +145,18 @@ class Renamer:
 
 
 def runtime_name(module: str, mapper: dict[str, str]) -> str:
-    """`module` under a mapper in engines.yaml's spelling (NameMapper.of)."""
+    """`module` under a mapper in the engine files' spelling (NameMapper.of)."""
     return NameMapper.of(mapper)(module)
 
 
 def name_mapper(rules: EngineRules, config: dict) -> dict[str, str]:
-    """The engine's checkpoint -> runtime mapper for this config's architecture, as engines.yaml spells it ({} = same
+    """The engine's checkpoint -> runtime mapper for this config's architecture, as the engine files spell it ({} = same
     names)."""
     return dict(rules.name_mappers.get(architecture(config)) or {})
 
 
 def build_prefixes(rules: EngineRules, config: dict) -> Prefixes:
-    """The engine's build-prefix renames for this config's architecture (engines.yaml `build_prefixes`; () = none)."""
+    """The engine's build-prefix renames for this config's architecture (engine rules `build_prefixes`; () = none)."""
     return tuple((r.match, r.replace, tuple(r.into)) for r in rules.build_prefixes.get(architecture(config)) or [])
 
 
@@ -168,7 +168,7 @@ def mtp_namespace(rules: EngineRules, config: dict) -> MtpNamespace | None:
 
 
 def namespace_draft_name(rule: MtpNamespace, module: str, config: dict) -> str:
-    """The name the engine's draft builds namespaced MTP module `module` under (engines.yaml mtp_namespace
+    """The name the engine's draft builds namespaced MTP module `module` under (engine rules mtp_namespace
     draft_names, applied in order; '{N}' is num_hidden_layers, '{N+k}' that plus the match's group k)."""
     n = mtp_layout(config).first
     name = module
@@ -184,7 +184,7 @@ def namespace_draft_name(rule: MtpNamespace, module: str, config: dict) -> str:
 
 def namespace_layers(rule: MtpNamespace, config: dict) -> list[tuple[int, str]]:
     """(the engine's layer index N+k, the checkpoint prefix it loads) of each declared MTP layer of a namespaced
-    head whose engine loads it layer by layer (engines.yaml mtp_namespace layer_prefix); [] otherwise."""
+    head whose engine loads it layer by layer (engine rules mtp_namespace layer_prefix); [] otherwise."""
     if not rule.layer_prefix:
         return []
     return [(idx, rule.layer_prefix.replace("{k}", str(k))) for k, idx in enumerate(mtp_layout(config).published)]
@@ -241,7 +241,7 @@ class Profile:
 
     def unexpanded_fused(self, config: dict) -> frozenset[str]:
         """Fused modules this architecture builds that the quant config looks up by the fused name only
-        (engines.yaml `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
+        (engine rules `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
         return frozenset(self.rules.unexpanded_fused.get(architecture(config)) or [])
 
     def stray_tensor(self, tensor: str, config: dict) -> StrayTensor | None:
@@ -381,7 +381,8 @@ def engine_names() -> list[str]:
 
 @lru_cache(maxsize=1)
 def all_profiles() -> tuple[Profile, ...]:
-    """Every release of every engine, engines in index.yaml's order, releases oldest first (questions about all engines ask each of them)."""
+    """Every release of every engine, engines in index.yaml's order, releases oldest first (questions about all
+    engines ask each of them)."""
     return tuple(profile(engine, release) for engine in engine_names() for release in releases(engine))
 
 

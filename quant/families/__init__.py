@@ -7,7 +7,7 @@ naming it) and answers questions about a config. It imports nothing from the res
 and `quant.paths`, so the checkpoint reader, validation, the preflight, the pipeline, GPTQ and the eval stage all
 sit above it. Adding a family is one YAML file here (`model_types`, `architectures`, `roles`, `shapes`, `mtp`, ...,
 and its toy under `toys`) and, only for what data cannot say, a small adapter in `quant/families/adapters.py`; the
-engines' own rules for it (manifests/engines.yaml, keyed by the architecture classes the file names) only where an
+engines' own rules for it (manifests/engines/, keyed by the architecture classes the file names) only where an
 engine differs.
 """
 
@@ -98,13 +98,13 @@ class Family:
     # `adapter: NAME` (quant/families/adapters.py): config.json -> the config the shape formulas are evaluated on
     adapter: Callable[[dict], dict] | None = None
     # The `architectures` of config.json each model type is released with: {model_type: [class, ...]} (the keys
-    # engines.yaml rules are filed under); never inherited, like model_types
+    # engine rules are filed under); never inherited, like model_types
     architectures: dict[str, list[str]] = field(default_factory=dict)
     # The family's toy checkpoints, {toy name: spec} as written (quant/toy.py reads and checks them; the keys are
     # documented in manifests/toys.yaml); never inherited
     toys: dict[str, dict] = field(default_factory=dict)
     # The first transformers release whose AutoConfig knows each model type ({model_type: "5.16.1"}; a type no
-    # release knows is absent: engines parse it with config classes of their own, engines.yaml config_registry).
+    # release knows is absent: engines parse it with config classes of their own, engine rules config_registry).
     # An engine release that runs an older transformers and registers no class of its own cannot read config.json
     # (quant/verify/schema.py). Read from transformers' wheels by scripts/release_parsing.py; never inherited.
     transformers_since: dict[str, str] = field(default_factory=dict)
