@@ -27,6 +27,8 @@ from typing import Any, Literal, Union
 from quant.errors import QuantError
 
 _REQUIRED = "required"
+# A rule keyed by config.json's architectures[0]: `quant engines show ARCH` keeps that architecture's entry only.
+_PER_ARCHITECTURE = "per_architecture"
 
 
 def rule(default: Any, meaning: str) -> Any:
@@ -34,6 +36,11 @@ def rule(default: Any, meaning: str) -> Any:
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"meaning": meaning})
     return field(default=default, metadata={"meaning": meaning})
+
+
+def by_architecture(meaning: str) -> Any:
+    """A rule key mapping architecture -> its rule (default: no architecture has one)."""
+    return field(default_factory=dict, metadata={"meaning": meaning, _PER_ARCHITECTURE: True})
 
 
 def required(meaning: str) -> Any:
@@ -173,11 +180,11 @@ class Mtp:
                       "(spec_names -> spec_prefix, the rest -> decoder_prefix, per draft class)")
     draft_layers: Literal["all", "first"] = rule(
         "all", "the declared MTP layers the draft loads: every one, or the first (model.layers.{N}) only")
-    draft_names: dict[str, list[BuildPrefix]] = rule(
-        {}, "checkpoint: architecture -> regex renames, applied in order, of an MTP layer's checkpoint module to the "
-            "name the draft builds it under and looks it up by in the quant config it shares with the target "
-            "(a wrapper's draft building model.language_model.layers.{N}.* as model.layers.{N}.*); none: the "
-            "checkpoint's names")
+    draft_names: dict[str, list[BuildPrefix]] = by_architecture(
+        "checkpoint: architecture -> regex renames, applied in order, of an MTP layer's checkpoint module to the "
+        "name the draft builds it under and looks it up by in the quant config it shares with the target "
+        "(a wrapper's draft building model.language_model.layers.{N}.* as model.layers.{N}.*); none: the "
+        "checkpoint's names")
     exclude_runtime_names: bool = rule(
         False, "the exclude entries written for a module of a layer the draft loads also name it by the draft's "
                "runtime name (nextn: a draft class that matches exclude without remapping it needs that spelling)")
@@ -189,7 +196,7 @@ class Mtp:
     decoder_prefix: str = rule("", "nextn: the runtime prefix of the draft's decoder layer")
     spec_prefix: str = rule("", "nextn: the runtime prefix of the spec modules")
     moe_coarse: str = rule("", "nextn: the FusedMoE prefix under decoder_prefix")
-    draft_class: dict[str, str] = rule({}, "nextn: target architecture -> draft class")
+    draft_class: dict[str, str] = by_architecture("nextn: target architecture -> draft class")
     default_draft_class: str | None = rule(None, "nextn: the draft class of a target architecture not in draft_class")
     draft_classes: dict[str, DraftClass] = rule({}, "nextn: draft class -> how it reads exclude")
 
@@ -206,20 +213,20 @@ class EngineRules:
                                       "('ignored': none matches)")
     errors: Errors = rule(Errors(), "messages of errors raised while building modules")
     packed_modules_mapping: dict[str, list[str]] = rule({}, "fused module -> the checkpoint shards it is built from")
-    unexpanded_fused: dict[str, list[str]] = rule(
-        {}, "architecture -> fused modules matched by the fused name only (not expanded into shards)")
+    unexpanded_fused: dict[str, list[str]] = by_architecture(
+        "architecture -> fused modules matched by the fused name only (not expanded into shards)")
     exclude_fused_name_first: bool = rule(
         False, "an exclude entry matching a fused module's own name excludes it before its shards are expanded")
-    name_mappers: dict[str, dict[str, str]] = rule(
-        {}, "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
-            "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
+    name_mappers: dict[str, dict[str, str]] = by_architecture(
+        "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
+        "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
     maps_exclude: bool = rule(False, "exclude is rewritten with the name mapper before matching")
     exclude_prefix_aliases: list[str] = rule(
         [], "prefixes the quant config also strips from each exclude entry it maps, keeping both spellings")
     maps_layer_quant_config: bool = rule(
         False, "layer_quant_config keys are rewritten with the name mapper before matching")
-    build_prefixes: dict[str, list[BuildPrefix]] = rule(
-        {}, "architecture -> modules built under a quant-config prefix other than their checkpoint path")
+    build_prefixes: dict[str, list[BuildPrefix]] = by_architecture(
+        "architecture -> modules built under a quant-config prefix other than their checkpoint path")
     block_fp8_moe: Literal["validate", "refine"] | None = rule(
         None, "how a block-FP8 FusedMoE is sized when I/TP is not a multiple of 128 (none: not checked)")
     block_fp8_merged: MergedRule | dict[str, MergedRule] | None = rule(
@@ -230,11 +237,11 @@ class EngineRules:
                                               "split into whole blocks per TP rank (none: not checked)")
     block_fp8_dequant_grid: DequantGrid | None = rule(
         None, "block FP8 dequantized with a block derived from the scale grid (none: not affected)")
-    mtp_namespace: dict[str, MtpNamespace] = rule(
-        {}, "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
+    mtp_namespace: dict[str, MtpNamespace] = by_architecture(
+        "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
     never_quantized: list[str] = rule([], "regexes of modules the engine builds without asking the quant config")
-    never_quantized_by_architecture: dict[str, list[str]] = rule(
-        {}, "architecture -> regexes of modules this architecture's model never builds or never quantizes")
+    never_quantized_by_architecture: dict[str, list[str]] = by_architecture(
+        "architecture -> regexes of modules this architecture's model never builds or never quantizes")
     layer_types_length: str | None = rule(
         None, "what the engine raises reading a config.json (or its text_config) whose layer_types list has another "
               "length than num_hidden_layers (none: not checked)")
@@ -254,9 +261,9 @@ class EngineRules:
     row_parallel: list[str] = rule([], "regexes of row-parallel modules (TP splits their input)")
     shared_expert_fusion_veto: bool = rule(
         False, "an excluded shared expert disables shared-expert fusion for every layer (performance warning)")
-    stray_tensors: dict[str, list[StrayTensor]] = rule(
-        {}, "architecture -> how its load_weights treats a tensor its module has no parameter for, first matching "
-            "entry wins; a tensor no entry matches is taken as rejected (an error naming it)")
+    stray_tensors: dict[str, list[StrayTensor]] = by_architecture(
+        "architecture -> how its load_weights treats a tensor its module has no parameter for, first matching "
+        "entry wins; a tensor no entry matches is taken as rejected (an error naming it)")
     moe: Moe = required("how FusedMoE modules are excluded")
     schemes: Schemes = rule(Schemes(), "which schemes the engine builds")
     config_schema: ConfigSchema = rule(ConfigSchema(), "quantization_config schema checks")
@@ -418,3 +425,42 @@ def typed_rules(merged: dict[str, Any], file: object) -> EngineRules:
     """One release's merged rules as typed, frozen EngineRules (`file`: the release's, named by any error)."""
     rules: EngineRules = RuleReader(file).section(EngineRules, merged, "", partial=False)
     return rules
+
+
+def for_architecture(section: Any, arch: str) -> dict[str, Any]:
+    """The rules of `section` (EngineRules or a section of it) as a checkpoint of architecture `arch` meets them,
+    as plain data: a rule keyed by architecture reduced to that architecture's entry (left out when it has none),
+    every other rule as it is."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.metadata.get(_PER_ARCHITECTURE):
+            if arch in value:
+                out[f.name] = _plain(value[arch])
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = for_architecture(value, arch)
+        else:
+            out[f.name] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def architectures_named(section: Any) -> set[str]:
+    """Every architecture a rule keyed by architecture names in `section` (EngineRules or a section of it)."""
+    out: set[str] = set()
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.metadata.get(_PER_ARCHITECTURE):
+            out |= set(value)
+        elif dataclasses.is_dataclass(value):
+            out |= architectures_named(value)
+    return out

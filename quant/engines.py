@@ -392,12 +392,6 @@ def serving_engines() -> tuple[str, ...]:
     return tuple(name for name, files in engine_files().items() if files.serving)
 
 
-def __getattr__(name: str):
-    if name == "SERVING_ENGINES":  # read from the engine files when first imported, not when this module is
-        return serving_engines()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def select_profiles(specs: list[str] | None) -> list[Profile]:
     """Profiles for engine specs: "all", "sglang" (its default releases), "sglang==0.5.12" or
     "sglang==latest" (the newest release profiled); none: the serving engines (serving_engines)."""
