@@ -284,7 +284,7 @@ def test_mtp_layer_quant_config_not_remapped(tmp_path):
     assert "model.decoder.self_attn.*" in json.loads((fixed / "config.json").read_text())[
         "quantization_config"]["layer_quant_config"]
     # What --fix cannot change: 0.5.12's DeepSeek weight loader cannot load an FP8 per-channel kv_b_proj
-    # (engines.yaml schemes.module_failures), the MTP layer's included.
+    # (the engine rules schemes.module_failures), the MTP layer's included.
     left = verify_checkpoint(fixed).errors
     assert {(f.engine, f.versions, f.rule) for f in left} == {("sglang", ("0.5.12",), "module scheme")}
     assert {f.tensor for f in left} == {"model.layers.3.self_attn.kv_b_proj.weight"}

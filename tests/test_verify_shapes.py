@@ -309,9 +309,9 @@ def test_correct_exports_pass(toy_factory, tmp_path, name):
             errors = [f for f in report.errors
                       if toy_family(name).family != "deepseek_v4" or f.rule.startswith("#13/#14")]
             # Kimi-K3: the releases without a kimi_k3 config class (SGLang 0.5.12 / 0.5.19, vLLM 0.31) cannot read
-            # its config.json at all (engines.yaml config_registry): not an export question
+            # its config.json at all (the engine rules config_registry): not an export question
             errors = [f for f in errors if f.rule != "#31 engine config registry"]
-            # SGLang 0.5.12 cannot load an MLA model's FP8 per-channel kv_b_proj (engines.yaml module_failures; run
+            # SGLang 0.5.12 cannot load an MLA model's FP8 per-channel kv_b_proj (the engine rules module_failures; run
             # in tests_engines/test_sglang.py): expected there, and nowhere else.
             loader = [f for f in errors if f.rule == "module scheme"]
             assert all(f.versions == ("0.5.12",) and ".kv_b_proj." in f.tensor for f in loader), loader
