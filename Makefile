@@ -167,7 +167,7 @@ ENGINES_XDIST ?= -n 2
 # run, so the matrix step reads what the tiers observed instead of running every probe again.
 ENGINE_RESULTS ?= .engine-results
 # tests_engines/test_engine_profile_check.py, collected by the first run below, checks each installed release's
-# engines.yaml profile against the release (scripts/check_engine_profile.py in .venv-engines and .venv-sglang:
+# engine rule files against the release (scripts/check_engine_profile.py in .venv-engines and .venv-sglang:
 # vLLM 0.32.0, SGLang 0.5.23 and 0.5.12); about 2 minutes, so not in the fast slices.
 test-engines: export QUANT_ENGINE_RESULTS = $(abspath $(ENGINE_RESULTS))
 test-engines: $(ENGINES_VENV)/.installed $(SGLANG_VENV)/.installed $(VENV)/.installed $(QUARK_VENV)/.installed

@@ -50,7 +50,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _register() -> None:
     from evals import command as eval_cmd
-    from quant.commands import demo, kernels, push, quantize, toy, verify
+    from quant.commands import demo, engines, kernels, push, quantize, toy, verify
 
     app.command("toy")(toy.command)
     app.command("quantize")(quantize.command)
@@ -59,6 +59,7 @@ def _register() -> None:
     app.command("eval")(eval_cmd.command)
     app.command("demo")(demo.command)
     app.add_typer(kernels.app, name="kernels")
+    app.add_typer(engines.app, name="engines")
 
 
 _register()

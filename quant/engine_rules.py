@@ -1,15 +1,16 @@
-"""The schema of manifests/engines.yaml: every rule an engine profile can state, declared once with its type, its
-default and what it means, and the one reader that turns the YAML into typed, frozen `EngineRules`.
+"""The schema of the engine rules (quant/manifests/engines/): every rule an engine profile can state, declared once
+with its type, its default and what it means, and the reader that turns the YAML into typed, frozen `EngineRules`.
 
-An engine section holds `title`, `default_releases`, `releases` and engine-wide rules; each release lists only
-the rules that differ. Both are checked against this schema when the file is read: an unknown or misspelled key
-(`engines.sglang.0.5.19.maps_exclud`) or a value of the wrong type is a QuantError naming the file, the key path
+An engine's engine.yaml holds its engine-wide rules, each release file only the rules that differ
+(quant/engine_files.py reads the folder). Both are checked against this schema when read: an unknown or misspelled
+key (`maps_exclud` in sglang/0.5.19.yaml) or a value of the wrong type is a QuantError naming the file, the key path
 and the closest declared spelling, instead of a rule silently left at its default. A release's rules are the
-engine-wide ones with the release's overrides merged in (`merge`: mappings merge key by key, anything else is
-replaced; a release cannot remove a mapping entry).
+engine-wide ones (or those of the release it inherits) with the release's overrides merged in (`merge`: mappings
+merge key by key, anything else is replaced; a release cannot remove a mapping entry).
 
 Code reads rules as attributes (`profile.rules.moe.excluded_when`) or asks the profile (quant.engines.Profile);
-no engine name appears in the branches of the engines layer (quant/engines.py, this file) or of quant/verify/.
+no engine name appears in the branches of the engines layer (quant/engines.py, quant/engine_files.py, this file)
+or of quant/verify/.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any, Literal, Union
 from quant.errors import QuantError
 
 _REQUIRED = "required"
+# A rule keyed by config.json's architectures[0]: `quant engines show ARCH` keeps that architecture's entry only.
+_PER_ARCHITECTURE = "per_architecture"
 
 
 def rule(default: Any, meaning: str) -> Any:
@@ -33,6 +36,11 @@ def rule(default: Any, meaning: str) -> Any:
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"meaning": meaning})
     return field(default=default, metadata={"meaning": meaning})
+
+
+def by_architecture(meaning: str) -> Any:
+    """A rule key mapping architecture -> its rule (default: no architecture has one)."""
+    return field(default_factory=dict, metadata={"meaning": meaning, _PER_ARCHITECTURE: True})
 
 
 def required(meaning: str) -> Any:
@@ -172,11 +180,11 @@ class Mtp:
                       "(spec_names -> spec_prefix, the rest -> decoder_prefix, per draft class)")
     draft_layers: Literal["all", "first"] = rule(
         "all", "the declared MTP layers the draft loads: every one, or the first (model.layers.{N}) only")
-    draft_names: dict[str, list[BuildPrefix]] = rule(
-        {}, "checkpoint: architecture -> regex renames, applied in order, of an MTP layer's checkpoint module to the "
-            "name the draft builds it under and looks it up by in the quant config it shares with the target "
-            "(a wrapper's draft building model.language_model.layers.{N}.* as model.layers.{N}.*); none: the "
-            "checkpoint's names")
+    draft_names: dict[str, list[BuildPrefix]] = by_architecture(
+        "checkpoint: architecture -> regex renames, applied in order, of an MTP layer's checkpoint module to the "
+        "name the draft builds it under and looks it up by in the quant config it shares with the target "
+        "(a wrapper's draft building model.language_model.layers.{N}.* as model.layers.{N}.*); none: the "
+        "checkpoint's names")
     exclude_runtime_names: bool = rule(
         False, "the exclude entries written for a module of a layer the draft loads also name it by the draft's "
                "runtime name (nextn: a draft class that matches exclude without remapping it needs that spelling)")
@@ -188,7 +196,7 @@ class Mtp:
     decoder_prefix: str = rule("", "nextn: the runtime prefix of the draft's decoder layer")
     spec_prefix: str = rule("", "nextn: the runtime prefix of the spec modules")
     moe_coarse: str = rule("", "nextn: the FusedMoE prefix under decoder_prefix")
-    draft_class: dict[str, str] = rule({}, "nextn: target architecture -> draft class")
+    draft_class: dict[str, str] = by_architecture("nextn: target architecture -> draft class")
     default_draft_class: str | None = rule(None, "nextn: the draft class of a target architecture not in draft_class")
     draft_classes: dict[str, DraftClass] = rule({}, "nextn: draft class -> how it reads exclude")
 
@@ -205,20 +213,20 @@ class EngineRules:
                                       "('ignored': none matches)")
     errors: Errors = rule(Errors(), "messages of errors raised while building modules")
     packed_modules_mapping: dict[str, list[str]] = rule({}, "fused module -> the checkpoint shards it is built from")
-    unexpanded_fused: dict[str, list[str]] = rule(
-        {}, "architecture -> fused modules matched by the fused name only (not expanded into shards)")
+    unexpanded_fused: dict[str, list[str]] = by_architecture(
+        "architecture -> fused modules matched by the fused name only (not expanded into shards)")
     exclude_fused_name_first: bool = rule(
         False, "an exclude entry matching a fused module's own name excludes it before its shards are expanded")
-    name_mappers: dict[str, dict[str, str]] = rule(
-        {}, "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
-            "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
+    name_mappers: dict[str, dict[str, str]] = by_architecture(
+        "architecture -> the model class's WeightsMapper: checkpoint -> runtime name prefixes (a key starting "
+        "with '.' is a substring replaced once, before the prefixes: orig_to_new_substr)")
     maps_exclude: bool = rule(False, "exclude is rewritten with the name mapper before matching")
     exclude_prefix_aliases: list[str] = rule(
         [], "prefixes the quant config also strips from each exclude entry it maps, keeping both spellings")
     maps_layer_quant_config: bool = rule(
         False, "layer_quant_config keys are rewritten with the name mapper before matching")
-    build_prefixes: dict[str, list[BuildPrefix]] = rule(
-        {}, "architecture -> modules built under a quant-config prefix other than their checkpoint path")
+    build_prefixes: dict[str, list[BuildPrefix]] = by_architecture(
+        "architecture -> modules built under a quant-config prefix other than their checkpoint path")
     block_fp8_moe: Literal["validate", "refine"] | None = rule(
         None, "how a block-FP8 FusedMoE is sized when I/TP is not a multiple of 128 (none: not checked)")
     block_fp8_merged: MergedRule | dict[str, MergedRule] | None = rule(
@@ -229,11 +237,11 @@ class EngineRules:
                                               "split into whole blocks per TP rank (none: not checked)")
     block_fp8_dequant_grid: DequantGrid | None = rule(
         None, "block FP8 dequantized with a block derived from the scale grid (none: not affected)")
-    mtp_namespace: dict[str, MtpNamespace] = rule(
-        {}, "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
+    mtp_namespace: dict[str, MtpNamespace] = by_architecture(
+        "architecture -> its MTP heads stored under their own namespace (Qwen3.5 mtp.*, DeepSeek-V4 mtp.{k}.*)")
     never_quantized: list[str] = rule([], "regexes of modules the engine builds without asking the quant config")
-    never_quantized_by_architecture: dict[str, list[str]] = rule(
-        {}, "architecture -> regexes of modules this architecture's model never builds or never quantizes")
+    never_quantized_by_architecture: dict[str, list[str]] = by_architecture(
+        "architecture -> regexes of modules this architecture's model never builds or never quantizes")
     layer_types_length: str | None = rule(
         None, "what the engine raises reading a config.json (or its text_config) whose layer_types list has another "
               "length than num_hidden_layers (none: not checked)")
@@ -253,18 +261,13 @@ class EngineRules:
     row_parallel: list[str] = rule([], "regexes of row-parallel modules (TP splits their input)")
     shared_expert_fusion_veto: bool = rule(
         False, "an excluded shared expert disables shared-expert fusion for every layer (performance warning)")
-    stray_tensors: dict[str, list[StrayTensor]] = rule(
-        {}, "architecture -> how its load_weights treats a tensor its module has no parameter for, first matching "
-            "entry wins; a tensor no entry matches is taken as rejected (an error naming it)")
+    stray_tensors: dict[str, list[StrayTensor]] = by_architecture(
+        "architecture -> how its load_weights treats a tensor its module has no parameter for, first matching "
+        "entry wins; a tensor no entry matches is taken as rejected (an error naming it)")
     moe: Moe = required("how FusedMoE modules are excluded")
     schemes: Schemes = rule(Schemes(), "which schemes the engine builds")
     config_schema: ConfigSchema = rule(ConfigSchema(), "quantization_config schema checks")
     mtp: Mtp = rule(Mtp(), "the MTP/NextN draft")
-
-
-# An engine section's keys besides its rules: its title, the releases `--engine NAME` checks, whether a preflight
-# naming no engine checks it (`serving`), and its releases.
-ENGINE_KEYS = ("title", "default_releases", "serving", "releases")
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -311,17 +314,19 @@ def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
-class _Reader:
+class RuleReader:
+    """Reads raw YAML rules against the schema; each error names its file and the key path inside it."""
+
     def __init__(self, file: object) -> None:
         self.file = file
 
     def fail(self, where: str, problem: str) -> QuantError:
-        return QuantError(f"{self.file}: {where}: {problem}")
+        return QuantError(f"{self.file}: {where}: {problem}" if where else f"{self.file}: {problem}")
 
     def unknown(self, where: str, key: object, allowed: Iterable[str]) -> QuantError:
         close = difflib.get_close_matches(str(key), list(allowed), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(allowed)})"
-        return self.fail(f"{where}.{key}", f"unknown rule key{hint}")
+        return self.fail(_at(where, key), f"unknown rule key{hint}")
 
     def section(self, cls: type, raw: Any, where: str, partial: bool) -> Any:
         """`raw` checked against dataclass `cls`; built with defaults unless `partial` (a release's overrides)."""
@@ -334,7 +339,7 @@ class _Reader:
         values: dict[str, Any] = {}
         for name, f in fields.items():
             if name in raw:
-                values[name] = self.value(raw[name], _hints(cls)[name], f"{where}.{name}", partial)
+                values[name] = self.value(raw[name], _hints(cls)[name], _at(where, name), partial)
             elif f.metadata.get(_REQUIRED) and not partial:
                 raise self.fail(where, f"missing rule key '{name}' ({f.metadata['meaning']})")
         return None if partial else cls(**values)
@@ -382,6 +387,11 @@ class _Reader:
         return value
 
 
+def _at(where: str, key: object) -> str:
+    """The key path of `key` inside `where` ('' at the top of a file)."""
+    return f"{where}.{key}" if where else str(key)
+
+
 def _shape_fits(value: Any, tp: Any) -> bool:
     """Whether `value` has the Python shape of type `tp` (picks the branch of a union)."""
     if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
@@ -405,47 +415,52 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def engine_wide(engine_data: dict[str, Any]) -> dict[str, Any]:
-    """An engine section's engine-wide rules (its keys other than title, default_releases and releases)."""
-    return {k: v for k, v in engine_data.items() if k not in ENGINE_KEYS}
+def check_overrides(raw: Any, file: object) -> None:
+    """Rules as a file states them (engine-wide or a release's overrides) checked against the schema: a QuantError
+    naming the file and the key path on an unknown key or a value of the wrong type."""
+    RuleReader(file).section(EngineRules, raw, "", partial=True)
 
 
-def check_engines(data: Any, file: object) -> None:
-    """Every engine section of engines.yaml checked against the schema: its keys, each release's overrides and
-    each merged profile. QuantError naming the file and the key path on the first problem."""
-    reader = _Reader(file)
-    if not isinstance(data, dict) or not isinstance(data.get("engines"), dict):
-        raise QuantError(f"{file}: no 'engines' mapping")
-    for key in data:
-        if key != "engines":
-            raise QuantError(f"{file}: {key}: unknown key (known: engines)")
-    for engine, section in data["engines"].items():
-        where = f"engines.{engine}"
-        if not isinstance(section, dict):
-            raise reader.fail(where, f"expected a mapping, got {type(section).__name__}")
-        allowed = [*ENGINE_KEYS, *(f.name for f in dataclasses.fields(EngineRules))]
-        for key in section:
-            if key not in allowed:
-                raise reader.unknown(where, key, allowed)
-        if not isinstance(section.get("title", ""), str):
-            raise reader.fail(f"{where}.title", "expected a string")
-        if not isinstance(section.get("serving", False), bool):
-            raise reader.fail(f"{where}.serving", "expected true or false")
-        releases = section.get("releases")
-        if not isinstance(releases, dict) or not releases:
-            raise reader.fail(f"{where}.releases", "expected a mapping of releases")
-        defaults = section.get("default_releases") or []
-        if not isinstance(defaults, list) or any(str(r) not in releases for r in defaults):
-            raise reader.fail(f"{where}.default_releases", f"expected a list of releases among "
-                                                           f"{', '.join(releases)}")
-        reader.section(EngineRules, engine_wide(section), where, partial=True)
-        for release, override in releases.items():
-            reader.section(EngineRules, override or {}, f"{where}.{release}", partial=True)
-            release_rules(section, engine, release, file)
-
-
-def release_rules(section: dict[str, Any], engine: str, release: str, file: object) -> EngineRules:
-    """The typed rules of one release: the engine-wide rules of `section` with the release's merged in."""
-    merged = merge(engine_wide(section), section["releases"][release] or {})
-    rules: EngineRules = _Reader(file).section(EngineRules, merged, f"engines.{engine}.{release}", partial=False)
+def typed_rules(merged: dict[str, Any], file: object) -> EngineRules:
+    """One release's merged rules as typed, frozen EngineRules (`file`: the release's, named by any error)."""
+    rules: EngineRules = RuleReader(file).section(EngineRules, merged, "", partial=False)
     return rules
+
+
+def for_architecture(section: Any, arch: str) -> dict[str, Any]:
+    """The rules of `section` (EngineRules or a section of it) as a checkpoint of architecture `arch` meets them,
+    as plain data: a rule keyed by architecture reduced to that architecture's entry (left out when it has none),
+    every other rule as it is."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.metadata.get(_PER_ARCHITECTURE):
+            if arch in value:
+                out[f.name] = _plain(value[arch])
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = for_architecture(value, arch)
+        else:
+            out[f.name] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def architectures_named(section: Any) -> set[str]:
+    """Every architecture a rule keyed by architecture names in `section` (EngineRules or a section of it)."""
+    out: set[str] = set()
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.metadata.get(_PER_ARCHITECTURE):
+            out |= set(value)
+        elif dataclasses.is_dataclass(value):
+            out |= architectures_named(value)
+    return out

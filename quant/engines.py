@@ -1,14 +1,14 @@
-"""Engine profiles (SGLang, vLLM, transformers) read from manifests/engines.yaml, and the names each engine
-gives a checkpoint module when it looks up its quantization scheme.
+"""Engine profiles (SGLang, vLLM, transformers) read from manifests/engines/ (one file per release,
+quant/engine_files.py), and the names each engine gives a checkpoint module when it looks up its quantization scheme.
 
 A `Profile` is one engine release with its rules merged (engine-wide rules overridden by the release's), typed
-by the schema in quant/engine_rules.py (an unknown or misspelled key in engines.yaml is an error when it is read).
+by the schema in quant/engine_rules.py (an unknown or misspelled key in a rule file is an error when it is read).
 Its methods answer what that release does with a checkpoint: the names it builds a module under (`renamer`), the
 `exclude` and `layer_quant_config` its quant config matches them against, the names its MTP draft builds
 (`mtp_draft_name`, `namespace_draft_name`) and the exclude entries that draft needs (`draft_exclude_names`).
 `exclude_aliases` asks every profile for the exclude entries one checkpoint module needs; the quantizer uses it to
 write `exclude`, verify-manifest uses the same profiles to predict load failures. Nothing here names an engine:
-what differs between engines is a key of engines.yaml (tests/test_architecture.py).
+what differs between engines is a rule key of the engine files (tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-import yaml
-
-from quant.engine_rules import DraftClass, EngineRules, MtpNamespace, StrayTensor, check_engines, release_rules
+from quant.engine_files import EngineFiles, read_engines
+from quant.engine_rules import DraftClass, EngineRules, MtpNamespace, StrayTensor
 from quant.families import mtp_layout
 from quant.errors import QuantError, did_you_mean
 from quant.paths import MANIFESTS_DIR
 
-ENGINES_FILE = MANIFESTS_DIR / "engines.yaml"
+# Read when first asked (engine_files), so a test or the profile checker can point it at another copy.
+ENGINES_DIR = MANIFESTS_DIR / "engines"
 # A decoder layer's module (model.layers.N.*, a VL wrapper's model.language_model.layers.N.* or
 # language_model.model.layers.N.*): (layer prefix, index, module within the layer).
 _LAYER = re.compile(r"^((?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+))\.(.+)$")
@@ -32,14 +32,9 @@ _EXPERT_LEAF = re.compile(r"^mlp\.experts\.\d+\.")
 
 
 @lru_cache(maxsize=1)
-def engine_data() -> dict:
-    try:
-        with open(ENGINES_FILE) as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
-        raise QuantError(f"{ENGINES_FILE}: cannot read engine profiles ({e})") from None
-    check_engines(data, ENGINES_FILE)
-    return data
+def engine_files() -> dict[str, EngineFiles]:
+    """Every engine's rule files under ENGINES_DIR, read and checked once."""
+    return read_engines(ENGINES_DIR)
 
 
 def architecture(config: dict) -> str:
@@ -84,14 +79,14 @@ class NameMapper:
     `substr` (orig_to_new_substr: the longest key found anywhere in the name, replaced once) first, then `prefix`
     (orig_to_new_prefix: the first key the name starts with). A module name is mapped the way its tensor names
     are, as "<module>." (so "lm_head" follows an "lm_head." rule). The one implementation of name mapping: the
-    model classes' mappers (engines.yaml name_mappers) and the draft classes' exclude mappers both go through it."""
+    model classes' mappers (engine rules name_mappers) and the draft classes' exclude mappers both go through it."""
 
     substr: tuple[tuple[str, str], ...] = ()
     prefix: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, mapping: dict[str, str]) -> NameMapper:
-        """engines.yaml `name_mappers` spelling: a key starting with "." is a substring entry, any other a prefix."""
+        """engine rules `name_mappers` spelling: a key starting with "." is a substring entry, any other a prefix."""
         return cls(_longest_first((k, v) for k, v in mapping.items() if k.startswith(".")),
                    tuple((k, v) for k, v in mapping.items() if not k.startswith(".")))
 
@@ -127,7 +122,7 @@ def _longest_first(items) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class Renamer:
     """The names an engine release builds a checkpoint module under: its name mapper, then its build-prefix renames
-    in order (engines.yaml `build_prefixes`, never applied to `exclude`); a rule with split replacements (`into`)
+    in order (engine rules `build_prefixes`, never applied to `exclude`); a rule with split replacements (`into`)
     makes one module of each (transformers builds Kimi's fused vision wqkv as attn.q_proj, attn.k_proj and
     attn.v_proj)."""
 
@@ -150,18 +145,18 @@ class Renamer:
 
 
 def runtime_name(module: str, mapper: dict[str, str]) -> str:
-    """`module` under a mapper in engines.yaml's spelling (NameMapper.of)."""
+    """`module` under a mapper in the engine files' spelling (NameMapper.of)."""
     return NameMapper.of(mapper)(module)
 
 
 def name_mapper(rules: EngineRules, config: dict) -> dict[str, str]:
-    """The engine's checkpoint -> runtime mapper for this config's architecture, as engines.yaml spells it ({} = same
+    """The engine's checkpoint -> runtime mapper for this config's architecture, as the engine files spell it ({} = same
     names)."""
     return dict(rules.name_mappers.get(architecture(config)) or {})
 
 
 def build_prefixes(rules: EngineRules, config: dict) -> Prefixes:
-    """The engine's build-prefix renames for this config's architecture (engines.yaml `build_prefixes`; () = none)."""
+    """The engine's build-prefix renames for this config's architecture (engine rules `build_prefixes`; () = none)."""
     return tuple((r.match, r.replace, tuple(r.into)) for r in rules.build_prefixes.get(architecture(config)) or [])
 
 
@@ -173,7 +168,7 @@ def mtp_namespace(rules: EngineRules, config: dict) -> MtpNamespace | None:
 
 
 def namespace_draft_name(rule: MtpNamespace, module: str, config: dict) -> str:
-    """The name the engine's draft builds namespaced MTP module `module` under (engines.yaml mtp_namespace
+    """The name the engine's draft builds namespaced MTP module `module` under (engine rules mtp_namespace
     draft_names, applied in order; '{N}' is num_hidden_layers, '{N+k}' that plus the match's group k)."""
     n = mtp_layout(config).first
     name = module
@@ -189,7 +184,7 @@ def namespace_draft_name(rule: MtpNamespace, module: str, config: dict) -> str:
 
 def namespace_layers(rule: MtpNamespace, config: dict) -> list[tuple[int, str]]:
     """(the engine's layer index N+k, the checkpoint prefix it loads) of each declared MTP layer of a namespaced
-    head whose engine loads it layer by layer (engines.yaml mtp_namespace layer_prefix); [] otherwise."""
+    head whose engine loads it layer by layer (engine rules mtp_namespace layer_prefix); [] otherwise."""
     if not rule.layer_prefix:
         return []
     return [(idx, rule.layer_prefix.replace("{k}", str(k))) for k, idx in enumerate(mtp_layout(config).published)]
@@ -246,7 +241,7 @@ class Profile:
 
     def unexpanded_fused(self, config: dict) -> frozenset[str]:
         """Fused modules this architecture builds that the quant config looks up by the fused name only
-        (engines.yaml `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
+        (engine rules `unexpanded_fused`: the class's packed_modules_mapping lacks them)."""
         return frozenset(self.rules.unexpanded_fused.get(architecture(config)) or [])
 
     def stray_tensor(self, tensor: str, config: dict) -> StrayTensor | None:
@@ -359,11 +354,12 @@ class Profile:
 # ---- the profiles ---------------------------------------------------------------------------------------
 
 def releases(engine: str) -> list[str]:
-    return list(_engine(engine)["releases"])
+    """The engine's profiled releases, oldest first."""
+    return list(_engine(engine).releases)
 
 
-def _engine(engine: str) -> dict:
-    engines = engine_data()["engines"]
+def _engine(engine: str) -> EngineFiles:
+    engines = engine_files()
     if engine not in engines:
         raise QuantError(f"unknown engine '{engine}'{did_you_mean(engine, engines)} (known: {', '.join(engines)})")
     return engines[engine]
@@ -371,34 +367,29 @@ def _engine(engine: str) -> dict:
 
 @lru_cache(maxsize=None)
 def profile(engine: str, release: str) -> Profile:
-    data = _engine(engine)
-    if release not in data["releases"]:
+    files = _engine(engine)
+    if release not in files.releases:
         raise QuantError(f"unknown {engine} release '{release}' (profiles exist for: "
-                         f"{', '.join(data['releases'])}; see {ENGINES_FILE})")
-    return Profile(engine, release, data.get("title", engine), release_rules(data, engine, release, ENGINES_FILE))
+                         f"{', '.join(files.releases)}; see {files.path.parent})")
+    return Profile(engine, release, files.title, files.rules(release))
 
 
 def engine_names() -> list[str]:
-    """The engines engines.yaml profiles, in its order."""
-    return list(engine_data()["engines"])
+    """The engines profiled, in index.yaml's order."""
+    return list(engine_files())
 
 
 @lru_cache(maxsize=1)
 def all_profiles() -> tuple[Profile, ...]:
-    """Every release of every engine, in engines.yaml's order (questions about all engines ask each of them)."""
+    """Every release of every engine, engines in index.yaml's order, releases oldest first (questions about all
+    engines ask each of them)."""
     return tuple(profile(engine, release) for engine in engine_names() for release in releases(engine))
 
 
 def serving_engines() -> tuple[str, ...]:
-    """What a preflight checks when no engine is named: the engines that serve a checkpoint (engines.yaml
+    """What a preflight checks when no engine is named: the engines that serve a checkpoint (engine.yaml
     `serving`)."""
-    return tuple(name for name, section in engine_data()["engines"].items() if section.get("serving"))
-
-
-def __getattr__(name: str):
-    if name == "SERVING_ENGINES":  # read from engines.yaml when first imported, not when this module is
-        return serving_engines()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return tuple(name for name, files in engine_files().items() if files.serving)
 
 
 def select_profiles(specs: list[str] | None) -> list[Profile]:
@@ -411,7 +402,7 @@ def select_profiles(specs: list[str] | None) -> list[Profile]:
             if not item:
                 continue
             if item == "all":
-                names = [(e, None) for e in engine_data()["engines"]]
+                names = [(e, None) for e in engine_files()]
             elif "==" in item:
                 engine, release = item.split("==", 1)
                 names = [(engine.strip(), release.strip())]
@@ -420,7 +411,7 @@ def select_profiles(specs: list[str] | None) -> list[Profile]:
             for engine, release in names:
                 if release == "latest":
                     release = releases(engine)[-1]
-                chosen = [release] if release else _engine(engine).get("default_releases") or releases(engine)
+                chosen = [release] if release else list(_engine(engine).default_releases) or releases(engine)
                 for r in chosen:
                     p = profile(engine, r)
                     if p not in out:

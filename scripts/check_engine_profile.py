@@ -1,23 +1,28 @@
-"""Check an engine release's profile (quant/manifests/engines.yaml) against the release itself (issue #42 item 4).
+"""The one check of the engine profiles (quant/manifests/engines/) against the releases themselves (issue #42 item 4).
 
     .venv-engines/bin/python scripts/check_engine_profile.py vllm==0.32.0
     .venv-sglang/bin/python scripts/check_engine_profile.py sglang==0.5.23
     PYTHONPATH=.venv-sglang/releases/sglang-0.5.12:.venv-sglang/releases/transformers-5.6.0 \
         .venv-sglang/bin/python scripts/check_engine_profile.py sglang==0.5.12
     ... --json                 # the facts read from the release (a new release's profile starts from them)
-    ... --profiles FILE.yaml   # check another copy of engines.yaml
+    ... --profiles DIR         # check another copy of the engine files (a manifests/engines folder)
+    python scripts/check_engine_profile.py --wheels WHEELS   # any python: the wheels in WHEELS, read, not installed
 
-Runs under the tier venv's python, where the release imports. For every architecture the profile names (its
-name_mappers, unexpanded_fused, mtp_namespace, build_prefixes and draft-class keys, and every family's
-architectures) it imports the model class the release registers, without building it, and reads what the class
-says: its weights mapper (vLLM hf_to_vllm_mapper.get_rename_mapper(), what QuarkConfig.apply_vllm_mapper gets;
-SGLang hf_to_sglang_mapper), its packed_modules_mapping (the class attribute, the entries its __init__ adds, read
-from its source, and the stacked entries of a vLLM mapper), plus the quark scheme classes present, the transformers
-its distribution requires and the model types its own config registry parses. Each is compared with what the
-profile says for that release (quant.engines.profile: engine-wide rules with the release's merged in); one line
-per difference, exit 1 if any. A value that cannot be read without building a model (an SGLang mapper computed by
-get_hf_to_sglang_mapper(config)) is printed as a note, never guessed. A difference the profile states on purpose
-is listed in its `not_modelled` rule with the reason and printed as a note.
+Two sources of the same facts, one comparison. `--wheels` reads sglang-*, vllm-* and transformers-* wheels
+statically (scripts/release_parsing.py; nothing installed): for every profiled release among them, its `transformers`
+and `config_registry` rules, and every family's `transformers_since`. ENGINE==VERSION runs under the tier venv's
+python, where the release imports, and checks those two rules (the same function) and the rest below.
+
+For every architecture the profile names (its name_mappers, unexpanded_fused, mtp_namespace, build_prefixes and draft-
+class keys, and every family's architectures) it imports the model class the release registers, without building it, and
+reads what the class says: its weights mapper (vLLM hf_to_vllm_mapper.get_rename_mapper(), what
+QuarkConfig.apply_vllm_mapper gets; SGLang hf_to_sglang_mapper), its packed_modules_mapping (the class attribute, the
+entries its __init__ adds, read from its source, and the stacked entries of a vLLM mapper), plus the quark scheme
+classes present, the transformers its distribution requires and the model types its own config registry parses. Each is
+compared with what the profile says for that release (quant.engines.profile: engine-wide rules with the release's merged
+in); one line per difference, exit 1 if any. A value that cannot be read without building a model (an SGLang mapper
+computed by get_hf_to_sglang_mapper(config)) is printed as a note, never guessed. A difference the profile states on
+purpose is listed in its `not_modelled` rule with the reason and printed as a note.
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ def model_class(engine: str, registry, arch: str):
 
 def serving_variant(cls):
     """vLLM's own model packages (vllm/models/X/{nvidia,amd,cpu,xpu}) register the variant of the platform it runs
-    on; the profile describes the GPU build it serves with (engines.yaml cites nvidia/ files), so read that one."""
+    on; the profile describes the GPU build it serves with (its rules cite nvidia/ files), so read that one."""
     m = re.match(r"(vllm\.models\.\w+)\.(cpu|xpu|amd)\.(\w+)$", cls.__module__)
     if not m:
         return cls
@@ -247,16 +252,28 @@ def read_release(engine: str, version: str, architectures: list[str]) -> tuple[d
 
 # ---- the profile ----------------------------------------------------------------------------------------------------
 
-def profile_for(engine: str, version: str, profiles: Path | None):
-    """The profile of `version` (engines.yaml may name 0.32.0 as "0.32"), read from `profiles` if given."""
+def use_profiles(profiles: Path | None) -> None:
+    """Read the engine files from `profiles` (a manifests/engines folder) instead of the package's."""
     import quant.engines as engines
 
     if profiles is not None:
-        engines.ENGINES_FILE = profiles  # engine_data() reads the module's ENGINES_FILE when first called
+        engines.ENGINES_DIR = profiles  # engine_files() reads the module's ENGINES_DIR when first called
+
+
+def profiled_release(engine: str, version: str) -> str | None:
+    """The profiled release of `version` (a release file may name 0.32.0 as "0.32"), or None."""
+    import quant.engines as engines
+
     short = re.sub(r"(\.0)+$", "", version)
-    release = next((r for r in engines.releases(engine) if r in (version, short)), None)
+    return next((r for r in engines.releases(engine) if r in (version, short)), None)
+
+
+def profile_for(engine: str, version: str):
+    import quant.engines as engines
+
+    release = profiled_release(engine, version)
     if release is None:
-        raise SystemExit(f"{engine}=={version}: no profile in {engines.ENGINES_FILE} "
+        raise SystemExit(f"{engine}=={version}: no profile in {engines.ENGINES_DIR / engine} "
                          f"(releases: {', '.join(engines.releases(engine))}); start one from --json")
     return engines.profile(engine, release)
 
@@ -291,8 +308,8 @@ class Report:
 
 
 def compare_parsing(facts: dict, rules, report: Report) -> None:
-    """engines.yaml `transformers` and `config_registry` (written by scripts/release_parsing.py from the wheel)
-    against the installed distribution; config_registry over our families' model types, as that script compares."""
+    """The release's `transformers` and `config_registry` rules against what the release says (the installed
+    distribution, or its wheel read by scripts/release_parsing.py): config_registry over our families' model types."""
     from quant.families import all_families
 
     report.check("transformers", (rules.transformers or None) == facts["transformers"],
@@ -381,7 +398,7 @@ def compare_packed(facts: dict, rules, report: Report) -> None:
 def compare_unexpanded(facts: dict, rules, report: Report) -> None:
     """unexpanded_fused[arch]: the class builds these fused modules, but its own packed_modules_mapping (attribute and
     __init__) does not list them. The loader's additions are left out on purpose: KimiK25ForConditionalGeneration gets
-    gate_up_proj from the loader, but its DeepSeek text model hands QuarkConfig its own mapping (engines.yaml)."""
+    gate_up_proj from the loader, but its DeepSeek text model hands QuarkConfig its own mapping (sglang/0.5.23.yaml)."""
     for arch, names in rules.unexpanded_fused.items():
         fact = facts["architectures"].get(arch, {})
         if "class" not in fact:
@@ -419,7 +436,7 @@ def compare(facts: dict, mappers: dict, rules) -> Report:
 
 
 def profile_start(facts: dict) -> dict:
-    """The facts in engines.yaml's spelling: where a new release's profile starts (then edited by reading the code:
+    """The facts in the engine files' spelling: where a new release's file starts (then edited by reading the code:
     this says what the classes declare, not what the engine does with them)."""
     from quant.families import all_families
 
@@ -439,20 +456,67 @@ def profile_start(facts: dict) -> dict:
             "name_mappers": mappers, "packed_modules_mapping": packed}
 
 
+def check_wheels(wheels: Path) -> int:
+    """The parsing facts of every wheel in `wheels` against the profiles of the releases among them and the
+    families' transformers_since: one line per difference, exit 1 if any."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import release_parsing
+
+    import quant.engines as engines
+    from quant.families import all_families
+
+    found = release_parsing.facts(wheels)
+    differences, checked = [], []
+    for (engine, version), fact in sorted(found["engines"].items()):
+        release = profiled_release(engine, version) if engine in engines.engine_names() else None
+        if release is None:
+            print(f"note: {engine}=={version}: no profile: not checked")
+            continue
+        profile = engines.profile(engine, release)
+        report = Report(dict(profile.rules.not_modelled))
+        compare_parsing({"transformers": fact["transformers"], "config_registry": sorted(fact["registry"])},
+                        profile.rules, report)
+        differences += [f"{profile.label}: {line}" for line in report.differences]
+        checked.append(profile.label)
+    versions = found["transformers_checked"]
+    for family in all_families():
+        for model_type in family.model_types:
+            have, want = family.transformers_since.get(model_type), found["transformers_since"].get(model_type)
+            if have != want and (want or versions):
+                differences.append(f"family {family.name}: transformers_since[{model_type}] {have!r}, the "
+                                   f"transformers wheels here first know it in {want!r} "
+                                   f"(checked {versions[0]}..{versions[-1]})")
+    for line in differences:
+        print(line)
+    if differences:
+        print(f"{len(differences)} difference(s) ({', '.join(checked) or 'no profiled release'} read from wheels)")
+        return 1
+    print(f"ok: {', '.join(checked) or 'no profiled release'} and the families' transformers_since agree with the "
+          f"wheels")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("release", help="ENGINE==VERSION, e.g. vllm==0.32.0 or sglang==0.5.23")
+    parser.add_argument("release", nargs="?", help="ENGINE==VERSION, e.g. vllm==0.32.0 or sglang==0.5.23")
+    parser.add_argument("--wheels", type=Path, help="a directory of sglang-*, vllm-* and transformers-* wheels: "
+                                                    "check what they parse, without installing them")
     parser.add_argument("--json", action="store_true", help="print the facts read from the release")
-    parser.add_argument("--profiles", type=Path, help="an engines.yaml to check instead of the package's")
+    parser.add_argument("--profiles", type=Path, help="a manifests/engines folder to check instead of the package's")
     args = parser.parse_args(argv)
-    engine, _, version = args.release.partition("==")
-    if engine not in SCHEME_CLASSES or not version:
-        parser.error(f"expected sglang==VERSION or vllm==VERSION, got {args.release!r}")
+    if (args.release is None) == (args.wheels is None):
+        parser.error("name one installed release (ENGINE==VERSION) or --wheels DIR")
     from quant.errors import QuantError
 
+    use_profiles(args.profiles)
     try:
-        profile = profile_for(engine, version, args.profiles)
-    except QuantError as e:  # a missing, unreadable or malformed --profiles file: one line, as the CLI says it
+        if args.wheels is not None:
+            return check_wheels(args.wheels)
+        engine, _, version = args.release.partition("==")
+        if engine not in SCHEME_CLASSES or not version:
+            parser.error(f"expected sglang==VERSION or vllm==VERSION, got {args.release!r}")
+        profile = profile_for(engine, version)
+    except QuantError as e:  # a missing, unreadable or malformed --profiles folder: one line, as the CLI says it
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     facts, mappers = read_release(engine, version, profile_architectures(profile.rules))

@@ -2,12 +2,13 @@
 (its METADATA's Requires-Dist) and the model types it parses with config classes of its own (SGLang's
 `_CONFIG_REGISTRY` in srt/utils/hf_transformers/common.py with the aliases assigned after it; vLLM's
 `_CONFIG_REGISTRY` in transformers_utils/config.py), and, from transformers' own wheels, the first transformers
-release whose AutoConfig knows each model type of our families. engines.yaml's `transformers` and
-`config_registry` keys and the families' `transformers_since` are this script's output; `--check` compares them.
+release whose AutoConfig knows each model type of our families. A release file's `transformers` and
+`config_registry` keys and the families' `transformers_since` are this script's output; the one checker,
+scripts/check_engine_profile.py --wheels WHEELS, compares them with the data.
 
     python -m pip download --no-deps --only-binary :all: -d WHEELS sglang==0.5.23 vllm==0.32.0 transformers==5.16.1 ...
-    python scripts/release_parsing.py WHEELS            # print the facts of every wheel there
-    python scripts/release_parsing.py WHEELS --check    # exit 1 when engines.yaml / the families say otherwise
+    python scripts/release_parsing.py WHEELS                  # print the facts of every wheel there
+    python scripts/check_engine_profile.py --wheels WHEELS    # exit 1 when the engine files / families say otherwise
 
 Reading is static (zip entries and regular expressions), so it runs for any release without installing it.
 """
@@ -108,63 +109,24 @@ def facts(wheels: Path) -> dict:
             "transformers_checked": [_wheel_id(p)[1] for p in tf]}
 
 
-def _ours() -> tuple[set[str], dict]:
-    from quant.engines import all_profiles
+def our_model_types() -> set[str]:
     from quant.families import all_families
 
-    types = {t for f in all_families() for t in f.model_types}
-    return types, {p.label: p for p in all_profiles()}
-
-
-def check(found: dict) -> list[str]:
-    """Where engines.yaml and the family files disagree with the wheels (for the releases and model types both
-    know)."""
-    from quant.families import all_families
-
-    types, profiles = _ours()
-    problems = []
-    for (engine, version), fact in found["engines"].items():
-        spellings = (f"{engine}=={version}", f"{engine}=={version.rsplit('.0', 1)[0]}")
-        label = next((lb for lb in profiles if lb in spellings), None)
-        if label is None:
-            continue
-        rules = profiles[label].rules
-        if (rules.transformers or None) != fact["transformers"]:
-            problems.append(f"{label}: engines.yaml transformers {rules.transformers!r}, its wheel requires "
-                            f"{fact['transformers']!r}")
-        want = sorted(types & fact["registry"])
-        if sorted(types & set(rules.config_registry)) != want:
-            problems.append(f"{label}: engines.yaml config_registry {sorted(rules.config_registry)} (of our "
-                            f"families' types), its wheel registers {want}")
-    checked = found["transformers_checked"]
-    for family in all_families():
-        for model_type in family.model_types:
-            have, want = family.transformers_since.get(model_type), found["transformers_since"].get(model_type)
-            if have != want and (want or checked):
-                problems.append(f"family {family.name}: transformers_since[{model_type}] {have!r}, the transformers "
-                                f"wheels here first know it in {want!r} (checked {checked[0]}..{checked[-1]})")
-    return problems
+    return {t for f in all_families() for t in f.model_types}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheels", type=Path, help="a directory of sglang-*, vllm-* and transformers-* wheels")
-    parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     found = facts(args.wheels)
-    types, _ = _ours()
+    types = our_model_types()
     for (engine, version), fact in sorted(found["engines"].items()):
         print(f"{engine}=={version}: transformers {fact['transformers']}; registers "
               f"{', '.join(sorted(types & fact['registry'])) or '-'}")
     print("transformers_since: " + ", ".join(f"{t} {v}" for t, v in sorted(found["transformers_since"].items())
                                               if t in types))
-    if not args.check:
-        return 0
-    problems = check(found)
-    for line in problems:
-        print(line)
-    print(f"{'ok' if not problems else f'{len(problems)} difference(s)'}")
-    return 1 if problems else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def quantized_tensors(module: str, shape: tuple[int, int], scheme: str) -> Tenso
 
 
 # Modules a careful export keeps in BF16: engines never quantize routers, the indexer's weights_proj (nor, in
-# vLLM, its wk: fused with weights_proj into one unquantized GEMM; engines.yaml), embeddings and heads. The MTP layer stays BF16 except its routed experts: vLLM before PR #46757 cannot
+# vLLM, its wk: fused with weights_proj into one unquantized GEMM; engine rules), embeddings and heads. The MTP layer stays BF16 except its routed experts: vLLM before PR #46757 cannot
 # build a BF16 FusedMoE from per-expert excludes (vllm #48226, ROCm/vllm #1022), so those are quantized like the
 # main layers' experts to load on old and new releases alike.
 KEEP_BF16 = ("mlp.gate", "indexer.weights_proj", "indexer.wk", "embed_tokens", "lm_head")

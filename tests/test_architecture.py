@@ -38,12 +38,12 @@ def test_every_package_module_is_in_a_layer():
     assert modules - layered == set(), "add these to the layers contract in pyproject.toml and to README.md"
 
 
-ENGINE_LAYER = ("quant/engines.py", "quant/engine_rules.py")
+ENGINE_LAYER = ("quant/engines.py", "quant/engine_rules.py", "quant/engine_files.py")
 
 
 def _engine_knowledge_in_code(paths: list[Path], exact_engine_names: bool = False) -> list[str]:
     """String constants (docstrings aside; comments are not code), names and attributes that name an engine or a model
-    class; with `exact_engine_names`, also any string that is exactly an engine's name in engines.yaml (an
+    class; with `exact_engine_names`, also any string that is exactly an engine's name in engines/index.yaml (an
     `engine == "transformers"` branch; the preflight may name the transformers package it reads a table of)."""
     import ast
     import re
@@ -51,8 +51,8 @@ def _engine_knowledge_in_code(paths: list[Path], exact_engine_names: bool = Fals
     import yaml
 
     pattern = re.compile(r"sglang|vllm|ForCausalLM|ForConditionalGeneration", re.IGNORECASE)
-    engine_names = set(yaml.safe_load((REPO / "quant" / "manifests" / "engines.yaml").read_text())["engines"]) \
-        if exact_engine_names else set()
+    index = REPO / "quant" / "manifests" / "engines" / "index.yaml"
+    engine_names = set(yaml.safe_load(index.read_text())["engines"]) if exact_engine_names else set()
     found = []
     for path in paths:
         tree = ast.parse(path.read_text())
@@ -74,7 +74,7 @@ def _engine_knowledge_in_code(paths: list[Path], exact_engine_names: bool = Fals
 
 
 def test_no_engine_name_or_architecture_in_the_preflights_code():
-    """Engine knowledge is rule data (quant/manifests/engines.yaml): the preflight's code names no engine release
+    """Engine knowledge is rule data (quant/manifests/engines/): the preflight's code names no engine release
     and no model class (docstrings and comments aside)."""
     # synthetic.py builds full-size header-only checkpoints for the benchmarks and tests: data, not the preflight.
     paths = sorted(p for p in (REPO / "quant" / "verify").glob("*.py") if p.name != "synthetic.py")
@@ -82,7 +82,7 @@ def test_no_engine_name_or_architecture_in_the_preflights_code():
 
 
 def test_no_engine_name_or_architecture_in_the_engines_layer():
-    """The engines layer reads engines.yaml and answers through the profile (quant.engines.Profile): no rule of one
+    """The engines layer reads the engine files and answers through the profile (quant.engines.Profile): no rule of one
     engine leaks back into Python (an `if engine == "sglang"` branch, a function named after an engine, a model
-    class spelled in code). What differs between engines is a key of engines.yaml, typed in engine_rules.py."""
+    class spelled in code). What differs between engines is a rule key of the engine files, typed in engine_rules.py."""
     assert _engine_knowledge_in_code([REPO / p for p in ENGINE_LAYER], exact_engine_names=True) == []

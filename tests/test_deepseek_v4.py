@@ -124,7 +124,7 @@ def test_the_toy_is_its_family_and_roles_cover_the_release_names(v4):
 
 def test_verify_manifest_on_the_passthrough_export(v4):
     """The preflight reads the export like any Quark MXFP4 checkpoint: no shape or scale finding on the carried-over
-    experts, and none on the MTP layer, which both engines' drafts read from mtp.{k}.* (engines.yaml mtp_namespace
+    experts, and none on the MTP layer, which both engines' drafts read from mtp.{k}.* (the engine rules mtp_namespace
     DeepseekV4ForCausalLM), not model.layers.{N+k}.* (before: a false vLLM "MTP ... weights missing" error and an
     SGLang warning on model.layers.2.*)."""
     from quant.verify import verify_checkpoint

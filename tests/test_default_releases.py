@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from quant.engines import engine_data, profile, releases, select_profiles
+from quant.engines import engine_names, profile, releases, select_profiles
 from quant.toy import TOY_NAMES
 
 
 def test_every_engine_checks_its_newest_profiled_release_by_default():
-    for engine in engine_data()["engines"]:
+    for engine in engine_names():
         assert releases(engine)[-1] in [p.release for p in select_profiles([engine])], engine
 
 

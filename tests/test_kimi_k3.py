@@ -1,6 +1,6 @@
 """Kimi-K3 (issue #31): the toy in the release's storage (compressed-tensors MXFP4 routed experts, written from the
 toys.yaml layout: transformers has no kimi_k3 class), its Quark export (the experts carried over bit for bit), and
-the SGLang 0.5.23 naming the preflight predicts with (engines.yaml: the mapper, the language model built under
+the SGLang 0.5.23 naming the preflight predicts with (the engine rules: the mapper, the language model built under
 "model.", the config registry). SGLang itself runs in tests_engines/test_sglang.py -k kimi-k3."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_sglang_0523_is_predicted_to_load_it_under_its_own_names(k3, tmp_path):
     _, out = k3
     assert verify_checkpoint(out, engines=["sglang==0.5.23"]).errors == []
     exclude = json.loads((out / "config.json").read_text())["quantization_config"]["exclude"]
-    # SGLang 0.5.23 builds the language model under "model." (engines.yaml build_prefixes); the export names both
+    # SGLang 0.5.23 builds the language model under "model." (the engine rules build_prefixes); the export names both
     assert "model.layers.1.self_attn.kv_b_proj" in exclude and "language_model.model.layers.1.self_attn.kv_b_proj" in exclude
     # ... and its QuarkConfig strips "language_model." from mapped entries itself (exclude_prefix_aliases): the
     # checkpoint names alone load too (run in SGLang 0.5.23: loaded, attention BF16)

@@ -78,7 +78,7 @@ def test_scale_mode_search_falls_back_to_even_for_mxfp8():
 def test_a_mixed_recipe_is_self_checked_on_the_engines_that_load_every_scheme_it_writes(toy, tmp_path):
     """The default self-check of MXFP4 experts + MXFP8 attention runs on the engines that load both (the newest
     vLLM), not on every engine of the main scheme: SGLang has no Quark MXFP8 scheme, so checking it there refused
-    every such export (engines.yaml schemes)."""
+    every such export (the engine rules schemes)."""
     quantize_checkpoint(toy, tmp_path / "out", recipe="experts-mxfp4-rest-mxfp8", log=lambda m: None)
     assert (tmp_path / "out" / "config.json").exists()
     with pytest.raises(QuantError, match="self-check failed"):

@@ -68,7 +68,7 @@ def test_glm5_recipes(toy_factory, tmp_path, recipe, fp8_source):
     assert tensors[f"model.layers.{mtp}.eh_proj.weight"][0] == "BF16"
     assert tensors["model.layers.1.mlp.gate.weight"][0] in ("BF16", "F32")
     errors = verify_checkpoint(out, engines=["sglang", "vllm"]).errors
-    # SGLang 0.5.12's DeepSeek loader cannot load an FP8 per-channel MLA kv_b_proj (engines.yaml module_failures,
+    # SGLang 0.5.12's DeepSeek loader cannot load an FP8 per-channel MLA kv_b_proj (the engine rules module_failures,
     # run in tests_engines/test_sglang.py): the FP8-attention recipe's one expected failure, there only.
     if recipe == "experts-mxfp4-attn-fp8":
         assert {(f.versions, f.rule) for f in errors} == {(("0.5.12",), "module scheme")}
@@ -83,7 +83,7 @@ def test_glm5_recipes(toy_factory, tmp_path, recipe, fp8_source):
 def test_other_schemes(toy_factory, tmp_path, scheme, weight_dtype, scale_name):
     src = toy_factory("glm5")
     # Weight-only MXFP4 loads only in newer vLLM: SGLang has no such scheme and older vLLM's QuarkOCP_MX crashes.
-    # FP8 per channel: SGLang 0.5.12 cannot load an MLA kv_b_proj so (engines.yaml module_failures).
+    # FP8 per channel: SGLang 0.5.12 cannot load an MLA kv_b_proj so (the engine rules module_failures).
     engines = {"w_mxfp4": ["vllm==0.32"], "fp8": ["sglang==0.5.23", "vllm"]}.get(scheme, ["sglang", "vllm"])
     quantize_checkpoint(src, tmp_path / "q", scheme=scheme, recipe="all-linear", check_engines=engines)
     tensors = header(tmp_path / "q")

@@ -60,7 +60,7 @@ def test_qwen35_release_layout_quantizes_and_names_engine_modules(toy_factory, t
 
 def test_qwen35_exclude_in_checkpoint_form_only_loads_on_every_release(toy_factory, tmp_path):
     """vLLM rewrites exclude with its hf_to_vllm_mapper; SGLang's Qwen3.5 classes have no mapper and build the
-    checkpoint's names (engines.yaml sglang name_mappers; tests/test_sglang_qwen35_names.py)."""
+    checkpoint's names (the engine rules sglang name_mappers; tests/test_sglang_qwen35_names.py)."""
     out = tmp_path / "q"
     quantize_checkpoint(toy_factory("qwen3.5"), out, log=lambda m: None)
     config = json.loads((out / "config.json").read_text())

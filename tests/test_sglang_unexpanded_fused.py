@@ -1,5 +1,5 @@
 """SGLang's Glm4MoeForCausalLM (GLM-4.5 to 4.7) builds a fused qkv_proj, but its quant config has no packed mapping
-for it, so `exclude` must name `<layer>.self_attn.qkv_proj` itself (engines.yaml `unexpanded_fused`, observed in
+for it, so `exclude` must name `<layer>.self_attn.qkv_proj` itself (the engine rules `unexpanded_fused`, observed in
 tests_engines/test_sglang.py on the glm4.7 toy with SGLang 0.5.12 and 0.5.23). The quantizer writes the fused name
 for the main layers and the NextN draft; without it the preflight predicts the failure SGLang shows."""
 

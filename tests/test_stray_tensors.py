@@ -1,6 +1,6 @@
 """Stray tensors (issue #42 item 3): a tensor its module, as an engine builds it, has no parameter for (an
 input_scale beside a BF16 weight, a leaked weight_scale_inv / weight_scale_2 beside an MXFP4 one). Whether the
-loader drops or rejects it is each release's load_weights (engines.yaml stray_tensors, run by
+loader drops or rejects it is each release's load_weights (the engine rules stray_tensors, run by
 tests_engines/test_stray_tensors.py): a dropped one is a warning, a rejected one an error quoting the engine."""
 
 from __future__ import annotations

@@ -520,7 +520,7 @@ def _check_layout_toy_without_transformers(path: Path) -> None:
     class for its model_type, so no strict load applies. Asserted, so the exemption fails once transformers gains the
     class. What still holds here: the checkpoint agrees with its own config.json as every engine reads it (the
     preflight's consistency checks: every declared layer and expert stored, each expert sized from the config), and
-    the engine that runs it is named by the data (engines.yaml config_registry). SGLang 0.5.23 builds and loads it
+    the engine that runs it is named by the data (the engine rules config_registry). SGLang 0.5.23 builds and loads it
     with its own loaders, compared tensor by tensor, in tests_engines/test_sglang.py (-k kimi-k3)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 

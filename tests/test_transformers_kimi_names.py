@@ -1,6 +1,6 @@
 """transformers builds Kimi-K2.5 under other names than the checkpoint's (issue #30): its kimi_k25 conversion renames
 every module and splits the vision tower's fused wqkv into three linears, and Quark matches `exclude` against those
-names. engines.yaml models the renames as transformers build_prefixes; these tests hold that model to transformers'
+names. The engine rules model the renames as transformers build_prefixes; these tests hold that model to transformers'
 own conversion code and show the preflight names the modules an export in the checkpoint's spelling leaves
 unexcluded."""
 

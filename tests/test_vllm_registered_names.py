@@ -1,6 +1,6 @@
 """vLLM's names for the wrappers it registers without a CPU tier to build them (issue #42 item 2): GLM-5.3-Flash
 (Glm5NextForConditionalGeneration), Qwen4-Exp (Qwen4ExpForConditionalGeneration) and Kimi-K3
-(KimiK3ForConditionalGeneration), read from the vLLM 0.31.0, 0.32.0 and 0.33.0 wheels (engines.yaml, vllm
+(KimiK3ForConditionalGeneration), read from the vLLM 0.31.0, 0.32.0 and 0.33.0 wheels (the engine rules, vllm
 name_mappers, cites the lines). vLLM builds each module under the name its class's hf_to_vllm_mapper gives the
 checkpoint's, and QuarkConfig.apply_vllm_mapper rewrites `exclude` and layer_quant_config keys with the same mapper
 (its get_rename_mapper(): None entries dropped; quark/quark.py:133-161, models/utils.py:180-199 in the 0.32.0 wheel).
@@ -135,9 +135,9 @@ SPELL = {
                            "lm_head.": "language_model.lm_head."}},
 }
 # Routed experts MXFP4, attention and the QSA indexer FP8 (layer_quant_config keys), the rest BF16 (exclude). Qwen4-Exp's
-# indexer takes the attention's scheme: vLLM 0.32 builds index_qk_proj into the attention's qkv_proj (engines.yaml).
+# indexer takes the attention's scheme: vLLM 0.32 builds index_qk_proj into the attention's qkv_proj (the engine rules).
 RECIPE = {"qwen4-exp": "experts-mxfp4-attn-fp8", "kimi-k3": "experts-mxfp4-attn-fp8",
-          # vLLM builds GLM-5.3-Flash's attention unquantized (engines.yaml): the default recipe keeps it BF16
+          # vLLM builds GLM-5.3-Flash's attention unquantized (the engine rules): the default recipe keeps it BF16
           "glm5-next": None}
 
 
@@ -225,7 +225,7 @@ def test_text_only_spelling_is_refused(toy, checkpoint_spelled, tmp_path):
 
 
 def test_a_split_ple_key_value_pair_is_the_fused_error(checkpoint_spelled, tmp_path):
-    """vLLM builds Qwen4-Exp's PLE key_proj / value_proj as one kv_proj (engines.yaml packed_modules_mapping): an
+    """vLLM builds Qwen4-Exp's PLE key_proj / value_proj as one kv_proj (the engine rules packed_modules_mapping): an
     exclude that lists one of them only is the fused module's ValueError."""
     out, q = _spelled(checkpoint_spelled("qwen4-exp"), tmp_path / "split", {})
     config = _config(out)
@@ -240,7 +240,7 @@ def test_a_split_ple_key_value_pair_is_the_fused_error(checkpoint_spelled, tmp_p
 @pytest.mark.parametrize("release", RELEASES)
 def test_glm5_next_draft_builds_the_mtp_layer_as_model_layers(release):
     """Glm5NextMTP builds MTP layer N as model.layers.{N}.* and looks it up in the target's quant config, whose exclude
-    the target's mapper rewrote (engines.yaml vllm mtp.draft_names): the checkpoint-named entry is mapped away from the
+    the target's mapper rewrote (engine rules vllm mtp.draft_names): the checkpoint-named entry is mapped away from the
     draft's name, so the quantizer writes model.layers.{N}.* too (checked against vLLM's own classes by
     tests_engines/test_vllm_mappers.py)."""
     p = profile("vllm", release)

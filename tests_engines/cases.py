@@ -227,7 +227,7 @@ VLLM_SPELLING_TOYS = ("qwen3-moe", "qwen3.5", "kimi-k2.5", "deepseek-v3", "glm5"
 # that modelling one fails the expectation and the entry goes. case name -> (outcome, why).
 VLLM_PREFLIGHT_MISSES: dict[str, tuple[str, str]] = {
     # (none now: the qwen3.5 checkpoint-form export's layer_quant_config keys, rewritten by vLLM's apply_dict, are
-    # modelled by engines.yaml maps_layer_quant_config)
+    # modelled by the engine rules maps_layer_quant_config)
 }
 
 
@@ -323,7 +323,7 @@ VLLM_BROKEN: dict[str, Expected] = {
 #   sglang      the names SGLang 0.5.23 builds: the first MTP layer under the NextN draft's names (deepseek_nextn.py /
 #               glm4_moe_nextn.py: eh_proj, enorm, hnorm, shared_head.norm under model.*, the rest under
 #               model.decoder.*) and a fused module SGLang looks up by its fused name (Glm4MoeForCausalLM
-#               qkv_proj, KimiK25ForConditionalGeneration gate_up_proj: engines.yaml unexpanded_fused) named so.
+#               qkv_proj, KimiK25ForConditionalGeneration gate_up_proj: the engine rules unexpanded_fused) named so.
 #   vllm        the names vLLM 0.32 builds: Qwen3.5's hf_to_vllm_mapper prefixes (models/qwen3_vl.py:1969-1975).
 #   re          `re:` patterns on the checkpoint names, one per module kind, the layer index generalised where every
 #               layer's module is listed (layer_quant_config takes fnmatch globs: `*` for the index).
@@ -545,7 +545,7 @@ def prediction_tensors(path: Path) -> list[str]:
 
 _PLACE = re.compile(r"layers\.(\d+)\.(\w+)")
 # Blocks the engines build under another name than the checkpoint's (transformers' MiniMax-M2 conversion and vLLM
-# build block_sparse_moe as mlp: engines.yaml build_prefixes).
+# build block_sparse_moe as mlp: the engine rules build_prefixes).
 _BLOCK_ALIASES = {"block_sparse_moe": "mlp"}
 
 
@@ -739,7 +739,7 @@ SGLANG_FAST = {("glm5", "w_mxfp4_a_mxfp4", "experts-only"), ("deepseek-v3", "w_m
 SGLANG_NEW_FAMILIES = ("deepseek-v3.2", "kimi-k2.5", "minimax-m2", "minimax-m3", "glm4.7", "qwen4-exp", "kimi-k3",
                        "glm5-next", "minimax-m3.1-flash")
 # Qwen4-Exp (Qwen3.8-Flash-Next, issue #31) publishes its MTP head under mtp.*: SGLang 0.5.23 builds it as
-# Qwen4ExpForCausalLMMTP, quantized like the main layers or whole in BF16 (engines.yaml mtp_namespace).
+# Qwen4ExpForCausalLMMTP, quantized like the main layers or whole in BF16 (the engine rules mtp_namespace).
 # GLM-5.3-Flash (glm5-next) at model.language_model.layers.{N}: SGLang 0.5.23's Glm5NextForConditionalGenerationNextN.
 SGLANG_MTP_FAMILIES = ("deepseek-v3.2", "glm4.7", "qwen4-exp", "glm5-next")
 # None of them is in the fast slice: it already takes 325 s (11 tests, commit 8ae23f8) and one case per new family
@@ -817,7 +817,7 @@ def sglang_cases() -> list[SglangCase]:
         out += [SglangCase(toy, scheme, recipe, fast=(toy, scheme, recipe) in SGLANG_NEW_FAST)
                 for scheme, recipe in exports]
     # GLM-4.7's attention stays BF16 in the default export; SGLang's Glm4MoeForCausalLM matches exclude by the fused
-    # qkv_proj name only (engines.yaml unexpanded_fused): without those entries both models fail to load.
+    # qkv_proj name only (the engine rules unexpanded_fused): without those entries both models fail to load.
     out += [SglangCase("glm4.7", "w_mxfp4_a_mxfp4", "experts-only", "fused-qkv-aliases-dropped")]
     # An MLA export with FP8 per-channel attention (SGLANG_PREFLIGHT_MISSES: 0.5.12 cannot load its kv_b_proj).
     out += [SglangCase("deepseek-v3", "w_mxfp4_a_mxfp4", "experts-mxfp4-attn-fp8")]
@@ -832,7 +832,7 @@ def sglang_cases() -> list[SglangCase]:
 # preflight's pass, so that modelling one (or the engine changing) fails the expectation and the entry goes. Keys:
 # (case name, release).
 SGLANG_PREFLIGHT_MISSES: dict[tuple[str, str], dict] = {
-    # (none now: 0.5.12's FP8 per-channel MLA kv_b_proj failure is engines.yaml schemes.module_failures; the
+    # (none now: 0.5.12's FP8 per-channel MLA kv_b_proj failure is the engine rules schemes.module_failures; the
     # minimax-m3.1-flash release, stored as SGLang's minimax_m3_nvfp4 method reads it, builds and loads in 0.5.23)
 }
 

@@ -1,4 +1,4 @@
-"""scripts/check_engine_profile.py against the installed releases (issue #42 item 4): each profile in engines.yaml
+"""scripts/check_engine_profile.py against the installed releases (issue #42 item 4): each profile (manifests/engines/)
 agrees with what its release's classes, registry and distribution say, and a profile entry edited wrong is a named
 difference (exit 1). The checker runs in each release's tier venv (.venv-engines: vLLM 0.32.0; .venv-sglang: SGLang
 0.5.23, and 0.5.12 put first on PYTHONPATH as tests_engines/cases.py does), whatever interpreter runs this file; a
@@ -7,6 +7,7 @@ venv that is missing is an error, never a skip."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tests_engines.cases import SGLANG_RELEASES, SGLANG_VENV
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKER = ROOT / "scripts" / "check_engine_profile.py"
-ENGINES_YAML = ROOT / "quant" / "manifests" / "engines.yaml"
+ENGINES_DIR = ROOT / "quant" / "manifests" / "engines"
 ENGINES_VENV = Path(os.environ.get("ENGINES_VENV", ROOT / ".venv-engines"))
 
 
@@ -39,25 +40,24 @@ def test_profile_agrees_with_release(spec):
     assert proc.returncode == 0 and "ok: " in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
-def _edited(tmp_path: Path, edits: list[tuple[str, str]]) -> Path:
-    """A copy of engines.yaml with each (old, new) replaced once (each old must be there once: the test must edit
-    what it says it edits)."""
-    text = ENGINES_YAML.read_text()
-    for old, new in edits:
+def _edited(tmp_path: Path, edits: list[tuple[str, str, str]]) -> Path:
+    """A copy of the engine files with, in each (file, old, new), old replaced once (each old must be there once:
+    the test must edit what it says it edits)."""
+    root = tmp_path / "engines"
+    shutil.copytree(ENGINES_DIR, root)
+    for name, old, new in edits:
+        text = (root / name).read_text()
         assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    path = tmp_path / "engines.yaml"
-    path.write_text(text)
-    return path
+        (root / name).write_text(text.replace(old, new))
+    return root
 
 
 def test_wrong_vllm_entries_are_named(tmp_path):
     profiles = _edited(tmp_path, [
-        ('                                       "mm_projector.proj.0": "mm_projector.linear_1",',
-         '                                       "mm_projector.proj.0": "mm_projector.linear_9",'),
-        ("      qkv_proj: [q_proj, k_proj, v_proj]\n      # Qwen4-Exp's PLE", "      qkv_proj: [q_proj, k_proj]\n"
-                                                                           "      # Qwen4-Exp's PLE"),
-        ('transformers: "<5.20.0,>=5.16.1"', 'transformers: "<5.19.0,>=5.16.1"'),
+        ("vllm/engine.yaml", '"mm_projector.proj.0": "mm_projector.linear_1",',
+         '"mm_projector.proj.0": "mm_projector.linear_9",'),
+        ("vllm/engine.yaml", "  qkv_proj: [q_proj, k_proj, v_proj]\n", "  qkv_proj: [q_proj, k_proj]\n"),
+        ("vllm/0.32.yaml", 'transformers: "<5.20.0,>=5.16.1"', 'transformers: "<5.19.0,>=5.16.1"'),
     ])
     proc = check("vllm==0.32.0", "--profiles", str(profiles))
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
@@ -67,10 +67,10 @@ def test_wrong_vllm_entries_are_named(tmp_path):
 
 def test_wrong_sglang_entries_are_named(tmp_path):
     profiles = _edited(tmp_path, [
-        ('MiniMaxM3SparseForCausalLM: {".block_sparse_moe.": ".mlp."}',
+        ("sglang/0.5.23.yaml", 'MiniMaxM3SparseForCausalLM: {".block_sparse_moe.": ".mlp."}',
          'MiniMaxM3SparseForCausalLM: {".block_sparse_moe.": ".moe."}'),
-        ("      in_proj_ba: [in_proj_b, in_proj_a]       # same mapping", "      in_proj_ba: [in_proj_b]"),
-        ('transformers: "==5.19.0"', 'transformers: "==5.18.0"'),
+        ("sglang/engine.yaml", "  in_proj_ba: [in_proj_b, in_proj_a]       # same mapping", "  in_proj_ba: [in_proj_b]"),
+        ("sglang/0.5.23.yaml", 'transformers: "==5.19.0"', 'transformers: "==5.18.0"'),
     ])
     proc = check("sglang==0.5.23", "--profiles", str(profiles))
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]

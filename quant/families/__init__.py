@@ -8,7 +8,7 @@ and `quant.paths`, so the checkpoint reader, validation, the preflight, the pipe
 sit above it. Adding a family is one YAML file here (`model_types`, `architectures`, `roles`, `shapes`, `mtp`, ...),
 its toy beside it (manifests/toys/<family>.yaml, read by quant.toy) and, only for what data cannot say, a small
 adapter in `quant/families/adapters.py`; the
-engines' own rules for it (manifests/engines.yaml, keyed by the architecture classes the file names) only where an
+engines' own rules for it (manifests/engines/, keyed by the architecture classes the file names) only where an
 engine differs.
 """
 
@@ -26,8 +26,8 @@ from quant.families.schema import BadData, check_keys, load_yaml
 from quant.families.sidecars import Sidecar, parse_sidecars
 from quant.paths import MANIFESTS_DIR
 
-__all__ = ["Family", "FusedSplit", "BadData", "KEEP", "GENERIC", "MtpLayout", "families_dir", "family_names", "load_family",
-           "load_family_file", "family_for_config", "lookup_family", "unknown_family_note", "text_config",
+__all__ = ["Family", "FusedSplit", "BadData", "KEEP", "GENERIC", "MtpLayout", "families_dir", "family_names",
+           "load_family", "load_family_file", "family_for_config", "lookup_family", "unknown_family_note", "text_config",
            "model_types", "text_prefix", "mtp_layout"]
 
 KEEP = "keep"
@@ -125,10 +125,10 @@ class Family:
     # `adapter: NAME` (quant/families/adapters.py): config.json -> the config the shape formulas are evaluated on
     adapter: Callable[[dict], dict] | None = None
     # The `architectures` of config.json each model type is released with: {model_type: [class, ...]} (the keys
-    # engines.yaml rules are filed under); never inherited, like model_types
+    # engine rules are filed under); never inherited, like model_types
     architectures: dict[str, list[str]] = field(default_factory=dict)
     # The first transformers release whose AutoConfig knows each model type ({model_type: "5.16.1"}; a type no
-    # release knows is absent: engines parse it with config classes of their own, engines.yaml config_registry).
+    # release knows is absent: engines parse it with config classes of their own, engine rules config_registry).
     # An engine release that runs an older transformers and registers no class of its own cannot read config.json
     # (quant/verify/schema.py). Read from transformers' wheels by scripts/release_parsing.py; never inherited.
     transformers_since: dict[str, str] = field(default_factory=dict)

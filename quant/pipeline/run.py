@@ -345,8 +345,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = DEFAU
 
 
 def scheme_releases(schemes: set[str]) -> list[str]:
-    """The default releases (each scheme's `engines`, engines.yaml default_releases) that load every scheme in
-    `schemes`, in engines.yaml's order: the self-check's releases when none are named."""
+    """The default releases (each scheme's `engines`, engine rules default_releases) that load every scheme in
+    `schemes`, in the engine files' order: the self-check's releases when none are named."""
     from quant.engines import select_profiles
 
     first, *rest = [[p.label for p in select_profiles(list(get_scheme(name).engines))] for name in sorted(schemes)]

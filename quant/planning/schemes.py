@@ -30,8 +30,8 @@ class Scheme:
     error_sums: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[float, float]] | None = None
     # The engine releases that load this scheme: the default self-check and the serve commands of the model card.
     # Weight-only MXFP4: SGLang's QuarkConfig knows only w_mxfp4_a_mxfp4 among MX schemes, and vLLM 0.31 cannot
-    # build it (engines.yaml, `schemes`), so vLLM 0.32 and newer only.
-    engines: tuple[str, ...] = ("sglang", "vllm")  # each engine's default releases (engines.yaml)
+    # build it (engine rules, `schemes`), so vLLM 0.32 and newer only.
+    engines: tuple[str, ...] = ("sglang", "vllm")  # each engine's default releases (engine rules)
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
@@ -130,7 +130,7 @@ SCHEMES: dict[str, Scheme] = {
                _row_select, error_sums=_mxfp4_error, engines=("vllm==latest",)),
         # MXFP8 linears load in vLLM 0.31 to 0.33, MXFP8 experts only from vLLM 0.33 (QuarkW8A8Mxfp8MoEMethod);
         # SGLang 0.5.12 to 0.5.23 have no Quark MXFP8 scheme and amd-quark 0.13 (transformers) cannot run one
-        # (engines.yaml `schemes`, kind mxfp8). As the scheme, the experts are MXFP8 too: the newest vLLM only (0.33).
+        # (engine rules `schemes`, kind mxfp8). As the scheme, the experts are MXFP8 too: the newest vLLM only (0.33).
         Scheme("w_mxfp8_a_mxfp8", "MXFP8 weights (OCP E4M3, one E8M0 scale per 32 inputs), dynamic MXFP8 "
                "activations (Quark OCP_MXFP8E4M3Spec)", 32, "quark", _mxfp8, _mxfp8_back, _row_select,
                engines=("vllm==latest",)),

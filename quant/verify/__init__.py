@@ -1,7 +1,7 @@
 """verify-manifest: a header-only preflight predicting how SGLang, vLLM and transformers load a Quark checkpoint.
 
 `verify_checkpoint(path, engines=["sglang", "vllm"])` reads config.json, the index and the safetensors headers
-(never tensor data), resolves every module the way each engine release does (manifests/engines.yaml) and
+(never tensor data), resolves every module the way each engine release does (manifests/engines/) and
 returns a `Report` of `Finding`s; `fix_config` writes a corrected config.json elsewhere.
 """
 

@@ -113,7 +113,7 @@ _EXPERT_PARENT = re.compile(r"\.experts\.\d+$")
 def moe_block_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None) -> list[Finding]:
     """Engines whose block-FP8 FusedMoE cannot take this checkpoint's 128x128 expert scales for the config's
     moe_intermediate_size and hidden_size under `tp`: the `block_fp8_moe` rule of each profile
-    (manifests/engines.yaml), simulated by fp8_moe_scale_load. The finding names the tensor the engine fails on
+    (manifests/engines/), simulated by fp8_moe_scale_load. The finding names the tensor the engine fails on
     (the first expert's down_proj/gate_proj weight_scale_inv) with the parameter shape the engine allocated."""
     cfg = text_config(ckpt.config)
     inter, hidden = cfg.get("moe_intermediate_size"), cfg.get("hidden_size")
@@ -172,7 +172,7 @@ def _merged_rule(profile: Profile, fused: str) -> str | None:
 
 def _partition_findings(ckpt: Checkpoint, profile: Profile, fused: str, shards: list[str]) -> list[tuple[str, int]]:
     """Checkpoint shards an engine splits into several output partitions of the fused GEMM
-    (`block_fp8_partitions` in manifests/engines.yaml, sizes as text-config products): (shard, partition rows) for
+    (`block_fp8_partitions` in manifests/engines/, sizes as text-config products): (shard, partition rows) for
     each partition that is not a whole number of 128-row blocks."""
     spec = profile.rules.block_fp8_partitions.get(fused)
     if spec is None:
@@ -197,7 +197,7 @@ def _partition_findings(ckpt: Checkpoint, profile: Profile, fused: str, shards: 
 
 def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     """Engines that build fused modules (qkv_proj, gate_up_proj, ...) as one block-FP8 GEMM need their shards to
-    end on 128-row blocks (`block_fp8_merged` in manifests/engines.yaml): every shard but the last
+    end on 128-row blocks (`block_fp8_merged` in manifests/engines/): every shard but the last
     ("last_shard_only": vLLM fp8_utils.py validate_fp8_block_shape; SGLang's fused_qkv_a_proj_with_mqa, a
     ReplicatedLinear whose q_a/kv_a weights and scales are concatenated while loading) or every shard
     ("all_shards": SGLang fp8.py Fp8LinearMethod.validate_block_quant_shapes for MergedColumnParallel/QKV linears)."""
@@ -240,7 +240,7 @@ def merged_gemm_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Find
 
 def tp_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None, shape_of: ShapeOf | None) -> list[Finding]:
     """Row-parallel block-FP8 linears whose input dimension does not split into whole 128-column blocks per TP
-    rank (`block_fp8_row_tp` in manifests/engines.yaml: vLLM fp8_utils.py validate_fp8_block_shape, SGLang fp8.py
+    rank (`block_fp8_row_tp` in manifests/engines/: vLLM fp8_utils.py validate_fp8_block_shape, SGLang fp8.py
     Fp8LinearMethod.validate_block_quant_shapes, both raise while building the layer). The routed experts are
     FusedMoE, checked by moe_block_findings; column-parallel splits are not modelled."""
     if not tp or tp <= 1:
@@ -273,7 +273,7 @@ def tp_findings(ckpt: Checkpoint, profiles: list[Profile], tp: int | None, shape
 
 def dequant_grid_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
     """Engines that dequantize block FP8 with a block derived from the scale grid (`block_fp8_dequant_grid` in
-    manifests/engines.yaml: transformers' Fp8Dequantize, rows // ceil(rows / 128)): a dimension that is not a
+    manifests/engines/: transformers' Fp8Dequantize, rows // ceil(rows / 128)): a dimension that is not a
     multiple of 128 either does not divide into the grid (it raises) or divides into blocks of another size (the
     weights load wrong). One finding per such weight and engine release."""
     out: list[Finding] = []

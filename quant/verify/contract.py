@@ -90,7 +90,7 @@ class TensorIssue:
     expected: str
     family_mismatch: bool
     # A tensor the module as built has no parameter for: whether the loader drops or rejects it is the engine's
-    # (engines.yaml stray_tensors), not the contract's.
+    # (engine rules stray_tensors), not the contract's.
     stray: bool = False
 
 

@@ -195,7 +195,7 @@ def fused_regex_findings(exclude: list[str], profile: Profile, fused_units) -> l
 
 def _missing_mtp_layers(ckpt: Checkpoint, p: Profile, present: set) -> list[tuple[int, str]]:
     """(the engine's index, the checkpoint tensors it looks for) of each declared MTP layer the draft of profile `p`
-    finds nothing of: model.layers.{N+k}.*, or the namespace its loader reads (engines.yaml mtp_namespace
+    finds nothing of: model.layers.{N+k}.*, or the namespace its loader reads (engine rules mtp_namespace
     layer_prefix: DeepSeek-V4's mtp.{k}.*)."""
     layers = p.namespace_layers(ckpt.config)
     if layers:
@@ -242,7 +242,7 @@ def mtp_findings(ckpt: Checkpoint, profiles: list[Profile]) -> list[Finding]:
 
 
 def shared_expert_fusion_findings(config: dict, profiles: list[Profile]) -> list[Finding]:
-    """Engines with `shared_expert_fusion_veto` (engines.yaml): an excluded shared expert (any layer, MTP included)
+    """Engines with `shared_expert_fusion_veto` (engine rules): an excluded shared expert (any layer, MTP included)
     vetoes shared-expert fusion for the whole model (performance only)."""
     q = config.get("quantization_config") or {}
     exclude = q.get("exclude") if isinstance(q.get("exclude"), list) else []

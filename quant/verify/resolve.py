@@ -75,7 +75,7 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
     exclude, lqc = _exclude_list(config), _lqc(config)
     whole = profile.unexpanded_fused(config)
     # Wrapped architectures (VL models): units carry the engine's runtime names; `exclude` is rewritten with the
-    # same mapper only by releases whose quant config applies it. Build prefixes (engines.yaml build_prefixes)
+    # same mapper only by releases whose quant config applies it. Build prefixes (engine rules build_prefixes)
     # rename units too but never `exclude`.
     contexts = [BuildContext(
         "target", _identity_units(main, packed, group_experts, False, cache, profile.renamer(config)),
@@ -101,7 +101,7 @@ def build_contexts(profile: Profile, config: dict, modules: dict[str, Module],
             "draft", _identity_units(mtp_modules, packed, group_experts, True, cache, profile.draft_renamer(config)),
             contexts[0].exclude, contexts[0].layer_config,
             _any_of(rules.never_quantized + rules.mtp.never_quantized)))
-    contexts[-1].whole_fused = whole  # the draft class inherits the target's packed mapping (engines.yaml)
+    contexts[-1].whole_fused = whole  # the draft class inherits the target's packed mapping (engine rules)
     return contexts
 
 
@@ -262,7 +262,7 @@ class ProfileChecker:
                      "fused shards")
             return None
         # never-quantized patterns name module types (routers, eh_proj, heads): shards and experts share them;
-        # the engine's own name counts too (engines.yaml build_prefixes: block_sparse_moe.gate built as mlp.gate)
+        # the engine's own name counts too (engine rules build_prefixes: block_sparse_moe.gate built as mlp.gate)
         if ctx.never_quantized is not None and (ctx.never_quantized.search(first)
                                                 or ctx.never_quantized.search(unit.shard_runtime[0])):
             if self._loader_dequantizes(first):
@@ -415,7 +415,7 @@ class ProfileChecker:
 
     def _stray(self, unit: Unit, res: Resolution, issue: contract.TensorIssue) -> None:
         """A tensor the module as built has no parameter for: a warning where this release's load_weights drops it,
-        an error with the engine's own text where it raises (engines.yaml stray_tensors; unrecorded: an error)."""
+        an error with the engine's own text where it raises (engine rules stray_tensors; unrecorded: an error)."""
         built = f"{self._built(unit)} as {contract.KIND_LABEL.get(res.kind, res.kind)}"
         entry = self.p.stray_tensor(issue.tensor, self.config)
         if entry is not None and entry.error is None:

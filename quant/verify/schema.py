@@ -69,7 +69,7 @@ def _mx_block_spec(spec: dict) -> bool:
 
 def _mxfp8_kind(w: dict, a: dict | None) -> str:
     """MXFP8 (OCP E4M3 elements, E8M0 scales per 32 inputs) with dynamic FP8 activations, as vLLM's QuarkOCP_MX reads
-    it (engines.yaml `schemes`): "mxfp8" for [1, 32] weights with MXFP8 activations (also what 0.33's
+    it (engine rules `schemes`): "mxfp8" for [1, 32] weights with MXFP8 activations (also what 0.33's
     QuarkW8A8Mxfp8MoEMethod takes), "mxfp8_block" for the 2-D [R, 32] spelling (symmetric, DeepSeek-V4.1's [32, 32]).
     Other spellings (weight-only, static activations) take engine paths this preflight has no contract for."""
     if w.get("is_dynamic") or not (isinstance(a, dict) and a.get("dtype") == "fp8_e4m3" and a.get("is_dynamic")):
@@ -105,7 +105,7 @@ def config_problems(config: dict) -> tuple[list[Finding], bool]:
 def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
     """What the engine's config class refuses in config.json before any weight is read, whatever the checkpoint's
     format: a layer_types list (top level or text_config) of another length than num_hidden_layers
-    (engines.yaml layer_types_length; intel/auto-round#1984 wrote one)."""
+    (engine rules layer_types_length; intel/auto-round#1984 wrote one)."""
     error = profile.rules.layer_types_length
     out: list[Finding] = unparsed_model_type(config, profile)
     for where, cfg in (("config.json:", config), ("config.json:text_config.", config.get("text_config"))):
@@ -123,7 +123,7 @@ def model_config_problems(config: dict, profile: Profile) -> list[Finding]:
 
 
 def unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
-    """A model_type this release cannot read config.json of: neither its own config classes (engines.yaml
+    """A model_type this release cannot read config.json of: neither its own config classes (engine rules
     config_registry) nor the transformers it runs with (its `transformers` requirement against the family's
     `transformers_since`) know it. A type no transformers release knows is judged by the project's transformers
     and the other releases' registries, as before."""

@@ -127,7 +127,7 @@ def known_model_types() -> frozenset[str] | None:
 @functools.lru_cache(maxsize=None)
 def engine_registered(model_type: str) -> tuple[str, ...]:
     """The engine releases (labels such as "sglang==0.5.23") that parse this model_type with a config class of
-    their own (engines.yaml config_registry), in the data's order."""
+    their own (engine rules config_registry), in the data's order."""
     from quant.engines import all_profiles
 
     return tuple(p.label for p in all_profiles() if model_type in p.rules.config_registry)
