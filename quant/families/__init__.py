@@ -27,8 +27,8 @@ from quant.families.sidecars import Sidecar, parse_sidecars
 from quant.paths import MANIFESTS_DIR
 
 __all__ = ["Family", "FusedSplit", "BadData", "KEEP", "GENERIC", "MtpLayout", "families_dir", "family_names",
-           "load_family", "load_family_file", "family_for_config", "lookup_family", "unknown_family_note", "text_config",
-           "model_types", "text_prefix", "mtp_layout"]
+           "load_family", "load_family_file", "family_for_config", "lookup_family", "unknown_family_note",
+           "text_config", "model_types", "text_prefix", "mtp_layout"]
 
 KEEP = "keep"
 GENERIC = "generic"
