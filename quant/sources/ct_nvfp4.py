@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quant.sources.ct_mxfp4 import pack_quantized_mismatch
-from quant.sources.e2m1_e4m3 import NVFP4_BLOCK, Nvfp4Codes
+from quant.sources.e2m1_e4m3 import NVFP4_BLOCK, Nvfp4Codes, pack_e2m1
 from quant.sources.source_format import SourceFormat
 
 if TYPE_CHECKING:
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 def encode_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A 2-D weight as compressed-tensors NVFP4: (uint8 packed E2M1 [O, I/2], float8_e4m3fn scales [O, I/16], F32
     global scale [1]) with compressed-tensors' rules: global = 448 * 6 / amax(tensor), each block's scale
-    fp8(amax_block / 6 * global), elements the nearest E2M1 value of x / (scale / global), even element in the low
-    nibble."""
+    fp8(amax_block / 6 * global), elements the nearest E2M1 value of x / (scale / global) with ties to even
+    (FP4_E2M1_DATA.cast_to_fp4's thresholds: 0.75 -> 1, 1.75 -> 2, 3.5 -> 4), even element in the low nibble."""
     import torch
 
     x = x.float()
@@ -31,11 +31,7 @@ def encode_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     scales = (blocks.abs().amax(-1) / 6.0 * global_scale).clamp(max=448.0).to(torch.float8_e4m3fn)
     local = scales.float() / global_scale
     scaled = blocks / torch.where(local == 0, torch.ones_like(local), local).unsqueeze(-1)
-    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    index = (scaled.abs().unsqueeze(-1) - table).abs().argmin(-1)
-    nibbles = (index + (torch.signbit(scaled).to(torch.int64) << 3)).reshape(o, i)
-    packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8)
-    return packed, scales, global_scale.to(torch.float32)
+    return pack_e2m1(scaled.reshape(o, i)), scales, global_scale.to(torch.float32)
 
 
 class CompressedTensorsNvfp4(Nvfp4Codes):
