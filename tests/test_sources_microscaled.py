@@ -1,5 +1,5 @@
-"""quant.sources.microscaled: native MXFP4 and UE8M0 block-FP8 sources decoded exactly, checked against an
-independent reference (ml_dtypes' float4_e2m1fn / float8_e4m3fn / float8_e8m0fnu), not the project's encoder."""
+"""quant.sources' native MXFP4 and UE8M0 block-FP8 formats (through the registry): decoded exactly, checked against
+an independent reference (ml_dtypes' float4_e2m1fn / float8_e4m3fn / float8_e8m0fnu), not the project's encoder."""
 
 from __future__ import annotations
 
