@@ -409,7 +409,7 @@ class Source:
 
     name: str
     file: str
-    scale_inv: str | None = None  # block-FP8 source: the weight_scale_inv tensor, dequantized first
+    scale_inv: str | None = None  # block-FP8 source: the weight_scale_inv tensor (quant.sources.block_fp8 decodes)
     scale_inv_file: str | None = None
     expert: int | None = None  # a slice [expert, rows] of a fused 3-D expert tensor
     rows: tuple[int, int] | None = None
@@ -472,16 +472,6 @@ class SourceReader:
             self.digest.update(f"{file}:{name}:{expert}:{rows}:{t.dtype}:{list(t.shape)}\0".encode())
             self.digest.update(t.contiguous().view(-1).view(torch.uint8).numpy())
         return t.to(self.device)
-
-    def load(self, src: Source) -> torch.Tensor:
-        t = self.raw(src.file, src.name, src.expert, src.rows)
-        if src.scale_inv:
-            import torch
-
-            from quant.numerics import fp8
-
-            t = fp8.dequantize_fp8_block(t, self.raw(src.scale_inv_file, src.scale_inv), dtype=torch.float32)
-        return t
 
     def close(self) -> None:
         self.handles.clear()

@@ -24,7 +24,7 @@ def bf16_copy(src: Path, dst: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from quant.checkpoint import open_checkpoint
-    from quant.sources.microscaled import decode, recognise, scale_tensors
+    from quant.sources.registry import decode, recognise, scale_tensors
 
     ckpt = open_checkpoint(src)
     tensors = {}

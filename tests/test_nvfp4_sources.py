@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from quant.errors import QuantError
 from quant.numerics import mxfp4
 from quant.pipeline import quantize_checkpoint
-from quant.sources import microscaled as ms
+from quant.sources import e2m1_e4m3, registry
 from quant.toy import build_toy
 
 DTYPES = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32", torch.bfloat16: "BF16"}
@@ -33,30 +33,30 @@ def headers(parts: dict, module: str = "proj") -> dict:
 
 def test_modelopt_nvfp4_is_recognised_and_its_global_scale_multiplies():
     w = torch.randn(32, 64)
-    parts = ms.encode_as(ms.MODELOPT_NVFP4, w)
-    enc = ms.recognise(headers(parts), "proj.weight")
-    assert (enc.kind, enc.shape, enc.block, enc.global_scale) == (ms.MODELOPT_NVFP4, (32, 64), (1, 16),
+    parts = registry.encode_as("modelopt-nvfp4", w)
+    enc = registry.recognise(headers(parts), "proj.weight")
+    assert (enc.kind, enc.shape, enc.block, enc.global_scale) == ("modelopt-nvfp4", (32, 64), (1, 16),
                                                                    "proj.weight_scale_2")
-    assert ms.scale_tensors(headers(parts)) == {"proj.weight_scale", "proj.weight_scale_2", "proj.input_scale"}
-    values = ms.decode(enc, parts[".weight"], parts[".weight_scale"], global_scale=parts[".weight_scale_2"])
+    assert registry.scale_tensors(headers(parts)) == {"proj.weight_scale", "proj.weight_scale_2", "proj.input_scale"}
+    values = registry.decode(enc, parts[".weight"], parts[".weight_scale"], global_scale=parts[".weight_scale_2"])
     # ModelOpt's weight_scale_2 is amax / (6 * 448): multiplied, where compressed-tensors divides by its global scale
     block = parts[".weight_scale"].float() * parts[".weight_scale_2"]
-    assert torch.equal(values, ms._e2m1(parts[".weight"]) * block.repeat_interleave(16, -1))
+    assert torch.equal(values, e2m1_e4m3.unpack_e2m1(parts[".weight"]) * block.repeat_interleave(16, -1))
     assert float((values - w).abs().max()) < float(w.abs().max()) / 4
 
 
 def test_a_bf16_weight_beside_a_stray_weight_scale_is_not_a_quantized_weight():
     tensors = {"proj.weight": Info(torch.zeros(32, 64, dtype=torch.bfloat16)),
                "proj.weight_scale": Info(torch.zeros(32, 4, dtype=torch.float8_e4m3fn))}
-    assert ms.recognise(tensors, "proj.weight") is None
-    assert ms.scale_tensors(tensors) == set()
+    assert registry.recognise(tensors, "proj.weight") is None
+    assert registry.scale_tensors(tensors) == set()
 
 
 def test_a_missing_modelopt_global_scale_is_named():
-    parts = ms.encode_as(ms.MODELOPT_NVFP4, torch.randn(16, 32))
+    parts = registry.encode_as("modelopt-nvfp4", torch.randn(16, 32))
     del parts[".weight_scale_2"]
     with pytest.raises(QuantError, match="proj.weight_scale_2 is missing"):
-        ms.recognise(headers(parts), "proj.weight")
+        registry.recognise(headers(parts), "proj.weight")
 
 
 def _nvfp4_exactly_mxfp4(rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -78,9 +78,9 @@ def test_every_block_mxfp4_holds_exactly_goes_across_exactly(mode):
     packed, scales = mxfp4.quantize_mxfp4(x, mode=mode)
     back = mxfp4.dequantize_mxfp4(packed, scales, dtype=torch.float32)
     assert torch.equal(back[:, :32], x[:, :32]) and torch.equal(back[:, 64:], x[:, 64:])
-    assert ms.exact_blocks(x, packed, scales) == (64 * 3, 64 * 4)
+    assert e2m1_e4m3.exact_blocks(x, packed, scales) == (64 * 3, 64 * 4)
     # a scale one step too coarse loses the smallest codes: the count would show it
-    assert ms.exact_blocks(x, packed, (scales.int() + 1).to(torch.uint8))[0] < 64 * 3
+    assert e2m1_e4m3.exact_blocks(x, packed, (scales.int() + 1).to(torch.uint8))[0] < 64 * 3
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +111,11 @@ def test_minimax_m31_flash_toy_is_stored_as_sglang_reads_it(flash):
         tensors = {k: Info_of(f.get_slice(k)) for k in f.keys()}
     kinds = {}
     for name in tensors:
-        enc = ms.recognise(tensors, name) if name.endswith((".weight", ".weight_packed")) else None
+        enc = registry.recognise(tensors, name) if name.endswith((".weight", ".weight_packed")) else None
         if enc is not None:
             kinds[enc.module] = enc.kind
-    assert {k for m, k in kinds.items() if ".experts." in m} == {ms.CT_NVFP4}
-    assert {k for m, k in kinds.items() if ".self_attn." in m} == {ms.MXFP8}
+    assert {k for m, k in kinds.items() if ".experts." in m} == {"ct-nvfp4"}
+    assert {k for m, k in kinds.items() if ".self_attn." in m} == {"mxfp8"}
     assert not any(".shared_experts." in m or ".mlp." in m for m in kinds)
     assert set(qc["ignored_layers"]) >= {m for m in (n.rsplit(".", 1)[0] for n in tensors)
                                          if ".shared_experts." in m and m not in kinds}
@@ -129,15 +129,15 @@ class Info_of:
 def test_the_nvfp4_to_mxfp4_loss_is_in_the_manifest_per_tensor(flash):
     out, manifest = _export(flash, "experts-only")
     experts = {n: r for n, r in manifest["tensors"].items() if r.get("role") == "routed_experts"}
-    assert experts and all(r["source_encoding"] == ms.CT_NVFP4 for r in experts.values())
+    assert experts and all(r["source_encoding"] == "ct-nvfp4" for r in experts.values())
     assert all(r["action"] == "quantize" and r["rel_mse"] > 0 and 0 <= r["exact_blocks"] < r["blocks"]
                for r in experts.values())
     assert {r["blocks"] for r in experts.values()} == {128 * 160 // 32, 160 * 128 // 32}
     source = load_file(str(flash / "toy" / "model.safetensors"))
     name = next(iter(experts))
-    enc = ms.recognise(headers({k[len(name):]: v for k, v in source.items() if k.startswith(name + ".")}, name),
+    enc = registry.recognise(headers({k[len(name):]: v for k, v in source.items() if k.startswith(name + ".")}, name),
                        f"{name}.weight_packed")
-    released = ms.decode(enc, source[f"{name}.weight_packed"], source[f"{name}.weight_scale"],
+    released = registry.decode(enc, source[f"{name}.weight_packed"], source[f"{name}.weight_scale"],
                          global_scale=source[f"{name}.weight_global_scale"])
     shard = load_file(str(out / "model.safetensors"))
     ours = mxfp4.dequantize_mxfp4(shard[f"{name}.weight"], shard[f"{name}.weight_scale"], dtype=torch.float32)
@@ -150,7 +150,7 @@ def test_the_mxfp8_layers_are_carried_over_bit_for_bit(flash):
     out, manifest = _export(flash, "experts-mxfp4-rest-mxfp8")
     source = load_file(str(flash / "toy" / "model.safetensors"))
     shard = load_file(str(out / "model.safetensors"))
-    carried = [n for n, r in manifest["tensors"].items() if r.get("source_encoding") == ms.MXFP8]
+    carried = [n for n, r in manifest["tensors"].items() if r.get("source_encoding") == "mxfp8"]
     assert carried and all(manifest["tensors"][n]["action"] == "passthrough" for n in carried)
     for module in carried:
         assert torch.equal(shard[f"{module}.weight"].view(torch.uint8), source[f"{module}.weight"].view(torch.uint8))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from quant.numerics import mxfp8
 from quant.pipeline import quantize_checkpoint
-from quant.sources import microscaled as ms
+from quant.sources import e2m1_e8m0, e4m3_e8m0, quark_mxfp8
 from quant.toy import build_toy
 
 RECIPES = ["experts-only", "all-linear", "experts-mxfp4-attn-fp8", "experts-mxfp4-rest-mxfp8"]
@@ -48,7 +48,7 @@ def test_an_export_quantized_again_to_its_recipe_is_byte_identical(work, recipe)
     actions = {r["action"] for r in manifest2["tensors"].values() if r.get("scheme")}
     assert actions == {"passthrough"}
     encodings = {r["source_encoding"] for r in manifest2["tensors"].values() if r.get("scheme")}
-    assert encodings <= {ms.QUARK_MXFP4, ms.QUARK_MXFP8, ms.QUARK_FP8}
+    assert encodings <= {"quark-mxfp4", "quark-mxfp8", "quark-fp8"}
     assert manifest2["exclude"] == manifest["exclude"]
 
 
@@ -59,7 +59,7 @@ def test_an_export_requantized_to_another_recipe_decodes_exactly(work):
     a, b = load_file(str(first / "model.safetensors")), load_file(str(narrower / "model.safetensors"))
     module = next(n for n, r in manifest["tensors"].items() if r.get("role") == "attention")
     assert manifest2["tensors"][module + ".weight"]["action"] == "dequantize"
-    decoded = ms.decode_mxfp4(a[module + ".weight"], a[module + ".weight_scale"])
+    decoded = e2m1_e8m0.decode_mxfp4(a[module + ".weight"], a[module + ".weight_scale"])
     assert torch.equal(b[module + ".weight"], decoded.to(torch.bfloat16))
 
 
@@ -77,16 +77,16 @@ def test_amds_32x32_mxfp8_spelling_is_carried_over_value_for_value(work):
     source = load_file(str(work / "toy" / "model.safetensors"))
     modules = [n for n, r in manifest["tensors"].items() if r.get("scheme") == "w_mxfp8_a_mxfp8"]
     for module in modules:
-        q, s = ms.encode_quark_mxfp8_blocks(source[module + ".weight"].float())
+        q, s = quark_mxfp8.encode_quark_mxfp8_blocks(source[module + ".weight"].float())
         shard[module + ".weight"], shard[module + ".weight_scale"] = q, s
     save_file(shard, str(amd / "model.safetensors"), metadata={"format": "pt"})
     out, manifest2 = _export(amd, work / "amd-blocks-again", "experts-mxfp4-rest-mxfp8")
     b = load_file(str(out / "model.safetensors"))
     for module in modules:
         record = manifest2["tensors"][module]
-        assert (record["action"], record["source_encoding"]) == ("passthrough", ms.QUARK_MXFP8)
+        assert (record["action"], record["source_encoding"]) == ("passthrough", "quark-mxfp8")
         assert torch.equal(b[module + ".weight"].view(torch.uint8), shard[module + ".weight"].view(torch.uint8))
         assert tuple(b[module + ".weight_scale"].shape) == tuple(shard[module + ".weight"].shape[:1]) + (
             shard[module + ".weight"].shape[1] // 32,)
-        values = ms.decode_fp8_ue8m0(shard[module + ".weight"], shard[module + ".weight_scale"], 32)
+        values = e4m3_e8m0.decode_fp8_ue8m0(shard[module + ".weight"], shard[module + ".weight_scale"], 32)
         assert torch.equal(mxfp8.dequantize_mxfp8(b[module + ".weight"], b[module + ".weight_scale"]), values)

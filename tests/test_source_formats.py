@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from quant.errors import QuantError
 from quant.numerics import mxfp4, mxfp8
-from quant.sources import microscaled as ms
+from quant.sources import e2m1_e4m3, e4m3_e8m0, registry
 from quant.sources import native
+from quant.sources.source_format import Encoding
 
 pytestmark = pytest.mark.xdist_group("toy")
 
@@ -73,9 +74,10 @@ def test_vectors_record_their_producers():
 def test_ct_mxfp4_decodes_as_compressed_tensors_decompresses(vectors, prefix):
     tensors = group(vectors, prefix)
     codes = tensors["proj.weight_packed"]
-    enc = ms.recognise(headers(tensors), "proj.weight_packed")
-    assert enc == ms.Encoding(ms.CT_MXFP4, "proj.weight_scale", (1, 32), (codes.shape[0], codes.shape[1] * 2), "proj")
-    ours = ms.decode(enc, codes, tensors["proj.weight_scale"])
+    enc = registry.recognise(headers(tensors), "proj.weight_packed")
+    logical = (codes.shape[0], codes.shape[1] * 2)
+    assert enc == Encoding("ct-mxfp4", "proj.weight_scale", (1, 32), logical, "proj")
+    ours = registry.decode(enc, codes, tensors["proj.weight_scale"])
     reference = tensors["decoded"]
     assert_same(ours, reference)
     assert torch.equal(ours, reference.float())  # E2M1 x 2^k is exact in bf16
@@ -84,9 +86,9 @@ def test_ct_mxfp4_decodes_as_compressed_tensors_decompresses(vectors, prefix):
 @pytest.mark.parametrize("prefix", ["ct_nvfp4", "ct_nvfp4_bytes"])
 def test_ct_nvfp4_decodes_as_compressed_tensors_decompresses(vectors, prefix):
     tensors = group(vectors, prefix)
-    enc = ms.recognise(headers(tensors), "proj.weight_packed")
-    assert (enc.kind, enc.block, enc.global_scale) == (ms.CT_NVFP4, (1, 16), "proj.weight_global_scale")
-    ours = ms.decode(enc, tensors["proj.weight_packed"], tensors["proj.weight_scale"],
+    enc = registry.recognise(headers(tensors), "proj.weight_packed")
+    assert (enc.kind, enc.block, enc.global_scale) == ("ct-nvfp4", (1, 16), "proj.weight_global_scale")
+    ours = registry.decode(enc, tensors["proj.weight_packed"], tensors["proj.weight_scale"],
                      global_scale=tensors["proj.weight_global_scale"])
     assert_same(ours, tensors["decoded"])
 
@@ -94,26 +96,26 @@ def test_ct_nvfp4_decodes_as_compressed_tensors_decompresses(vectors, prefix):
 @pytest.mark.parametrize("prefix", ["mxfp8", "mxfp8_bytes"])
 def test_mxfp8_decodes_as_vllm_dequantizes(vectors, prefix):
     tensors = {"x.weight": vectors[prefix + ".weight"], "x.weight_scale_inv": vectors[prefix + ".weight_scale_inv"]}
-    enc = ms.recognise(headers(tensors), "x.weight")
-    assert (enc.kind, enc.block, enc.module) == (ms.MXFP8, (1, 32), "x")
-    ours = ms.decode(enc, tensors["x.weight"], tensors["x.weight_scale_inv"])
+    enc = registry.recognise(headers(tensors), "x.weight")
+    assert (enc.kind, enc.block, enc.module) == ("mxfp8", (1, 32), "x")
+    ours = registry.decode(enc, tensors["x.weight"], tensors["x.weight_scale_inv"])
     assert_same(ours, vectors[prefix + ".decoded"])
     assert torch.equal(ours, vectors[prefix + ".decoded"].float())
     # Quark MXFP8 carries the same bytes: decoded by quant.numerics (what dequant and the engines read), the same.
-    parts = ms.to_quark_mxfp8(tensors["x.weight"], tensors["x.weight_scale_inv"], enc.block)
+    parts = e4m3_e8m0.to_quark_mxfp8(tensors["x.weight"], tensors["x.weight_scale_inv"], enc.block)
     assert torch.equal(parts["weight"].view(torch.uint8), tensors["x.weight"].view(torch.uint8))
     assert torch.equal(parts["weight_scale"], tensors["x.weight_scale_inv"])
 
 
 def test_ue8m0_32x32_fp8_decodes_as_vllms_deepseek_v41_loader(vectors):
     tensors = {"x.weight": vectors["ue8m0_32.weight"], "x.scale": vectors["ue8m0_32.scale"]}
-    enc = ms.recognise(headers(tensors), "x.weight")
-    assert (enc.kind, enc.block) == (ms.FP8_UE8M0, (32, 32))
-    ours = ms.decode(enc, tensors["x.weight"], tensors["x.scale"])
+    enc = registry.recognise(headers(tensors), "x.weight")
+    assert (enc.kind, enc.block) == ("fp8-ue8m0", (32, 32))
+    ours = registry.decode(enc, tensors["x.weight"], tensors["x.scale"])
     reference = vectors["ue8m0_32.decoded"]
     assert torch.equal(ours, reference.float())
     # Repacked into Quark MXFP8 [1, 32] (the layout vLLM's loader builds): the same codes, the same values.
-    parts = ms.to_quark_mxfp8(tensors["x.weight"], tensors["x.scale"], enc.block)
+    parts = e4m3_e8m0.to_quark_mxfp8(tensors["x.weight"], tensors["x.scale"], enc.block)
     assert parts["weight_scale"].shape == (64, 3)
     assert torch.equal(mxfp8.dequantize_mxfp8(parts["weight"], parts["weight_scale"]), reference.float())
 
@@ -130,7 +132,7 @@ def test_the_compressed_tensors_configs_are_accepted_and_other_formats_refused(t
 
 def test_headers_that_fit_no_format_are_refused_naming_the_tensors():
     def rec(t, name):
-        return ms.recognise({k: Info(*v) for k, v in t.items()}, name, "shard.safetensors")
+        return registry.recognise({k: Info(*v) for k, v in t.items()}, name, "shard.safetensors")
 
     with pytest.raises(QuantError, match="shard.safetensors: m.weight_packed is NVFP4 but m.weight_global_scale is missing"):
         rec({"m.weight_packed": ("U8", (32, 32)), "m.weight_scale": ("F8_E4M3", (32, 4))}, "m.weight_packed")
@@ -145,13 +147,13 @@ def test_headers_that_fit_no_format_are_refused_naming_the_tensors():
              "m.weight_zero_point": ("U8", (32, 2))}, "m.weight_packed")
     # MXFP8 in [32, 32] blocks under MiniMax's names (the DeepSeek-V4.1 block): one scale row per 32 rows.
     assert rec({"m.weight": ("F8_E4M3", (96, 64)), "m.weight_scale_inv": ("F8_E8M0", (3, 2))}, "m.weight") == \
-        ms.Encoding(ms.MXFP8, "m.weight_scale_inv", (32, 32), (96, 64), "m")
+        Encoding("mxfp8", "m.weight_scale_inv", (32, 32), (96, 64), "m")
     # Official block FP8 (F32 weight_scale_inv) is not a microscaled format: left to the block-FP8 path.
     block = {"m.weight": Info("F8_E4M3", (160, 96)), "m.weight_scale_inv": Info("F32", (2, 1))}
-    assert ms.recognise(block, "m.weight") is None and ms.scale_tensors(block) == set()
+    assert registry.recognise(block, "m.weight") is None and registry.scale_tensors(block) == set()
     nv = {"m.weight_packed": Info("U8", (32, 32)), "m.weight_scale": Info("F8_E4M3", (32, 4)),
           "m.weight_global_scale": Info("F32", (1,)), "m.input_global_scale": Info("F32", (1,))}
-    assert ms.scale_tensors(nv) == {"m.weight_scale", "m.weight_global_scale", "m.input_global_scale"}
+    assert registry.scale_tensors(nv) == {"m.weight_scale", "m.weight_global_scale", "m.input_global_scale"}
 
 
 # ------------------------------------------------------------------------------------------- toys through quantize
@@ -240,13 +242,13 @@ def test_ct_nvfp4_is_decoded_once_then_quantized(toys, tmp_path):
     manifest = _export(src, tmp_path / "q")
     source, export = _tensors(src), _tensors(tmp_path / "q")
     module = "model.layers.1.mlp.experts.2.gate_proj"
-    exact = ms.decode_nvfp4(source[module + ".weight_packed"], source[module + ".weight_scale"],
+    exact = e2m1_e4m3.decode_nvfp4(source[module + ".weight_packed"], source[module + ".weight_scale"],
                             source[module + ".weight_global_scale"])
     packed, scales = mxfp4.quantize_mxfp4(exact, mode="even")
     assert torch.equal(export[module + ".weight"], packed) and torch.equal(export[module + ".weight_scale"], scales)
     assert manifest["tensors"][module]["action"] == "quantize"
     kept = "model.layers.0.self_attn.q_proj"  # experts-only: attention kept, as its exact decode in BF16
-    assert torch.equal(export[kept + ".weight"], ms.decode_nvfp4(
+    assert torch.equal(export[kept + ".weight"], e2m1_e4m3.decode_nvfp4(
         source[kept + ".weight_packed"], source[kept + ".weight_scale"],
         source[kept + ".weight_global_scale"]).to(torch.bfloat16))
     assert not any(n.endswith(("_global_scale", ".weight_packed")) for n in export)
@@ -265,7 +267,7 @@ def test_deepseek_v4_ue8m0_attention_passes_through_into_mxfp8(tmp_path):
     assert (record["action"], record["scheme"], record["source_encoding"]) == ("passthrough", "w_mxfp8_a_mxfp8",
                                                                               "fp8-ue8m0")
     assert torch.equal(export[name + ".weight"].view(torch.uint8), source[name + ".weight"].view(torch.uint8))
-    exact = ms.decode_fp8_ue8m0(source[name + ".weight"], source[name + ".scale"], 128)
+    exact = e4m3_e8m0.decode_fp8_ue8m0(source[name + ".weight"], source[name + ".scale"], 128)
     assert torch.equal(mxfp8.dequantize_mxfp8(export[name + ".weight"], export[name + ".weight_scale"]), exact)
 
 
@@ -377,7 +379,7 @@ def test_deepseek_v41_storage_passes_through_into_the_mixed_layout(tmp_path):
     assert torch.equal(export[expert + ".weight_scale"], source[expert + ".scale"].view(torch.uint8))
     assert source[attn + ".scale"].shape == (12, 4)  # [384/32, 128/32]
     assert torch.equal(export[attn + ".weight"].view(torch.uint8), source[attn + ".weight"].view(torch.uint8))
-    exact = ms.decode_fp8_ue8m0(source[attn + ".weight"], source[attn + ".scale"], 32)
+    exact = e4m3_e8m0.decode_fp8_ue8m0(source[attn + ".weight"], source[attn + ".scale"], 32)
     assert torch.equal(mxfp8.dequantize_mxfp8(export[attn + ".weight"], export[attn + ".weight_scale"]), exact)
     assert {(manifest["tensors"][m]["action"], manifest["tensors"][m]["source_encoding"]) for m in (expert, attn)} \
         == {("passthrough", "mxfp4"), ("passthrough", "fp8-ue8m0")}

@@ -213,7 +213,7 @@ def test_qwen4_exp_stores_the_release_layout(bf16_toys):
 
 @pytest.mark.parametrize("name", TOY_NAMES)
 def test_linear_input_dims_fit_mxfp4_and_leave_partial_fp8_tiles(bf16_toys, name):
-    from quant.sources.microscaled import recognise, scale_tensors
+    from quant.sources.registry import recognise, scale_tensors
 
     from quant.families import load_family
     from quant.families.sidecars import sidecar_pattern
@@ -494,18 +494,18 @@ def _decoded_copy(path: Path, out: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from quant.sources import microscaled as ms
+    from quant.sources import registry
 
     shutil.copytree(path, out)
     ckpt = open_checkpoint(path)
-    scales = ms.scale_tensors(ckpt.tensors)
+    scales = registry.scale_tensors(ckpt.tensors)
     for shard in sorted(path.glob("*.safetensors")):
         tensors, decoded = load_file(str(shard)), {}
         for name, t in tensors.items():
-            enc = ms.recognise(ckpt.tensors, name) if name not in scales else None
+            enc = registry.recognise(ckpt.tensors, name) if name not in scales else None
             if enc is not None:
                 glob = tensors.get(enc.global_scale) if enc.global_scale else None
-                decoded[f"{enc.module}.weight"] = ms.decode(enc, t, tensors[enc.scale], name, glob).to(torch.bfloat16)
+                decoded[f"{enc.module}.weight"] = registry.decode(enc, t, tensors[enc.scale], name, glob).to(torch.bfloat16)
             elif name not in scales:
                 decoded[name] = t
         save_file(decoded, str(out / shard.name), metadata={"format": "pt"})

@@ -107,7 +107,7 @@ PLE_TABLES = re.compile(r"\.ple\.ple_embedding\.ngram_embedding\.shard_\d+\.weig
 def test_every_text_weight_of_every_toy_is_sized_from_config(toy_factory, name):
     from quant.families import load_family
     from quant.families.sidecars import sidecar_pattern
-    from quant.sources.microscaled import recognise, scale_tensors
+    from quant.sources.registry import recognise, scale_tensors
 
     ckpt = open_checkpoint(toy_factory(name))
     shape_of, fused_of = config_shapes(ckpt.config), tensor_shapes(ckpt.config)

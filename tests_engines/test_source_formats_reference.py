@@ -21,7 +21,7 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("vllm")
 
 from quant.numerics import mxfp4, mxfp8  # noqa: E402
-from quant.sources import microscaled as ms  # noqa: E402
+from quant.sources import e2m1_e4m3, e2m1_e8m0, e4m3_e8m0, mxfp8, registry  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "source_format_vectors.py"
 SHAPES = [(32, 64), (96, 160), (64, 256)]
@@ -48,23 +48,23 @@ def _weight(shape, seed):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("scheme,kind", [("MXFP4A16", ms.CT_MXFP4), ("NVFP4A16", ms.CT_NVFP4)])
+@pytest.mark.parametrize("scheme,kind", [("MXFP4A16", "ct-mxfp4"), ("NVFP4A16", "ct-nvfp4")])
 def test_compressed_tensors_fp4(shape, scheme, kind):
     from compressed_tensors.compressors import MXFP4PackedCompressor, NVFP4PackedCompressor
 
     script = _script()
     state, qc = script.ct_export(scheme, _weight(shape, sum(shape)))
-    assert qc["format"] == ("mxfp4-pack-quantized" if kind == ms.CT_MXFP4 else "nvfp4-pack-quantized")
-    enc = ms.recognise({k: Info(v) for k, v in state.items()}, "proj.weight_packed")
+    assert qc["format"] == ("mxfp4-pack-quantized" if kind == "ct-mxfp4" else "nvfp4-pack-quantized")
+    enc = registry.recognise({k: Info(v) for k, v in state.items()}, "proj.weight_packed")
     assert (enc.kind, enc.shape, enc.module) == (kind, shape, "proj")
     glob = state.get(enc.global_scale)
-    ours = ms.decode(enc, state["proj.weight_packed"], state[enc.scale], global_scale=glob)
-    compressor = MXFP4PackedCompressor if kind == ms.CT_MXFP4 else NVFP4PackedCompressor
+    ours = registry.decode(enc, state["proj.weight_packed"], state[enc.scale], global_scale=glob)
+    compressor = MXFP4PackedCompressor if kind == "ct-mxfp4" else NVFP4PackedCompressor
     reference = script.ct_decompress(compressor, state, scheme)
     assert torch.equal(ours.to(reference.dtype).view(torch.int16), reference.view(torch.int16))
-    if kind == ms.CT_MXFP4:
+    if kind == "ct-mxfp4":
         # Passthrough: Quark MXFP4 holds compressed-tensors' bytes; quant.numerics decodes them to the same values.
-        parts = ms.to_quark_mxfp4(state["proj.weight_packed"], state["proj.weight_scale"])
+        parts = e2m1_e8m0.to_quark_mxfp4(state["proj.weight_packed"], state["proj.weight_scale"])
         assert torch.equal(mxfp4.dequantize_mxfp4(parts["weight"], parts["weight_scale"], dtype=torch.float32), ours)
 
 
@@ -77,7 +77,7 @@ def test_compressed_tensors_nvfp4_in_fp32():
     packed, scale, glob = state["proj.weight_packed"], state["proj.weight_scale"], state["proj.weight_global_scale"]
     reference = dequantize(x_q=unpack_fp4_from_uint8(packed, 64, 128, dtype=torch.float32),
                            scale=scale.to(torch.float32), global_scale=glob, dtype=torch.float32)
-    assert torch.equal(ms.decode_nvfp4(packed, scale, glob), reference)
+    assert torch.equal(e2m1_e4m3.decode_nvfp4(packed, scale, glob), reference)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -87,14 +87,14 @@ def test_vllm_mxfp8(shape):
 
     q, s = _mxfp8_e4m3_quantize_torch(_weight(shape, 3))
     tensors = {"x.weight": q, "x.weight_scale_inv": s}
-    enc = ms.recognise({k: Info(v) for k, v in tensors.items()}, "x.weight")
-    assert (enc.kind, enc.block) == (ms.MXFP8, (1, 32))
-    ours = ms.decode(enc, q, s)
+    enc = registry.recognise({k: Info(v) for k, v in tensors.items()}, "x.weight")
+    assert (enc.kind, enc.block) == ("mxfp8", (1, 32))
+    ours = registry.decode(enc, q, s)
     assert torch.equal(ours, dequant_mxfp8_to_bf16(q, s).float())
     # The release's scale rule is our "rceil" mode: encode_mxfp8_release writes the bytes vLLM's quantizer writes.
-    mine_q, mine_s = ms.encode_mxfp8_release(_weight(shape, 3))
+    mine_q, mine_s = mxfp8.encode_mxfp8_release(_weight(shape, 3))
     assert torch.equal(mine_s, s) and torch.equal(mine_q.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(mxfp8.dequantize_mxfp8(*ms.to_quark_mxfp8(q, s, enc.block).values()), ours)
+    assert torch.equal(mxfp8.dequantize_mxfp8(*e4m3_e8m0.to_quark_mxfp8(q, s, enc.block).values()), ours)
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (96, 160), (33, 64)])
@@ -110,10 +110,10 @@ def test_vllm_deepseek_v41_32x32(shape):
     loader = KMxfp8Static.get_scale_weight_loader(lambda param, w: param.copy_(w), CkptCtx(scale_block_size=(32, 32)))
     loader(expanded, s.view(torch.float8_e8m0fnu))
     reference = dequant_mxfp8_to_bf16(q, expanded[:o]).float()
-    enc = ms.recognise({"x.weight": Info(q), "x.scale": Info(s.view(torch.float8_e8m0fnu))}, "x.weight")
-    assert (enc.kind, enc.block) == (ms.FP8_UE8M0, (32, 32))
-    assert torch.equal(ms.decode(enc, q, s), reference)
-    parts = ms.to_quark_mxfp8(q, s, enc.block)
+    enc = registry.recognise({"x.weight": Info(q), "x.scale": Info(s.view(torch.float8_e8m0fnu))}, "x.weight")
+    assert (enc.kind, enc.block) == ("fp8-ue8m0", (32, 32))
+    assert torch.equal(registry.decode(enc, q, s), reference)
+    parts = e4m3_e8m0.to_quark_mxfp8(q, s, enc.block)
     assert torch.equal(parts["weight_scale"], expanded[:o])  # the layout vLLM's loader builds, byte for byte
 
 
@@ -126,13 +126,13 @@ def test_modelopt_nvfp4_against_vllm(shape):
                                                                                       ref_nvfp4_quant)
 
     w = _weight(shape, sum(shape) + 7).float()
-    parts = ms.encode_as(ms.MODELOPT_NVFP4, w)
+    parts = registry.encode_as("modelopt-nvfp4", w)
     codes, scales, scale_2 = parts[".weight"], parts[".weight_scale"], parts[".weight_scale_2"]
     ref_values, ref_scales = ref_nvfp4_quant(w, (1.0 / scale_2).reshape(1).float(), 16)
     assert torch.equal(scales.float(), ref_scales)
-    assert torch.equal(ms._e2m1(codes), ref_values)
-    enc = ms.recognise({f"proj{k}": Info(v) for k, v in parts.items()}, "proj.weight")
-    assert (enc.kind, enc.global_scale) == (ms.MODELOPT_NVFP4, "proj.weight_scale_2")
-    ours = ms.decode(enc, codes, scales, global_scale=scale_2)
+    assert torch.equal(e2m1_e4m3.unpack_e2m1(codes), ref_values)
+    enc = registry.recognise({f"proj{k}": Info(v) for k, v in parts.items()}, "proj.weight")
+    assert (enc.kind, enc.global_scale) == ("modelopt-nvfp4", "proj.weight_scale_2")
+    ours = registry.decode(enc, codes, scales, global_scale=scale_2)
     theirs = dequantize_to_dtype(codes, scales, scale_2.reshape(1), torch.float32, 16, swizzle=False)
     assert torch.equal(ours, theirs)

@@ -274,7 +274,9 @@ class DecoderStack:
         scale = name + SCALE_INV
         scale_info = self.ckpt.tensors.get(scale) if info.dtype == "F8_E4M3" else None
         src = Source(name, info.file, scale if scale_info else None, scale_info.file if scale_info else None)
-        return self.reader.load(src)
+        from quant.sources.native import read_values
+
+        return read_values(self.reader, src)
 
     # -- the capture pass ------------------------------------------------------------------------------------
     def record(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:

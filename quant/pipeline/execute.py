@@ -72,7 +72,7 @@ def run_job(job: TensorJob, reader: SourceReader, scale_mode: str, timing: Count
     if job.action == "passthrough":
         return _passthrough(job, reader, timing)
     is_native = isinstance(job.source, native.NativeSource)
-    src = native.read_decoded(reader, job.source) if is_native else reader.load(job.source)
+    src = native.read_values(reader, job.source)
     t1 = time.perf_counter()
     timing["read_s"] += t1 - t0
     record = {"action": job.action, "source": job.source.describe(), "role": job.role,

@@ -22,6 +22,8 @@ from quant.planning.recipes import Recipe
 from quant.planning.schemes import Scheme
 from quant.planning.treatment import ModuleTreatment, layer_of
 from quant.sources import native
+from quant.sources.block_fp8 import BLOCK_FP8
+from quant.sources.registry import format_named
 
 FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<param>[a-z_]+)$")
 
@@ -77,11 +79,8 @@ def source_format(ckpt: Checkpoint) -> str:
     if not qc:
         return "bf16"
     method = qc.get("quant_method")
-    if method == "fp8" and qc.get("weight_block_size"):
-        if list(qc["weight_block_size"]) != [128, 128]:
-            raise QuantError(f"{ckpt.root / 'config.json'}: quantization_config.weight_block_size "
-                             f"{qc['weight_block_size']} is not supported (only [128, 128])")
-        return "fp8-block"
+    if format_named(BLOCK_FP8).declared_by(qc, ckpt.root / "config.json"):
+        return BLOCK_FP8
     raise QuantError(f"{ckpt.root / 'config.json'}: source is already quantized "
                      f"(quantization_config.quant_method={method!r}); start from a BF16, block-FP8 or microscaled "
                      f"checkpoint (README: Microscaled sources)")
@@ -117,18 +116,12 @@ class Planner:
                              f"({scheme.name} blocks run along the input dim); keep it BF16 with a recipe")
 
     def scale_inv_of(self, name: str) -> tuple[str | None, str | None]:
-        info = self.ckpt.tensors[name]
-        if info.dtype != "F8_E4M3":
+        """A block-FP8 weight's tile scales and their file (None, None: a weight of another dtype)."""
+        where = str(self.ckpt.root / self.ckpt.tensors[name].file)
+        encoding = format_named(BLOCK_FP8).recognise(self.ckpt.tensors, name, where)
+        if encoding is None:
             return None, None
-        scale = name + SCALE_INV
-        if scale not in self.ckpt.tensors:
-            raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} is F8_E4M3 but {scale} is missing")
-        s = self.ckpt.tensors[scale]
-        want = tuple(-(-d // 128) for d in info.shape[-2:])
-        if s.dtype != "F32" or tuple(s.shape) != want:
-            raise QuantError(f"{self.ckpt.root / s.file}: tensor {scale} is {s.dtype} {list(s.shape)}, "
-                             f"expected F32 {list(want)} for a 128x128 block-FP8 weight of shape {list(info.shape)}")
-        return scale, s.file
+        return encoding.scale, self.ckpt.tensors[encoding.scale].file
 
     def add_weight(self, jobs: list[TensorJob], module: str, source: Source, dtype: str,
                    shape: tuple[int, ...]) -> None:
@@ -202,7 +195,7 @@ class Planner:
             if self.sidecar is not None and self.sidecar.match(name):
                 jobs.append(TensorJob(name, "copy", Source(name, info.file), "sidecar"))
                 continue
-            if name.endswith(SCALE_INV) and self.format == "fp8-block":
+            if name.endswith(SCALE_INV) and self.format == BLOCK_FP8:
                 if name[: -len(SCALE_INV)] not in self.ckpt.tensors:
                     raise QuantError(f"{self.ckpt.root / info.file}: tensor {name} has no matching weight")
                 continue  # consumed with its weight

@@ -1,17 +1,18 @@
-"""Planning and reading a microscaled source's weights (see `microscaled`): which job each gets, and its data."""
+"""Planning and reading a quantized source's weights: which job each gets, and its data. A microscaled weight
+(quant.sources.registry recognises it from its scale sibling) is a NativeSource; an official block-FP8 one a Source
+with its `weight_scale_inv` (quant.sources.block_fp8). Every question about either is its format's to answer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quant.checkpoint import Source
 from quant.errors import QuantError
-from quant.sources.microscaled import (E8M0_FP8_KINDS, FP8_UE8M0, MX_KINDS, MXFP4, NVFP4_KINDS, PACKED_KINDS,
-                                       QUARK_FP8, Encoding, decode, exact_blocks, missing_scale, recognise,
-                                       scale_tensors,
-                                       to_fp8_block, to_quark_fp8, to_quark_mxfp4, to_quark_mxfp8)
+from quant.sources.block_fp8 import BLOCK_FP8
+from quant.sources.source_format import MICROSCALED, Encoding
+from quant.sources.registry import format_named, missing_scale, recognise, scale_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -19,20 +20,16 @@ if TYPE_CHECKING:
     from quant.checkpoint import Checkpoint, SourceReader
 
 __all__ = ["MICROSCALED", "NativeSource", "is_microscaled", "native_source", "read_codes", "read_decoded",
-           "passthrough_parts", "scale_tensors", "recognise", "missing_scale", "MXFP4", "Encoding", "check_config"]
+           "read_values", "passthrough_parts", "scale_tensors", "recognise", "missing_scale", "Encoding",
+           "check_config", "passes_through", "loss_account", "logical_shape"]
 
-MICROSCALED = "microscaled"  # Plan.source_format of a checkpoint whose weights are stored in a microscaled format
-MXFP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4")  # targets whose weight is stored exactly as a native MXFP4 source
-MXFP8_SCHEME = "w_mxfp8_a_mxfp8"  # Quark MXFP8: F8_E4M3 weight + uint8 E8M0 weight_scale per [1, 32]
-FP8_BLOCK_SCHEME = "fp8-block"  # the official 128x128 block-FP8 target: F8_E4M3 + F32 weight_scale_inv
-FP8_CHANNEL_SCHEME = "fp8"  # Quark per-channel FP8: F8_E4M3 + F32 weight_scale [O]
 # compressed-tensors formats read here (compressed_tensors.config.CompressionFormat values); "dense" groups are BF16
 CT_FORMATS = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")
 
 
 @dataclass(frozen=True)
 class NativeSource(Source):
-    """A weight stored microscaled: `encoding` (a microscaled format kind) with its scale tensor (and NVFP4's global
+    """A weight stored microscaled: `encoding` (its source format's name) with its scale tensor (and NVFP4's global
     scale)."""
 
     encoding: str = ""
@@ -43,13 +40,13 @@ class NativeSource(Source):
     global_scale_file: str = ""
 
 
-def is_microscaled(ckpt: "Checkpoint") -> bool:
+def is_microscaled(ckpt: Checkpoint) -> bool:
     """Whether any stored weight carries the scale sibling of a microscaled format (DeepSeek-V4's `.scale`,
     MiniMax-M3's E8M0 `weight_scale_inv`, compressed-tensors' `weight_packed` + `weight_scale`)."""
     return bool(scale_tensors(ckpt.tensors))
 
 
-def check_config(qc: dict | None, config_path: Path | str) -> None:
+def check_config(qc: dict[str, Any] | None, config_path: Path | str) -> None:
     """Refuse a compressed-tensors config whose formats are not the FP4 ones read here (int4 pack-quantized,
     FP8 float-quantized, sparse ...), naming config.json and the format."""
     if not qc or qc.get("quant_method") != "compressed-tensors":
@@ -62,7 +59,7 @@ def check_config(qc: dict | None, config_path: Path | str) -> None:
                          f"tensors sources: {', '.join(CT_FORMATS)})")
 
 
-def native_source(ckpt: "Checkpoint", name: str, encoding: Encoding) -> NativeSource:
+def native_source(ckpt: Checkpoint, name: str, encoding: Encoding) -> NativeSource:
     info = ckpt.tensors[name]
     glob = encoding.global_scale
     return NativeSource(name, info.file, encoding=encoding.kind, scale=encoding.scale,
@@ -71,63 +68,58 @@ def native_source(ckpt: "Checkpoint", name: str, encoding: Encoding) -> NativeSo
 
 
 def passes_through(encoding: Encoding, scheme_name: str | None) -> bool:
-    """A weight whose target is the format it already has keeps its codes and scales bit for bit: MXFP4 (native,
-    compressed-tensors or a Quark export) into MXFP4; E8M0-scaled FP8 (MXFP8 [1, 32] / [32, 32], UE8M0 block FP8)
-    into MXFP8, each block's scale written for every [1, 32] group it covers; UE8M0 128x128 FP8 into 128x128 block
-    FP8 (its E8M0 scales written as the F32 powers of two they are); a Quark FP8 export into per-channel FP8 (a
-    per-tensor scale written once per row). NVFP4 has no Quark target: it is decoded once (`exact_blocks`)."""
-    if encoding.kind in MX_KINDS:
-        return scheme_name in MXFP4_SCHEMES
-    if encoding.kind in E8M0_FP8_KINDS and scheme_name == MXFP8_SCHEME:
-        return encoding.block[1] % 32 == 0 and encoding.shape[-1] % 32 == 0
-    if encoding.kind == QUARK_FP8:
-        return scheme_name == FP8_CHANNEL_SCHEME
-    return encoding.kind == FP8_UE8M0 and encoding.block == (128, 128) and scheme_name == FP8_BLOCK_SCHEME
+    """Whether a weight whose target is `scheme_name` keeps its codes and scales bit for bit: its format says
+    (MXFP4 into MXFP4, E8M0-scaled FP8 into MXFP8, UE8M0 128x128 FP8 into block FP8, a Quark FP8 export into
+    per-channel FP8; NVFP4 has no target of its own)."""
+    return format_named(encoding.kind).passes_through(encoding, scheme_name)
 
 
-def loss_account(src: NativeSource, values: "torch.Tensor", parts: dict[str, "torch.Tensor"], scheme_name: str
-                 ) -> dict:
-    """For an NVFP4 weight requantized to MXFP4: how many of its 32-blocks went across exactly (`exact_blocks` of
-    `blocks`), beside the error the manifest records for every requantized weight. Other sources: nothing."""
-    if src.encoding not in NVFP4_KINDS or scheme_name not in MXFP4_SCHEMES or values.dim() != 2:
-        return {}
-    exact, blocks = exact_blocks(values, parts["weight"], parts["weight_scale"])
-    return {"exact_blocks": exact, "blocks": blocks}
+def loss_account(src: NativeSource, values: torch.Tensor, parts: dict[str, torch.Tensor], scheme_name: str
+                 ) -> dict[str, int]:
+    """What the manifest records of a requantized native weight beyond its error (NVFP4 into MXFP4: the 32-blocks
+    that went across exactly)."""
+    return format_named(src.encoding).loss(values, parts, scheme_name)
 
 
-def read_codes(reader: "SourceReader", src: NativeSource) -> tuple["torch.Tensor", "torch.Tensor"]:
+def read_codes(reader: SourceReader, src: NativeSource) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored codes and scales of a native weight, as stored."""
     return reader.raw(src.file, src.name), reader.raw(src.scale_file, src.scale)
 
 
-def read_decoded(reader: "SourceReader", src: NativeSource) -> "torch.Tensor":
+def read_decoded(reader: SourceReader, src: NativeSource) -> torch.Tensor:
     """The exact fp32 values of a native weight (decoded once, never rounded)."""
     codes, scales = read_codes(reader, src)
     glob = reader.raw(src.global_scale_file, src.global_scale) if src.global_scale else None
     encoding = Encoding(src.encoding, src.scale, src.block, ())
-    return decode(encoding, codes, scales, f"{reader.ckpt.shard_path(src.file)}: tensor {src.name}", glob)
+    where = f"{reader.ckpt.shard_path(src.file)}: tensor {src.name}"
+    return format_named(src.encoding).decode(encoding, codes, scales, where, glob)
 
 
-def passthrough_parts(reader: "SourceReader", src: NativeSource, scheme_name: str | None = None
-                      ) -> dict[str, "torch.Tensor"]:
-    """The target's parts, bit for bit: Quark MXFP4 {weight, weight_scale} of an MXFP4 weight, Quark MXFP8
-    {weight, weight_scale} of an E8M0-scaled FP8 one, or block-FP8 {weight, weight_scale_inv} of a UE8M0 128x128
-    one."""
+def read_values(reader: SourceReader, src: Source) -> torch.Tensor:
+    """A source tensor's values: a native weight decoded exactly, a block-FP8 one decoded with its tile scales (fp32),
+    anything else as stored (a slice of a fused expert tensor read alone)."""
+    if isinstance(src, NativeSource):
+        return read_decoded(reader, src)
+    t = reader.raw(src.file, src.name, src.expert, src.rows)
+    if src.scale_inv and src.scale_inv_file:
+        block = format_named(BLOCK_FP8)
+        encoding = Encoding(block.name, src.scale_inv, block.blocks[0], tuple(t.shape))
+        return block.decode(encoding, t, reader.raw(src.scale_inv_file, src.scale_inv))
+    return t
+
+
+def passthrough_parts(reader: SourceReader, src: NativeSource, scheme_name: str | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The target's parts, bit for bit (its format's `carry`): Quark MXFP4 {weight, weight_scale} of an MXFP4
+    weight, Quark MXFP8 {weight, weight_scale} of an E8M0-scaled FP8 one, block-FP8 {weight, weight_scale_inv} of a
+    UE8M0 128x128 one, Quark per-channel FP8 of a Quark FP8 one."""
     codes, scales = read_codes(reader, src)
     try:
-        if src.encoding in MX_KINDS:
-            return to_quark_mxfp4(codes, scales)
-        if src.encoding == QUARK_FP8:
-            return to_quark_fp8(codes, scales)
-        if scheme_name == MXFP8_SCHEME:
-            return to_quark_mxfp8(codes, scales, src.block)
-        return to_fp8_block(codes, scales)
+        return format_named(src.encoding).carry(codes, scales, src.block, scheme_name)
     except QuantError as e:
         raise QuantError(f"{reader.ckpt.shard_path(src.file)}: tensor {src.name}: {e}") from None
 
 
-def logical_shape(ckpt: "Checkpoint", src: NativeSource) -> list[int]:
+def logical_shape(ckpt: Checkpoint, src: NativeSource) -> list[int]:
     """The decoded shape of a native weight (packed FP4: two elements per stored byte)."""
-    shape = list(ckpt.tensors[src.name].shape)
-    return shape[:-1] + [shape[-1] * 2] if src.encoding in PACKED_KINDS else shape
-
+    return list(format_named(src.encoding).logical_shape(tuple(ckpt.tensors[src.name].shape)))

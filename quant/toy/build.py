@@ -641,20 +641,22 @@ def _quantize_fp8_block(tensors: dict, release: Fp8Release) -> dict:
 def _microscale(tensors: dict, native: dict) -> dict:
     """The release's own storage (the toy's `native`): `mxfp4` weights as int8 E2M1 pairs + E8M0 `.scale` per
     32 inputs, `fp8_ue8m0` weights as float8_e4m3fn + E8M0 `.scale` per 128x128 block, `bf16_tensors` cast to
-    BF16; the scale rules are the release's, not this tool's (quant.sources.microscaled)."""
+    BF16; the scale rules are the release's, not this tool's (quant.sources' formats)."""
     import torch
 
-    from quant.sources.microscaled import encode_fp8_ue8m0, encode_mxfp4_release
+    from quant.sources.registry import encode_as
 
     mx = [re.compile(p) for p in native.get("mxfp4", [])]
     fp8 = [re.compile(p) for p in native.get("fp8_ue8m0", [])]
     bf16 = [re.compile(p) for p in native.get("bf16_tensors", [])]
     out = {}
     for name, value in tensors.items():
-        if name.endswith(".weight") and any(p.search(name) for p in mx):
-            out[name], out[name[: -len("weight")] + "scale"] = encode_mxfp4_release(value)
-        elif name.endswith(".weight") and any(p.search(name) for p in fp8):
-            out[name], out[name[: -len("weight")] + "scale"] = encode_fp8_ue8m0(value, native.get("fp8_block", 128))
+        encoding = "mxfp4" if any(p.search(name) for p in mx) else "fp8-ue8m0" if any(p.search(name) for p in fp8) \
+            else None
+        if name.endswith(".weight") and encoding is not None:
+            module = name[: -len(".weight")]
+            for suffix, part in encode_as(encoding, value, native.get("fp8_block", 128)).items():
+                out[module + suffix] = part
         elif any(p.search(name) for p in bf16):
             out[name] = value.to(torch.bfloat16)
         else:
@@ -662,16 +664,12 @@ def _microscale(tensors: dict, native: dict) -> dict:
     return out
 
 
-SOURCE_FORMATS_MANIFEST = MANIFESTS_DIR / "source_formats.yaml"
-
-
-@cache
 def source_formats() -> dict:
-    """manifests/source_formats.yaml `formats`: the release storage formats a toy can be written in."""
-    try:
-        return dict(yaml.safe_load(SOURCE_FORMATS_MANIFEST.read_text())["formats"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
-        raise BadData(f"{SOURCE_FORMATS_MANIFEST}: cannot read the source formats ({e})") from e
+    """manifests/source_formats.yaml `formats`: the release storage formats a toy can be written in (read strictly,
+    with the source formats they encode in, by quant.sources.registry)."""
+    from quant.sources.registry import release_storages
+
+    return release_storages()
 
 
 def source_format_spec(name: str | None) -> dict | None:
@@ -686,10 +684,10 @@ def source_format_spec(name: str | None) -> dict | None:
 
 def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict, dict]:
     """The toy's tensors stored as the release of source format `name` stores them (manifests/source_formats.yaml):
-    each 2-D linear weight of the listed roles encoded (quant.sources.microscaled.encode_as), the others listed as
+    each 2-D linear weight of the listed roles encoded (quant.sources.registry.encode_as), the others listed as
     kept; and the release's quantization_config."""
     from quant.families import family_for_config
-    from quant.sources.microscaled import encode_as
+    from quant.sources.registry import encode_as
 
     spec = source_format_spec(name)
     if config_json.get("quantization_config"):

@@ -95,7 +95,7 @@ def release_file(spec: dict, config_json: dict, seed: int) -> tuple[tuple[str, d
 
 def encode_rows(tensors: dict, patterns) -> dict:
     """Tables matching `patterns` (`X.weight`) as float8_e4m3fn + float8_e8m0fnu `X.scale` [rows, cols / 32]."""
-    from quant.sources.microscaled import encode_mxfp8_release
+    from quant.sources.mxfp8 import encode_mxfp8_release
 
     compiled = [re.compile(p) for p in patterns or []]
     out = {}
