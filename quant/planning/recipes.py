@@ -75,8 +75,9 @@ class Recipe:
                        mtp_layer=self.mtp_layer if self.mtp_layer != "as-main" else own.mtp_layer)
 
     def to_dict(self) -> dict:
-        out = {"name": self.name, "description": self.description, "roles": dict(sorted(self.roles.items())),
-               "keep": [p.pattern for p in self.keep], "mtp_layer": self.mtp_layer}
+        out: dict[str, object] = {"name": self.name, "description": self.description,
+                                  "roles": dict(sorted(self.roles.items())), "keep": [p.pattern for p in self.keep],
+                                  "mtp_layer": self.mtp_layer}
         if self.source:
             out["source"] = self.source
         if self.modules:  # only when given: the plan digest of every recipe without them stays as it was
@@ -121,7 +122,7 @@ def _modules_from(value: object, name: str, where: str) -> list[tuple[re.Pattern
     keeps the order in any YAML tool; PyYAML keeps a mapping's order too)."""
     if value is None:
         return []
-    items = value if isinstance(value, list) else [value]
+    items: list = value if isinstance(value, list) else [value]
     if not all(isinstance(item, dict) for item in items):
         raise BadData(f"{where}: recipe {name!r}: modules must map regex -> scheme|fp8|mxfp8|bf16 (a mapping, or a "
                       "list of one-entry mappings)")
