@@ -50,12 +50,13 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _register() -> None:
     from evals import command as eval_cmd
-    from quant.commands import demo, engines, kernels, push, quantize, toy, verify
+    from quant.commands import demo, engines, kernels, push, quantize, search, toy, verify
 
     app.command("toy")(toy.command)
     app.command("quantize")(quantize.command)
     app.command("verify-manifest")(verify.command)
     app.command("push")(push.command)
+    app.command("search")(search.command)
     app.command("eval")(eval_cmd.command)
     app.command("demo")(demo.command)
     app.add_typer(kernels.app, name="kernels")

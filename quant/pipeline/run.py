@@ -13,6 +13,7 @@ import contextlib
 import fnmatch
 import itertools
 import json
+import math
 import re
 import shutil
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant import __version__
-from quant.checkpoint import INDEX_FILE, open_checkpoint
+from quant.checkpoint import DTYPE_BYTES, INDEX_FILE, open_checkpoint
 from quant.validate import require_loadable_drafts, require_sound_scales, require_valid
 from quant.errors import EngineFailure, QuantError, did_you_mean
 from quant.files import sha256_bytes, write_atomic
@@ -65,23 +66,53 @@ def parse_devices(devices: str | list[str] | None, workers: int) -> list[str]:
 def secondary_patterns(plan: Plan, config: dict) -> dict[str, str]:
     """Glob patterns for modules whose scheme differs from the primary one (layer_quant_config keys).
     A pattern drops the layer prefix ("*self_attn.o_proj") so it also matches SGLang's MTP runtime names; a
-    shard some engine looks up by its fused name (engines.unexpanded_fused_name) gets that name's pattern too."""
+    shard some engine looks up by its fused name (engines.unexpanded_fused_name) gets that name's pattern too.
+    Where modules of one name take different schemes in different layers (a recipe's `modules`, what `quant
+    search` writes), each such module gets keys of its own instead: every name an engine builds it under."""
     from quant.engines import unexpanded_fused_name
 
+    schemes_of_name: dict[str, set[str]] = {}
+    for module, scheme in plan.quantized.items():
+        schemes_of_name.setdefault(LAYER_PREFIX.sub("", module), set()).add(scheme)
     patterns = {}
     for module, scheme in plan.quantized.items():
-        if scheme != plan.scheme.name:
-            patterns["*" + LAYER_PREFIX.sub("", module)] = scheme
-            fused = unexpanded_fused_name(module, config)
-            if fused is not None:
-                patterns["*" + LAYER_PREFIX.sub("", fused)] = scheme
+        if scheme == plan.scheme.name:
+            continue
+        if len(schemes_of_name[LAYER_PREFIX.sub("", module)]) > 1:
+            patterns.update(dict.fromkeys(per_module_keys(module, config), scheme))
+            continue
+        patterns["*" + LAYER_PREFIX.sub("", module)] = scheme
+        fused = unexpanded_fused_name(module, config)
+        if fused is not None:
+            patterns["*" + LAYER_PREFIX.sub("", fused)] = scheme
     for module, scheme in plan.quantized.items():
         if scheme == plan.scheme.name:
-            hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p)), None)
+            hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p) or ("*" not in p and p in module)),
+                       None)
             if hit:
                 raise QuantError(f"recipe {plan.recipe['name']!r}: {module} is {scheme} but pattern {hit} "
                                  f"puts modules of the same name in other layers in {patterns[hit]}")
     return patterns
+
+
+ROUTED_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.[^.]+$")
+
+
+def per_module_keys(module: str, config: dict) -> list[str]:
+    """The layer_quant_config keys of one module: its names under every engine (exact names: both engines fnmatch
+    the keys, vLLM also takes a key that is a substring of the name), its fused name where an engine looks that up,
+    and for a routed expert its MoE's prefix, which the engines look a FusedMoE's config up by."""
+    from quant.engines import exclude_aliases, unexpanded_fused_name
+
+    names = list(exclude_aliases(module, config))
+    fused = unexpanded_fused_name(module, config)
+    if fused is not None:
+        names += exclude_aliases(fused, config)
+    for name in list(names):
+        m = ROUTED_EXPERT.match(name)
+        if m:
+            names.append(m.group("moe"))
+    return list(dict.fromkeys(names))
 
 
 def render_exclude(plan: Plan, config: dict) -> list[str]:
@@ -143,7 +174,7 @@ def stage_outputs(output: Output, plan: Plan, src_config: dict, src: Path, resul
         "kept_bf16": plan.kept_modules,
         "exclude": config["quantization_config"].get("exclude",
                                                      config["quantization_config"].get("modules_to_not_convert")),
-        "summary": summarize(results).to_json(),  # written with the manifest, below
+        "summary": summarize(results, plan.linear_params).to_json(),  # written with the manifest, below
         "tensors": {name: rec for r in results for name, rec in r.records.items()},
     }
     sidecars = sidecar_records(plan.family, src_config, output.root, weight_map, output.sha256)
@@ -198,11 +229,12 @@ class ExportSummary:
     modules_by_treatment: dict[str, int]
     worst: WorstError | None
     output_bytes: int
+    effective_bits: float | None = None  # stored bits per parameter of the linears a recipe could quantize
 
     def to_json(self) -> dict:
         worst = {"module": self.worst.module, "rel_mse": self.worst.rel_mse} if self.worst else None
         return {"modules_by_treatment": dict(self.modules_by_treatment), "worst_rel_mse": worst,
-                "output_bytes": self.output_bytes}
+                "output_bytes": self.output_bytes, "effective_bits": self.effective_bits}
 
     @classmethod
     def of_manifest(cls, manifest: dict) -> "ExportSummary":
@@ -210,10 +242,23 @@ class ExportSummary:
         worst = data["worst_rel_mse"]
         return cls(modules_by_treatment=dict(data["modules_by_treatment"]),
                    worst=WorstError(worst["module"], worst["rel_mse"]) if worst else None,
-                   output_bytes=data["output_bytes"])
+                   output_bytes=data["output_bytes"], effective_bits=data.get("effective_bits"))
 
 
-def summarize(results: list[ShardResult]) -> ExportSummary:
+def effective_bits(records: dict[str, dict], linear_params: dict[str, int]) -> float | None:
+    """Stored bits (values and scales, as written) per parameter of the linears a recipe could quantize: BF16 is 16,
+    MXFP4 4.25 (4 + one 8-bit scale per 32), MXFP8 8.25, per-channel FP8 8 + 32 / in_features."""
+    bits = params = 0
+    for module, count in linear_params.items():
+        record = records.get(module) or records.get(module + ".weight")
+        if record is None:
+            continue
+        bits += sum(8 * DTYPE_BYTES[o["dtype"]] * math.prod(o["shape"]) for o in record["outputs"].values())
+        params += count
+    return round(bits / params, 4) if params else None
+
+
+def summarize(results: list[ShardResult], linear_params: dict[str, int] | None = None) -> ExportSummary:
     counts: dict[str, int] = {}
     worst = None
     for r in results:
@@ -222,7 +267,9 @@ def summarize(results: list[ShardResult]) -> ExportSummary:
             counts[key] = counts.get(key, 0) + 1
             if "rel_mse" in rec and (worst is None or rec["rel_mse"] > worst.rel_mse):
                 worst = WorstError(name, rec["rel_mse"])
-    return ExportSummary(modules_by_treatment=counts, worst=worst, output_bytes=sum(r.bytes for r in results))
+    records = {name: rec for r in results for name, rec in r.records.items()}
+    return ExportSummary(modules_by_treatment=counts, worst=worst, output_bytes=sum(r.bytes for r in results),
+                         effective_bits=effective_bits(records, linear_params or {}))
 
 
 def scale_check(out: Path, metadata_dir: Path | None = None) -> None:

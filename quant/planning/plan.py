@@ -62,6 +62,8 @@ class Plan:
     mtp_layers: list[int]
     settings: dict
     recipe_path: Path | None = None  # a user's recipe file (saved beside the model card), None for built-ins
+    # module -> parameter count of every linear some recipe could quantize (the effective bits' denominator)
+    linear_params: dict[str, int] = field(default_factory=dict)
 
     def digest(self) -> str:
         """Identifies the output: equal digests mean byte-identical output shards."""
@@ -100,6 +102,7 @@ class Planner:
         self.format = source_format(ckpt)
         self.kept: list[str] = []
         self.quantized: dict[str, str] = {}
+        self.linear_params: dict[str, int] = {}
         self.scales = native.scale_tensors(ckpt.tensors) if self.format == native.MICROSCALED else set()
         # Sidecar tensors (the family's `sidecars`: Engram tables) are carried over as stored, bytes unchanged:
         # they are no linear any scheme applies to, and the engine loads them in their release dtype.
@@ -127,6 +130,7 @@ class Planner:
                    shape: tuple[int, ...]) -> None:
         role, scheme = self.treatment(module)
         self.check_weight(source.name, dtype, shape, scheme)
+        self.count_linear(module, shape)
         if scheme is None:
             self.kept.append(module)
             action = "dequantize" if source.scale_inv else "copy"
@@ -134,6 +138,10 @@ class Planner:
         else:
             self.quantized[module] = scheme.name
             jobs.append(TensorJob(module, "quantize", source, role, scheme.name))
+
+    def count_linear(self, module: str, shape: tuple[int, ...]) -> None:
+        if len(shape) == 2 and self.treatment.recipe_can_quantize(module):
+            self.linear_params[module] = shape[0] * shape[1]
 
     def keep_sidecar_linears(self, files: set[str]) -> None:
         """A sidecar file's 2-D weights join the kept modules, so the export's exclude names them: an engine builds
@@ -159,6 +167,7 @@ class Planner:
                              f"{encoding.kind} tensor; only 2-D microscaled weights are supported")
         role, scheme = self.treatment(module)
         self.check_weight(name, "F32", encoding.shape, scheme)
+        self.count_linear(module, encoding.shape)
         source = native.native_source(self.ckpt, name, encoding)
         if scheme is None:
             self.kept.append(module)
@@ -244,4 +253,5 @@ def make_plan(ckpt: Checkpoint, family: Family, recipe: Recipe, scheme: Scheme, 
                 "family": family.name, "source_format": planner.format}
     return Plan(family=family.name, recipe=recipe.to_dict(), scheme=scheme, scale_mode=scale_mode,
                 source_format=planner.format, shards=shards, kept_modules=planner.kept,
-                quantized=planner.quantized, mtp_layers=planner.mtp_layers, settings=settings)
+                quantized=planner.quantized, mtp_layers=planner.mtp_layers, settings=settings,
+                linear_params=planner.linear_params)

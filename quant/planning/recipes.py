@@ -18,7 +18,7 @@ from quant.families.schema import load_yaml
 from quant.paths import MANIFESTS_DIR
 
 __all__ = ["Recipe", "load_recipe", "builtin_recipes", "known_roles", "Family", "family_for_config", "load_family",
-           "KEEP", "BF16", "SCHEME", "FP8", "MXFP8", "SECONDARY", "MTP_LAYER_CHOICES"]
+           "KEEP", "BF16", "SCHEME", "FP8", "MXFP8", "SECONDARY", "TREATMENTS", "MTP_LAYER_CHOICES"]
 
 BF16 = "bf16"
 SCHEME = "scheme"  # the recipe's placeholder for the scheme chosen with --scheme
@@ -28,8 +28,9 @@ SECONDARY = (FP8, MXFP8)  # role values naming a fixed scheme other than --schem
 MTP_LAYER_CHOICES = ("as-main", "bf16")
 RECIPES_FILE = MANIFESTS_DIR / "recipes.yaml"
 # The keys of a recipe: built-in ones may be per family, user files name a base recipe.
-BUILTIN_RECIPE_KEYS = ("description", "roles", "keep", "mtp_layer", "per_family")
-USER_RECIPE_KEYS = ("base", "description", "roles", "keep", "mtp_layer")
+BUILTIN_RECIPE_KEYS = ("description", "roles", "modules", "keep", "mtp_layer", "per_family")
+USER_RECIPE_KEYS = ("base", "description", "roles", "modules", "keep", "mtp_layer")
+TREATMENTS = (SCHEME, *SECONDARY, BF16)
 RECIPES_FILE_KEYS = ("default", "recipes")
 
 
@@ -39,6 +40,8 @@ class Recipe:
     description: str
     roles: dict[str, str]  # role -> "scheme" | "fp8" | "mxfp8" | "bf16"
     keep: list[re.Pattern] = field(default_factory=list)  # user-pinned BF16 modules
+    # Per-module choices, first match wins, before the roles (keep still wins): what `quant search` writes.
+    modules: list[tuple[re.Pattern, str]] = field(default_factory=list)
     mtp_layer: str = "as-main"  # "as-main": MTP layers quantized like the main layers; "bf16": kept whole in BF16
     per_family: str | None = None  # the roles are the family's release_recipes[per_family] (unresolved)
     source: str = ""  # the published release it reproduces (per-family recipes)
@@ -49,7 +52,8 @@ class Recipe:
                              "(load_recipe(name, family))")
         if role in (None, KEEP) or any(p.search(module) for p in self.keep):
             return BF16
-        return self.roles.get(role, BF16)
+        chosen = next((value for pattern, value in self.modules if pattern.search(module)), None)
+        return chosen if chosen is not None else self.roles.get(role, BF16)
 
     def for_family(self, family: Family) -> "Recipe":
         """This recipe for `family`: a per-family recipe takes the family's release_recipes entry; any other
@@ -67,14 +71,17 @@ class Recipe:
         # A user recipe on a per-family base keeps its own overrides on top of the family's roles.
         return replace(own, name=f"{self.name} ({family.name})", per_family=None,
                        description=spec.get("description") or self.description, source=str(spec.get("source", "")),
-                       roles={**own.roles, **self.roles}, keep=own.keep + self.keep,
+                       roles={**own.roles, **self.roles}, keep=own.keep + self.keep, modules=self.modules,
                        mtp_layer=self.mtp_layer if self.mtp_layer != "as-main" else own.mtp_layer)
 
     def to_dict(self) -> dict:
-        out = {"name": self.name, "description": self.description, "roles": dict(sorted(self.roles.items())),
-               "keep": [p.pattern for p in self.keep], "mtp_layer": self.mtp_layer}
+        out: dict[str, object] = {"name": self.name, "description": self.description,
+                                  "roles": dict(sorted(self.roles.items())), "keep": [p.pattern for p in self.keep],
+                                  "mtp_layer": self.mtp_layer}
         if self.source:
             out["source"] = self.source
+        if self.modules:  # only when given: the plan digest of every recipe without them stays as it was
+            out["modules"] = [{p.pattern: value} for p, value in self.modules]
         return out
 
 
@@ -92,7 +99,7 @@ def _recipe_from(data: dict, name: str, where: str, allowed=BUILTIN_RECIPE_KEYS)
     for role, value in roles.items():
         if role not in valid_roles:
             check_keys({role: None}, sorted(valid_roles), where, f"recipe {name!r} roles")
-        if value not in (SCHEME, *SECONDARY, BF16):
+        if value not in TREATMENTS:
             raise BadData(f"{where}: recipe {name!r} role {role!r} has {value!r}; use scheme, fp8, mxfp8 or bf16")
     keep_list = data.get("keep") or []
     if not isinstance(keep_list, list) or not all(isinstance(p, str) for p in keep_list):
@@ -101,12 +108,35 @@ def _recipe_from(data: dict, name: str, where: str, allowed=BUILTIN_RECIPE_KEYS)
         keep = [re.compile(p) for p in keep_list]
     except re.error as e:
         raise BadData(f"{where}: recipe {name!r} has an invalid keep regex ({e})") from None
+    modules = _modules_from(data.get("modules"), name, where)
     mtp_layer = data.get("mtp_layer", "as-main")
     if mtp_layer not in MTP_LAYER_CHOICES:
         raise BadData(f"{where}: recipe {name!r} has mtp_layer {mtp_layer!r}; use "
                       f"{' or '.join(MTP_LAYER_CHOICES)}")
     return Recipe(name=name, description=str(data.get("description", "")), roles=dict(roles), keep=keep,
-                  mtp_layer=mtp_layer, per_family=data.get("per_family"))
+                  mtp_layer=mtp_layer, per_family=data.get("per_family"), modules=modules)
+
+
+def _modules_from(value: object, name: str, where: str) -> list[tuple[re.Pattern, str]]:
+    """A recipe's `modules`: regex -> treatment in order, as a mapping or as a list of one-entry mappings (a list
+    keeps the order in any YAML tool; PyYAML keeps a mapping's order too)."""
+    if value is None:
+        return []
+    items: list = value if isinstance(value, list) else [value]
+    if not all(isinstance(item, dict) for item in items):
+        raise BadData(f"{where}: recipe {name!r}: modules must map regex -> scheme|fp8|mxfp8|bf16 (a mapping, or a "
+                      "list of one-entry mappings)")
+    out = []
+    for item in items:
+        for pattern, treatment in item.items():
+            if treatment not in TREATMENTS:
+                raise BadData(f"{where}: recipe {name!r} modules {pattern!r} has {treatment!r}; use scheme, fp8, "
+                              "mxfp8 or bf16")
+            try:
+                out.append((re.compile(str(pattern)), treatment))
+            except re.error as e:
+                raise BadData(f"{where}: recipe {name!r} has an invalid modules regex {pattern!r} ({e})") from None
+    return out
 
 
 def builtin_recipes() -> dict:
@@ -123,8 +153,9 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe(name_or_path: str | None, family: Family | None = None) -> Recipe:
-    """A built-in recipe by name, or a user YAML file `{base: NAME, roles: {...}, keep: [...], mtp_layer: ...}`
-    whose roles override the base recipe's; resolved for `family` when given (per-family recipes need it)."""
+    """A built-in recipe by name, or a user YAML file `{base: NAME, roles: {...}, modules: {regex: ...},
+    keep: [...], mtp_layer: ...}` whose roles override the base recipe's (its modules come first); resolved for
+    `family` when given (per-family recipes need it)."""
     builtin = builtin_recipes()
     recipes = builtin["recipes"]
     name = name_or_path or builtin["default"]
@@ -145,5 +176,6 @@ def load_recipe(name_or_path: str | None, family: Family | None = None) -> Recip
     override = _recipe_from({k: v for k, v in user.items() if k != "base"}, str(path), str(path))
     return Recipe(name=f"{path.name} (base {base_name})", description=user.get("description", base.description),
                   roles={**base.roles, **override.roles}, keep=base.keep + override.keep,
-                  mtp_layer=user.get("mtp_layer", base.mtp_layer), per_family=base.per_family,
+                  modules=override.modules + base.modules, mtp_layer=user.get("mtp_layer", base.mtp_layer),
+                  per_family=base.per_family,
                   source=base.source)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quant.families import Family, MtpLayout
+from quant.families import KEEP, Family, MtpLayout
 from quant.planning.recipes import BF16, SCHEME, SECONDARY, Recipe
 from quant.planning.schemes import Scheme, secondary_scheme
 
@@ -46,3 +46,10 @@ class ModuleTreatment:
             return role, secondary_scheme(self.scheme, treatment)
         assert treatment == BF16
         return role, None
+
+    def recipe_can_quantize(self, module: str) -> bool:
+        """Whether some recipe could quantize `module`: a linear that plays a role (not kept by the family: embeddings,
+        routers, the MTP glue). The denominator of an export's effective bits."""
+        if layer_of(module) in self.mtp.decoder_layers and self.mtp.keeps(module):
+            return False
+        return self.family.role_of(module) not in (None, KEEP)

@@ -1,0 +1,52 @@
+"""`quant search SRC (--max-size SIZE | --bits B) --out RECIPE.yaml`: the mix of formats with the least measured
+loss within a budget, written as a user recipe for `quant quantize --recipe`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from quant.errors import QuantError
+
+
+def command(
+    src: Path = typer.Argument(..., metavar="SRC", help="A BF16 source checkpoint directory."),
+    out: Path = typer.Option(..., "--out", help="The recipe file to write (refused if it exists, without "
+                             "--overwrite)."),
+    max_size: str = typer.Option(None, "--max-size", help="Budget: the export's shard bytes (e.g. 950KB, 80GB)."),
+    bits: float = typer.Option(None, "--bits", help="Budget: effective bits per parameter of the linears."),
+    engine: list[str] = typer.Option(None, "--engine", "-e", help="Only formats these releases load (sglang, "
+                                     "vllm==0.33, ...; repeatable; default: the serving engines)."),
+    calib_data: str = typer.Option(None, "--calib-data", help="Calibration text: a local .txt/.jsonl file or a hub "
+                                   "dataset (default: GPTQ's)."),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
+    calib_seq_len: int = typer.Option(128, "--calib-seq-len", help="Tokens per window."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the pick as JSON."),
+) -> None:
+    """Pick each unit's format (engine-loadable by construction) to minimise the measured NLL rise in a budget."""
+    from quant.gptq.calibration import DEFAULT_DATA, CalibrationSettings
+    from quant.search.run import search
+    from quant.units import parse_size
+
+    if (max_size is None) == (bits is None):
+        raise QuantError("give one budget: --max-size SIZE or --bits B")
+    if bits is not None and not 1 <= bits <= 16:
+        raise QuantError(f"--bits {bits}: must be between 1 and 16")
+    if out.exists() and not overwrite:
+        raise QuantError(f"{out} exists; pass --overwrite to replace it")
+    limit = parse_size(max_size, "--max-size") if max_size is not None else None
+    calib = CalibrationSettings(calib_data or DEFAULT_DATA, calib_samples, calib_seq_len)
+    log = (lambda _m: None) if as_json else typer.echo
+    result = search(src, engine or None, calib, max_size=limit, bits=bits, log=log)
+    out.write_text(result["recipe_yaml"])
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in result.items() if k != "recipe_yaml"}, indent=1))
+        return
+    for row in result["front"]:
+        typer.echo(f"  {row['size_bytes']:>14} bytes  {row['effective_bits']:7.4f} bits  {row['predicted_loss']:+.5f}"
+                   f"  {row['what']}")
+    typer.echo(f"wrote {out}: {result['size_bytes']} bytes, {result['effective_bits']} effective bits, predicted "
+               f"NLL {result['predicted_loss']:+.5f} (quant quantize SRC OUT --recipe {out})")

@@ -1,0 +1,203 @@
+"""The search, end to end: units and their menus from the engine profiles, each choice priced and measured, the
+exact pick within the budget, and the recipe that writes it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from quant.checkpoint import DTYPE_BYTES, open_checkpoint
+from quant.engines import select_profiles
+from quant.errors import QuantError
+from quant.families import family_for_config, mtp_layout, text_config
+from quant.gptq.calibration import CalibrationSettings, calibration_tokens
+from quant.planning.plan import make_plan
+from quant.planning.recipes import TREATMENTS, Recipe, load_recipe
+from quant.planning.schemes import DEFAULT_SCHEME, Scheme, get_scheme
+from quant.planning.treatment import ModuleTreatment
+from quant.search.menu import unit_menu
+from quant.search.sensitivity import check_views, load_model, mean_nll, quantized
+from quant.search.sizes import header_bytes, stored_bytes
+from quant.search.solver import Option, pareto_front
+from quant.search.units import Linear, Unit, linears_of, search_units
+
+REFERENCE_RECIPES = ("all-linear", "experts-mxfp4-rest-mxfp8", "experts-only")
+SHARD_OVERHEAD = 8 + 256  # a shard's length prefix, its __metadata__ and padding (an upper bound)
+
+
+@dataclass(frozen=True)
+class Choice:
+    unit: Unit
+    options: list[Option]  # the menu, each with bytes (data + header) and measured NLL rise
+    data_bytes: dict[str, int]  # treatment -> stored bytes of values and scales (the effective bits' numerator)
+
+
+@dataclass
+class Searched:
+    """Everything measured: the fixed bytes outside the units, each unit's priced menu, the linears' parameters."""
+
+    fixed_bytes: int
+    choices: list[Choice]
+    params: int
+    bf16_nll: float
+    pinned: dict[str, str] = field(default_factory=dict)  # MTP unit -> treatment (NLL never runs it)
+
+    def effective_bits(self, picks: tuple[int, ...]) -> float:
+        bits = sum(8 * c.data_bytes[c.options[i].label] for c, i in zip(self.choices, picks))
+        return round(bits / self.params, 4)
+
+    def size(self, picks: tuple[int, ...]) -> int:
+        return self.fixed_bytes + sum(c.options[i].size_bytes for c, i in zip(self.choices, picks))
+
+
+def _treatment_rule(family, primary: Scheme, mtp) -> Callable[[str, str], Scheme | None]:
+    """(module, treatment) -> the scheme the planner writes: the planner's own rule (ModuleTreatment), asked with a
+    recipe that gives every module `treatment`."""
+    rules = {t: ModuleTreatment(family, Recipe(t, "", {}, modules=[(re.compile(""), t)]), primary, mtp)
+             for t in TREATMENTS}
+    return lambda module, treatment: rules[treatment](module)[1]
+
+
+def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, scale_mode: str = "even",
+            log: Callable[[str], None] = print) -> Searched:
+    ckpt = open_checkpoint(src)
+    family = family_for_config(ckpt.config)
+    primary = get_scheme(DEFAULT_SCHEME)
+    plan = make_plan(ckpt, family, load_recipe("all-linear", family), primary, scale_mode)
+    if plan.source_format != "bf16":
+        raise QuantError(f"{src}: quant search reads a BF16 source (this one is {plan.source_format})")
+    config = text_config(ckpt.config)
+    mtp = mtp_layout(config, family)
+    scheme_of = _treatment_rule(family, primary, mtp)
+    linears = linears_of(plan, ckpt)
+    profiles = select_profiles(engines)
+    roles = {m: family.role_of(m) or "" for m in linears}
+    units = search_units(linears, roles, list(mtp.decoder_layers), profiles)
+    in_features = {m: lin.shape[1] for m, lin in linears.items()}
+    model = load_model(src)
+    measured = [linears[m] for u in units if not u.mtp for m in u.modules]
+    check_views(model, measured, lambda lin: read_weight(ckpt, lin))
+    windows = calibration_tokens(calib, src)
+    base = mean_nll(model, windows)
+    log(f"search: {len(units)} units, BF16 calibration NLL {base:.4f} over {windows.shape[0]} windows")
+    choices, pinned = [], {}
+    for unit in units:
+        menu = unit_menu(unit, TREATMENTS, scheme_of, in_features, profiles, ckpt.config, scale_mode)
+        if not menu:
+            raise QuantError(f"{unit.name}: no treatment loads in every release asked ({', '.join(engines or [])})")
+        priced = {t: _price(unit, linears, scheme_of, t) for t in menu}
+        if unit.mtp:  # the NLL never runs the draft: its smallest loadable format (BENCHMARKS.md "MTP recipe")
+            menu = [min(menu, key=lambda t: priced[t][1])]
+            pinned[unit.name] = menu[0]
+        options = []
+        for t in menu:
+            loss = 0.0
+            chosen = [(linears[m], s) for m in unit.modules if (s := scheme_of(m, t)) is not None]
+            if chosen and not unit.mtp:
+                with quantized(model, chosen, scale_mode):
+                    loss = mean_nll(model, windows) - base
+            options.append(Option(t, priced[t][1], loss))
+            log(f"  {unit.name}: {t} {priced[t][1]} bytes, NLL {loss:+.5f}")
+        choices.append(Choice(unit, options, {t: priced[t][0] for t in menu}))
+    in_units = {m for u in units for m in u.modules}
+    fixed = SHARD_OVERHEAD * len(ckpt.files)
+    sources = {lin.source.name for lin in linears.values()}
+    for name, info in ckpt.tensors.items():
+        if name not in sources:
+            fixed += info.numel * DTYPE_BYTES.get(info.dtype, 1) + header_bytes(name, info.dtype, tuple(info.shape))
+    assert in_units == set(linears)
+    return Searched(fixed, choices, sum(plan.linear_params.values()), base, pinned)
+
+
+def read_weight(ckpt, linear: Linear):
+    """`linear`'s weight as the checkpoint stores it (its expert and rows of a fused tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt.root / linear.source.file), "pt") as f:
+        tensor = f.get_tensor(linear.source.name)
+    if linear.source.expert is not None:
+        tensor = tensor[linear.source.expert]
+    if linear.source.rows is not None:
+        tensor = tensor[linear.source.rows[0]:linear.source.rows[1]]
+    return tensor
+
+
+def _price(unit: Unit, linears: dict[str, Linear], scheme_of, treatment: str) -> tuple[int, int]:
+    data = total = 0
+    for m in unit.modules:
+        lin = linears[m]
+        d, t = stored_bytes(m, lin.shape, lin.dtype, scheme_of(m, treatment))
+        data, total = data + d, total + t
+    return data, total
+
+
+def pick(searched: Searched, max_size: int | None = None, bits: float | None = None) -> tuple[int, ...] | None:
+    """The least predicted loss within `max_size` bytes of shards, or `bits` effective bits."""
+    if bits is not None:
+        units = [[Option(o.label, c.data_bytes[o.label], o.loss) for o in c.options] for c in searched.choices]
+        budget = int(bits * searched.params // 8)
+    else:
+        units = [c.options for c in searched.choices]
+        budget = int(max_size or 0) - searched.fixed_bytes
+    fitting = [p for p in pareto_front(units) if p.size_bytes <= budget]
+    return fitting[-1].choices if fitting else None
+
+
+def reference(searched: Searched, recipe: str, family) -> tuple[int, ...] | None:
+    """A uniform recipe as a pick (None where one of its unit treatments is off the menu)."""
+    r = load_recipe(recipe, family)
+    out = []
+    for c in searched.choices:
+        if c.unit.name in searched.pinned:
+            out.append(0)
+            continue
+        first = c.unit.modules[0]
+        want = r.treatment(family.role_of(first), first)
+        labels = [o.label for o in c.options]
+        if want not in labels:
+            return None
+        out.append(labels.index(want))
+    return tuple(out)
+
+
+def recipe_yaml(searched: Searched, picks: tuple[int, ...], note: str) -> str:
+    """A user recipe (`quant quantize --recipe`): one `modules` entry per unit, anchored on its module names."""
+    lines = [f"# {note}", "base: all-linear", "description: " + note.replace(":", " -"), "modules:"]
+    for c, i in zip(searched.choices, picks):
+        names = "|".join(re.escape(m) for m in c.unit.modules)
+        lines.append(f"  - '^(?:{names})$': {c.options[i].label}  # {c.unit.name}")
+    return "\n".join(lines) + "\n"
+
+
+def search(src: Path, engines: list[str] | None, calib: CalibrationSettings, max_size: int | None = None,
+           bits: float | None = None, scale_mode: str = "even", log: Callable[[str], None] = print) -> dict:
+    """Measure, pick within the budget, and describe: the recipe text, the pick's totals, the Pareto front with
+    the uniform recipes beside it."""
+    searched = measure(src, engines, calib, scale_mode, log)
+    chosen = pick(searched, max_size, bits)
+    if chosen is None:
+        smallest = searched.size(pareto_front([c.options for c in searched.choices])[0].choices)
+        budget = f"--max-size {max_size}" if bits is None else f"--bits {bits}"
+        raise QuantError(f"no mix of the engines' formats fits {budget}; the smallest is {smallest} bytes")
+    family = family_for_config(open_checkpoint(src).config)
+
+    def row(picks: tuple[int, ...], what: str) -> dict:
+        return {"size_bytes": searched.size(picks), "effective_bits": searched.effective_bits(picks),
+                "predicted_loss": round(sum(c.options[i].loss for c, i in zip(searched.choices, picks)), 6),
+                "what": what}
+
+    front = [row(p.choices, "pareto") for p in pareto_front([c.options for c in searched.choices])]
+    for name in REFERENCE_RECIPES:
+        ref = reference(searched, name, family)
+        if ref is not None:
+            front.append(row(ref, f"recipe {name}"))
+    front.sort(key=lambda r: (r["size_bytes"], r["predicted_loss"]))
+    totals = row(chosen, "pick")
+    note = (f"quant search: {totals['size_bytes']} bytes, {totals['effective_bits']} effective bits, predicted NLL "
+            f"rise {totals['predicted_loss']:+.5f} nats")
+    return {"recipe": {c.unit.name: c.options[i].label for c, i in zip(searched.choices, chosen)},
+            "recipe_yaml": recipe_yaml(searched, chosen, note), "size_bytes": totals["size_bytes"],
+            "effective_bits": totals["effective_bits"], "predicted_loss": totals["predicted_loss"],
+            "bf16_calibration_nll": round(searched.bf16_nll, 6), "front": front}

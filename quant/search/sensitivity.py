@@ -1,0 +1,100 @@
+"""Each choice's loss, measured: the rise in mean next-token NLL (nats) on calibration windows when only one unit's
+weights are quantized and dequantized in an in-memory copy of the BF16 model (transformers builds it from
+config.json, in fp32, as the held-out NLL of the eval stage does). Exact per unit; the solver then assumes the
+rises add up, which is what makes the search a knapsack."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from quant.errors import QuantError
+from quant.planning.schemes import Scheme
+from quant.search.units import Linear
+
+if TYPE_CHECKING:
+    import torch
+
+
+def load_model(src: Path) -> "torch.nn.Module":
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # an MTP layer's tensors are "unexpected" to transformers, as always
+    try:
+        return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def mean_nll(model: "torch.nn.Module", windows: "torch.Tensor", batch: int = 16) -> float:
+    """Mean NLL per predicted token (nats) over token windows [n, seq_len], every position after the first."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, windows.shape[0], batch):
+            ids = windows[start:start + batch]
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], dim=-1)
+            nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            total += float(nll.sum())
+            count += nll.numel()
+    return total / max(count, 1)
+
+
+EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>\w+)\.weight$")
+# How transformers stores per-expert checkpoint weights once loaded (its MoE classes fuse them): gate and up
+# stacked along the rows of gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden, inter].
+FUSED_BY_TRANSFORMERS = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
+                         "down_proj": ("down_proj", 0, 1)}
+
+
+def weight_view(model: "torch.nn.Module", linear: Linear) -> "torch.Tensor":
+    """The model's parameter slice holding `linear`: its own parameter, or its rows of an expert tensor that the
+    checkpoint (the plan's source: expert, rows) or transformers (FUSED_BY_TRANSFORMERS) fused. Checked against
+    the checkpoint by `check_views` before anything is measured."""
+    source = linear.source
+    m = EXPERT.match(source.name)
+    if source.expert is None and m and m.group("leaf") in FUSED_BY_TRANSFORMERS:
+        fused, part, parts = FUSED_BY_TRANSFORMERS[m.group("leaf")]
+        with suppress(AttributeError):
+            stacked = model.get_parameter(f"{m.group('moe')}.{fused}").data[int(m.group("e"))]
+            step = stacked.shape[0] // parts
+            return stacked[part * step:(part + 1) * step]
+    view = model.get_parameter(source.name).data
+    if source.expert is not None:
+        view = view[source.expert]
+    if source.rows is not None:
+        view = view[source.rows[0]:source.rows[1]]
+    return view
+
+
+def check_views(model: "torch.nn.Module", linears: list[Linear], read: Callable[[Linear], "torch.Tensor"]) -> None:
+    """Every view holds its checkpoint weight exactly (a wrong mapping would measure another matrix)."""
+    import torch
+
+    for linear in linears:
+        view = weight_view(model, linear)
+        if view.shape != torch.Size(linear.shape) or not torch.equal(view, read(linear).to(view.dtype)):
+            raise QuantError(f"{linear.module}: the model built by transformers does not hold this weight where "
+                             "the search looks for it; quant search cannot measure this model")
+
+
+@contextmanager
+def quantized(model: "torch.nn.Module", linears: list[tuple[Linear, Scheme]], scale_mode: str) -> Iterator[None]:
+    """The model with these linears' weights replaced by their quantized-dequantized values, restored after."""
+    saved = []
+    try:
+        for linear, scheme in linears:
+            view = weight_view(model, linear)
+            saved.append((view, view.clone()))
+            view.copy_(scheme.dequantize(scheme.quantize(view.clone(), scale_mode)).to(view.dtype))
+        yield
+    finally:
+        for view, original in saved:
+            view.copy_(original)
