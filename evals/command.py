@@ -9,6 +9,7 @@ failed), 2 a bad argument (evals/statistics/evidence.py says why).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -143,6 +144,4 @@ def _show(report, out: Path, write_gate: Optional[Path], card: Optional[Path], j
 
         say(f"updated {add_accuracy(card, report.to_json(), out)}")
     if json_output:
-        import json
-
         typer.echo(json.dumps(report.to_json(), indent=1))

@@ -5,16 +5,23 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from evals.arms.answers import digests_for_this_run
-from evals.tasks.registry import parse_tasks
-from evals.judge import (EXIT_CODES, apply_request_gate, build_report, compare_records, read_request_gate,
-                         write_baseline_gate)
+from evals.judge import (
+    EXIT_CODES,
+    apply_request_gate,
+    build_report,
+    compare_records,
+    read_request_gate,
+    write_baseline_gate,
+)
 from evals.out_dir import RUNS_DIR, SCRATCH_DIR, check_gate_target, check_not_itself, claim_out, prepare_out
 from evals.report.render import write_report
 from evals.request import EvalRequest, check, check_chat, check_inputs, run_settings
 from evals.run_arms import load_baseline_run, run_arms
 from evals.statistics.results import EvalReport
+from evals.tasks.registry import parse_tasks
 from quant.errors import QuantError, machine_failure, naming
 
 __all__ = ["EXIT_CODES", "EvalRequest", "evaluate"]
@@ -23,7 +30,6 @@ __all__ = ["EXIT_CODES", "EvalRequest", "evaluate"]
 def evaluate(request: EvalRequest, log=print) -> EvalReport:
     """Run the comparison and write the report; returns the report (`report.verdict`; `report.to_json()` is what
     report.json holds)."""
-    import sys
 
     from evals.arms.lm_eval_run import quiet_third_parties
 

@@ -3,7 +3,9 @@ thinking switches against the tasks, then the inputs (the data files, the hub's 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from evals.arms.backends import ACTIVATIONS, DTYPES, is_url
@@ -54,8 +56,6 @@ class EvalRequest:
 
 
 def check(request: EvalRequest) -> None:
-    import math
-
     if not math.isfinite(request.margin) or not 0 < request.margin <= MAX_MARGIN_POINTS:
         raise QuantError(f"--margin {request.margin:g}: must be a number of points in (0, {MAX_MARGIN_POINTS:g}] "
                          f"(a wider margin admits any candidate)")
@@ -180,7 +180,6 @@ def _check_device(device: str) -> None:
 
 def run_settings(request: EvalRequest, specs) -> dict:
     """The settings report.json records (an earlier run's are checked against them by --baseline-run)."""
-    from importlib.metadata import version
 
     return {"tasks": [s.name for s in specs], "limit": request.limit, "seeds": request.seeds,
             "max_gen_toks": request.max_gen_toks, "temperature": request.temperature, "top_p": request.top_p,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
@@ -30,8 +31,6 @@ IO_ERROR = 74  # sysexits EX_IOERR: the machine failed us (disk full, read-only,
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
-
         from quant import __version__
 
         try:

@@ -9,7 +9,9 @@ official block FP8 (weight_scale_inv).
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,8 +180,6 @@ def _input_format(spec, where: str) -> ActivationFormat | None:
 
 
 def _quark_layer_config(q: dict, module: str) -> tuple[str, dict]:
-    import fnmatch
-
     for pattern, cfg in (q.get("layer_quant_config") or {}).items():
         if fnmatch.fnmatch(module, pattern):
             return f"layer_quant_config[{pattern!r}]", cfg or {}
@@ -252,7 +252,6 @@ def _in_transformers_layer(name: str, spec: dict | None) -> str:
     `transformers_layer` data: MiniMax-M2's block_sparse_moe.experts.E.w1 is mlp.experts.E.gate_proj, a part of
     transformers' fused experts; MiniMax-M3's mlp.gate_proj and mlp.up_proj are transformers' mlp.gate_up_proj,
     whose input is theirs)."""
-    import re
 
     found = re.match(r"(.*\blayers\.\d+\.)(.+)$", name) if spec else None
     if found is None:
@@ -283,7 +282,6 @@ def emulate_activations(model, formats: dict[str, ActivationFormat], num_hidden_
     `transformers_layer` data, for the families whose decoder layer transformers names otherwise. Returns {format
     label: modules hooked}; QuantError for a module that cannot be hooked, or experts that run transformers' eager
     loop."""
-    import re
 
     modules = dict(model.named_modules())
     hooked: dict[str, int] = {}

@@ -11,6 +11,7 @@ the error's `exit_code`, from the table in the README:
  75  RankLost: a GPTQ run on several torch.distributed ranks lost one of them (the same command resumes)
 """
 
+import difflib
 import errno
 import os
 from collections.abc import Iterable
@@ -48,7 +49,6 @@ def naming(failure: OSError, where: object) -> OSError:
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
     """` (did you mean 'x'?)` for the closest of `choices` to a mistyped `value`, or "" when none is close."""
-    import difflib
 
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
     if not close:

@@ -22,6 +22,7 @@ bytes.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import struct
@@ -375,7 +376,6 @@ def _count(traffic: Traffic, on: bool) -> None:
     """Count (or stop counting) the requests of huggingface_hub's shared HTTP session in `traffic`; meanwhile
     huggingface_hub logs errors only (no retry notices or progress bars around the one line a failure prints),
     unless HF_HUB_VERBOSITY asks for more."""
-    import logging
 
     from huggingface_hub.utils import get_session
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -274,8 +275,6 @@ class Claim:
         return self.created or self.previous is not None
 
     def _acquire(self) -> None:
-        import fcntl
-
         # Never through a symlink: a lock file is ours to create, never someone else's file to open.
         try:
             fd = os.open(self.root / LOCK_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)

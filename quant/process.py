@@ -12,9 +12,13 @@ run and its dry run alike).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import logging
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,8 +46,6 @@ def reuse_freed_memory() -> None:
     VM, pages the host may have to back again): 15% of the CPU time of a 2-core run. Blocks up to 32 MB now come
     from the heap and stay there. glibc only; elsewhere nothing changes.
     """
-    import ctypes
-    import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -164,8 +166,6 @@ def supervise() -> int | None:
     passed on as it is (the parent dies of the same signal: a shell's 141 for SIGPIPE, what torchrun reports for
     a killed rank). Signals sent to the parent are passed to the child; a terminal's Ctrl-C reaches both already.
     The child dies with its parent (PR_SET_PDEATHSIG), so killing the parent never leaves it running."""
-    import signal
-    import subprocess
 
     global _decided
     if _decided:  # `quant` runs quant.cli's main after its own: one decision per process
@@ -205,8 +205,6 @@ def supervise() -> int | None:
 
 def _child_setup(blocked: set) -> None:
     """In the child, before exec: the signals the supervisor blocked unblocked, and death with the parent."""
-    import ctypes
-    import signal
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
     try:

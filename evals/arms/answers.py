@@ -37,8 +37,11 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import threading
+import urllib.request
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from evals.arms.backends import FAILED_GENERATION, Backend, api_root
@@ -50,8 +53,6 @@ IDENTITY_FILE = "identity.json"  # each arm's identity, beside its samples (runs
 
 
 def _versions(*names: str) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for name in names:
         try:
@@ -120,7 +121,6 @@ def checkpoint_digest(path: Path) -> str:
 
 def _model_entry(url: str, model: str, timeout: float = 30.0) -> dict:
     """What the server's GET /models says of `model` (its id, root, max_model_len, checkpoint_digest)."""
-    import urllib.request
 
     try:
         with urllib.request.urlopen(f"{api_root(url)}/models", timeout=timeout) as response:
@@ -322,8 +322,6 @@ def open_store(scratch: Path, backend: Backend, options) -> AnswerStore:
     for name in (path.name, path.name + "-wal", path.name + "-shm"):
         entry = path.parent / name
         if os.path.islink(entry) or (os.path.lexists(entry) and not entry.is_file()):
-            import shutil
-
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     identity = arm_identity(backend, options)
     try:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from evals.arms.data_files import GPQA_COLUMNS, GSM8K_COLUMNS, GSM8K_SPLITS
 from evals.tasks.data_sources import DataSource
@@ -34,8 +36,6 @@ def hub_offline() -> str | None:
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the hub's host answers a TCP connection within `timeout` (datasets would otherwise retry for
     half a minute before saying it is offline)."""
-    import socket
-    from urllib.parse import urlparse
 
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:

@@ -9,11 +9,14 @@ in process, `seed` in the request payload for servers).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from evals.arms.backends import FAILED_GENERATION, Backend
@@ -101,8 +104,6 @@ def quiet_third_parties(terminal: bool) -> None:
 def _no_bar_off_a_terminal(lm):
     """lm-eval's HFLM draws its generation bar with an explicit `disable=disable_tqdm` (huggingface.py:1574), which
     no environment variable reaches: off a terminal, its generate_until is called with disable_tqdm=True."""
-    import inspect
-    import sys
 
     original = getattr(lm, "generate_until", None)
     if sys.stderr.isatty() or original is None or "disable_tqdm" not in inspect.signature(original).parameters:
@@ -124,8 +125,6 @@ def _light_provenance():
     import lm_eval.evaluator as evaluator
 
     def versions_only(storage: dict) -> None:
-        from importlib.metadata import version
-
         storage.update({"lm_eval_version": version("lm_eval"), "transformers_version": version("transformers")})
 
     originals = evaluator.add_env_info, evaluator.get_git_commit_hash
@@ -217,9 +216,10 @@ def run_arm(backend: Backend, specs: list[EvalTask], task_dir: Path, out_dir: Pa
             log=print, store=None) -> list[dict]:
     """Evaluate `backend` on every task (and seed); write samples and lm-eval results under `out_dir`. With
     `store` (evals.arms.answers.AnswerStore), answers kept by an earlier run are reused and new ones kept."""
-    from evals.arms.answers import kept_answers
     import lm_eval
     from lm_eval.tasks import TaskManager
+
+    from evals.arms.answers import kept_answers
 
     task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     records = []

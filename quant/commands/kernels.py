@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import warnings
 
 import typer
 
@@ -43,7 +44,6 @@ def status() -> None:
 def build(force: bool = typer.Option(False, help="Rebuild packages that already exist")) -> None:
     """Compile every kernel for this machine (about 10 s each, once; later runs skip built ones). On AVX-512
     machines each kernel is built with 512- and 256-bit vectors and the faster one on this machine is kept."""
-    import warnings
 
     from quant.numerics._aot import package_simdlen
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -67,8 +69,8 @@ def command(
                               "instead (README). Same bytes as one process"),
 ) -> None:
     """Quantize a checkpoint to MXFP4/FP8, streaming shard to shard, and check that the engines will load it."""
-    from quant.units import parse_size
     from quant.gptq.ranks import launched
+    from quant.units import parse_size
 
     if ranks != 1 and not dry_run and not launched():
         _launch_ranks(ranks, method, devices, workers)
@@ -89,7 +91,6 @@ def command(
 
 def _launch_ranks(ranks: int, method: str, devices: str, workers: int) -> None:
     """`--ranks N` outside torchrun: start N ranks of this same command on this machine and wait for them."""
-    import sys
 
     from quant.gptq.ranks import launch_local
 
@@ -106,8 +107,8 @@ def _launch_ranks(ranks: int, method: str, devices: str, workers: int) -> None:
 def _dry_run(src: str, *, method: str, scheme: str, recipe, devices: str, workers: int, gptq, device_memory,
              ranks: int) -> None:
     from quant.gptq.dry_run import predict
-    from quant.units import parse_size
     from quant.gptq.ranks import launched
+    from quant.units import parse_size
 
     if launched() and os.environ.get("RANK", "0") != "0":
         return  # under torchrun: rank 0 prints it
@@ -156,7 +157,6 @@ def _quantize(src: str, out: Path, *, devices: str, workers: int, gptq, check_en
 def _run_ranked(run, devices: str, workers: int, gptq) -> None:
     """This process is one of several ranks: rank 0 runs the pipeline on its device, its GPTQ solver sharing the
     work with the others (`quant.gptq.ranks`); the others follow it."""
-    import dataclasses
 
     from quant.errors import QuantError
     from quant.gptq.ranks import Ranks, run_command

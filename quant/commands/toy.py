@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import secrets
+import shutil
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import typer
@@ -47,8 +52,6 @@ def write_toy(name: str, out: Path, *, fp8_block: bool = False, shard_size=None,
               overwrite: bool = False, source_format: str | None = None) -> Path:
     """`build_toy` under the ownership rule (quant.ownership): into a new or empty directory, or over an earlier
     toy of the same options; anything else needs `overwrite`, and only files of ours are replaced."""
-    import secrets
-    import shutil
 
     from quant.ownership import claim
     from quant.toy import build_toy, parse_shard_size, source_format_spec, toy_family
@@ -83,10 +86,6 @@ CACHED = ".toy-sha256.json"
 
 
 def toy_cache(identity: dict) -> Path:
-    import hashlib
-    import json
-    from importlib.metadata import PackageNotFoundError, version
-
     import quant
     from quant.paths import MANIFESTS_DIR, cache_root
 
@@ -105,8 +104,6 @@ def toy_cache(identity: dict) -> Path:
 
 def _copy_cached(cached: Path, staging: Path) -> bool:
     """Copy a kept toy into `staging` (True), or nothing (False: none kept, or a file not as recorded)."""
-    import json
-    import shutil
 
     from quant.files import sha256_file
 
@@ -127,9 +124,6 @@ def _copy_cached(cached: Path, staging: Path) -> bool:
 
 def _keep(staging: Path, cached: Path) -> None:
     """Keep a built toy in the cache (atomically); a cache that cannot be written is skipped, never an error."""
-    import json
-    import secrets
-    import shutil
 
     from quant.files import sha256_file
 

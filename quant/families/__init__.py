@@ -14,6 +14,7 @@ engine differs.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -318,7 +319,6 @@ def _transformers_layer(data: dict, parent: Family | None, where: str) -> dict:
 def load_family(name: str) -> Family:
     """The family `name` (a file manifests/families/NAME.yaml), with what it inherits. A fresh copy: callers may
     change it (tests do)."""
-    import copy
 
     path = families_dir() / f"{name}.yaml"
     if not path.is_file():
@@ -328,7 +328,6 @@ def load_family(name: str) -> Family:
 
 def load_family_file(path: Path) -> Family:
     """The family in file `path` (its parents from families_dir()). A fresh copy, as load_family's."""
-    import copy
 
     return copy.deepcopy(_load_family_file(Path(path)))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quant.families.schema import BadData, check_keys
@@ -212,6 +212,4 @@ def _draft(section: Any, where: str) -> MtpDraft | None:
 
 
 def _replace(spec: MtpSpec, **changes: Any) -> MtpSpec:
-    from dataclasses import replace
-
     return replace(spec, **changes)

@@ -28,10 +28,14 @@ has a timeout (QUANT_RANK_TIMEOUT seconds, default 1800): a killed or hung peer 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import signal
+import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -275,8 +279,9 @@ def follow(ranks: Ranks, solve_checkpoint) -> None:
     """A rank other than 0: wait for rank 0's work and do its share, until rank 0 says it is done. Rank 0 sends
     ("solve", what `run.solve_checkpoint` needs) once its pipeline has planned a GPTQ run, then ("done",). The
     command hands `solve_checkpoint` in (run.py builds on this module, not the other way round)."""
-    from quant.checkpoint import open_checkpoint
     import transformers  # noqa: F401  (its import, seconds, overlaps rank 0's planning)
+
+    from quant.checkpoint import open_checkpoint
 
     while True:
         message = ranks.broadcast(None, 0, "waiting for rank 0's plan")
@@ -327,8 +332,6 @@ def say_when_stopped(ranks: Ranks) -> None:
     says it in one `error:` line and exits 75 (RankLost: the finished layers are kept, the same command resumes).
     The line is written from a thread woken by the signal's wakeup fd, so it comes also while the main thread waits
     inside a collective (a Python signal handler runs only once the main thread is back in the interpreter)."""
-    import sys
-    import threading
 
     if os.environ.get(LOCAL_LAUNCHER_ENV) or threading.current_thread() is not threading.main_thread():
         return
@@ -394,9 +397,6 @@ def launch_local(count: int, argv: list[str]) -> int:
     every rank stopped when one fails). Returns the exit code. The launcher's own failure report is silenced: a
     rank that failed with an exit code said why in its line; ranks that died of a signal (none said anything) are
     named here in one line (`RankLost`)."""
-    import logging
-    import sys
-    import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

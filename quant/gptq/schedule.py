@@ -10,7 +10,9 @@ keeps the solved bytes the same on any number of them."""
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from quant.planning.plan import Plan, TensorJob
@@ -196,8 +198,6 @@ class Workers:
         self.pool = None
 
     def __enter__(self) -> "Workers":
-        from concurrent.futures import ThreadPoolExecutor
-
         if len(self.devices) > 1:
             self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="gptq-worker")
         return self
@@ -221,7 +221,6 @@ class Workers:
         owner = self.assign(costs)
         if self.pool is None or len(tasks) < 2:
             return [(owner[i], task(self.devices[owner[i]])) for i, task in enumerate(tasks)]
-        import threading
 
         failed = threading.Event()
         futures = [self.pool.submit(self._loop, w, tasks, owner, failed) for w in range(len(self.devices))

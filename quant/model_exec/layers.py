@@ -14,6 +14,7 @@ What a layer returns besides its hidden states, and which argument of the next l
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,6 @@ def config_model(root: Path, dtype: torch.dtype = torch.float32, unsupported=Non
     family data names (`transformers_layer.text_model`: Kimi-K2.5's DeepseekV3ForCausalLM), so the decoder is the
     text model alone and the vision tower is never built. `unsupported(why)` makes the error for a config
     transformers has no causal LM for."""
-    import json
 
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -150,8 +151,6 @@ def _timing_args(example: Sequence, elements: int = 1 << 22) -> tuple:
 
 
 def _median_seconds(runner: _Runner, args: tuple, calls: int = 7) -> float:
-    import time
-
     runner(args)
     times = []
     for _ in range(calls):

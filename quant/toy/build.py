@@ -14,6 +14,8 @@ Same name, seed and options give byte-identical files.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import re
 import secrets
@@ -406,7 +408,6 @@ def _text_keys(family: ToyFamily, kwargs: dict) -> dict:
 
 def _model_config(family: ToyFamily, overrides: dict):
     """The transformers config to build (main layers + MTP layers as extra decoder layers)."""
-    import copy
 
     import transformers
 
@@ -443,8 +444,6 @@ def _model_config(family: ToyFamily, overrides: dict):
 
 
 def _config_parameters(config_class: str) -> set[str]:
-    import inspect
-
     import transformers
 
     return set(inspect.signature(getattr(transformers, config_class).__init__).parameters)
@@ -607,7 +606,6 @@ def _perturb(tensors: dict, perturb: dict[str, float], generator) -> None:
 def _release_config_json(family: ToyFamily, config_json: dict, n_main: int, n_mtp: int) -> dict:
     """config.json as the real release writes it: MTP layers counted apart, release-only keys (those that
     select code paths in vLLM/SGLang but that transformers' config class does not write), key spellings."""
-    import copy
 
     config_json = copy.deepcopy(config_json)
     text = config_json[family.text_config_key] if family.text_config_key else config_json

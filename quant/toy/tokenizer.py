@@ -6,6 +6,9 @@ arithmetic model is trained on. The special tokens follow the byte ids.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 BYTE_TOKENS = 256
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -41,8 +44,6 @@ def toy_tokenizer():
 
 def save_toy_tokenizer(directory) -> None:
     """Write tokenizer.json and tokenizer_config.json into `directory`."""
-    import json
-    from pathlib import Path
 
     toy_tokenizer().save_pretrained(directory)
     # transformers 5 records its own class name; engines that run transformers 4.x only know the old name,

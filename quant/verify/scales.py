@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -346,7 +347,6 @@ def scan_issues(path, metadata_dir=None, stats: ScanStats | None = None,
     if workers == 1:
         results = [_scan_shard(ckpt, f, by_file[f]) for f in files]
     else:  # preads and numpy's reductions release the GIL: shards overlap I/O and checking
-        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(workers) as pool:
             results = list(pool.map(lambda f: _scan_shard(ckpt, f, by_file[f]), files))

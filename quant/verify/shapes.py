@@ -14,8 +14,11 @@ A module no formula covers falls back to the shape read back from its weight (co
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import re
+import runpy
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from quant.checkpoint import SHOWN, lm_layer_indices
@@ -103,8 +106,6 @@ def known_model_types() -> frozenset[str] | None:
     """The model types transformers' AutoConfig maps to a config class (CONFIG_MAPPING_NAMES), read from the
     installed transformers' generated table without importing the package (which imports torch); None when
     transformers is not installed or the table cannot be found."""
-    import importlib.util
-    import runpy
 
     try:
         spec = importlib.util.find_spec("transformers")
@@ -134,8 +135,6 @@ def engine_registered(model_type: str) -> tuple[str, ...]:
 
 
 def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("transformers")
     except PackageNotFoundError:
