@@ -8,6 +8,7 @@ import os
 import sys
 
 from evals.arms.answers import digests_for_this_run
+from evals.arms.lm_eval_run import quiet_third_parties
 from evals.judge import (
     EXIT_CODES,
     apply_request_gate,
@@ -31,7 +32,6 @@ def evaluate(request: EvalRequest, log=print) -> EvalReport:
     """Run the comparison and write the report; returns the report (`report.verdict`; `report.to_json()` is what
     report.json holds)."""
 
-    from evals.arms.lm_eval_run import quiet_third_parties
 
     quiet_third_parties(sys.stderr.isatty())  # lm-eval's warnings about our own choices; bars only on a terminal
     with digests_for_this_run():  # each checkpoint hashed once in this run (the check below, then its arm)

@@ -30,6 +30,7 @@ import yaml
 
 from evals.statistics.results import EvalReport
 from quant.errors import QuantError
+from quant.files import write_atomic
 
 DEFAULT_TOLERANCE = 0.08  # vLLM's test_gsm8k_correctness.py
 DEFAULT_GATE_TASK = "gsm8k"  # vLLM's configs gate GSM8K: a gate file without our `task:` key means it
@@ -183,8 +184,6 @@ def gate_from_baseline(report: EvalReport, spec, margin_points: float, mtp_margi
 
 
 def write_gate(path: Path, gate: dict) -> None:
-    from quant.files import write_atomic
-
     header = ("# A CI gate in vLLM's GSM8K eval config format (tests/evals/gsm8k/configs), written by\n"
               "# `quant eval --write-gate` from a baseline run; `quant eval --gate` applies it.\n")
     write_atomic(Path(path), header + yaml.safe_dump(gate, sort_keys=False))

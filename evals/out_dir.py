@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from evals.arms.answers import ANSWERS_DIR
-from evals.arms.backends import is_url
+from evals.arms.answers import ANSWERS_DIR, checkpoint_digest, same_model, server_identity
+from evals.arms.backends import endpoint_url, is_url, served_models
 from evals.report.render import REPORT_JSON
 from evals.request import EvalRequest, same_source
 from quant.errors import QuantError
-from quant.ownership import remove_path
+from quant.ownership import check_new_file, claim, remove_path
 
 # What an eval leaves in OUT: the per-question samples of each arm, and the report (report.json last).
 RUNS_DIR = "runs"
@@ -23,8 +23,6 @@ SCRATCH_DIR = ".quant-eval"
 
 
 def claim_out(request: EvalRequest):
-    from quant.ownership import claim
-
     inputs = {"candidate": None if is_url(request.candidate) else Path(request.candidate),
               "baseline": None if not request.baseline or is_url(request.baseline) else Path(request.baseline),
               "--data-dir": request.data_dir, "--gpqa-csv": request.gpqa_csv, "--baseline-run": request.baseline_run}
@@ -47,7 +45,6 @@ def prepare_out(held, resume: bool = True) -> None:
 
 def check_gate_target(request: EvalRequest) -> None:
     """--write-gate's target: a new file outside every input, or --overwrite."""
-    from quant.ownership import check_new_file
 
     inputs = {label: Path(source) for label, source in (("candidate checkpoint", request.candidate),
                                                          ("baseline checkpoint", request.baseline))
@@ -60,7 +57,6 @@ def check_not_itself(request: EvalRequest, earlier) -> None:
     checkpoint byte for byte the candidate's (evals.arms.answers.checkpoint_digest), or --baseline-run answers that
     the candidate's model gave (the identity that run wrote beside them; a run from before identities were written
     is known by its baseline's path or URL)."""
-    from evals.arms.answers import checkpoint_digest, same_model
 
     proves = "a comparison of a model with itself proves nothing"
     if request.baseline is not None:
@@ -93,11 +89,9 @@ def check_not_itself(request: EvalRequest, earlier) -> None:
 
 def _candidate_identity(request: EvalRequest) -> dict:
     """The candidate's model as evals.arms.answers identifies it, before its arm runs."""
-    from evals.arms.answers import checkpoint_digest, server_identity
 
     if not is_url(request.candidate):
         return {"kind": "transformers", "checkpoint_digest": checkpoint_digest(Path(request.candidate))}
-    from evals.arms.backends import endpoint_url, served_models
 
     url = endpoint_url(request.candidate, request.endpoint)
     model = request.server_model or served_models(url, timeout=min(30, request.timeout), flag="--candidate")[0]

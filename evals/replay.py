@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 
+from evals.arms import server_metrics
+from evals.arms import server_metrics as server_spec
+from evals.arms.answers import request_key
 from evals.arms.backends import Backend, BackendOptions
 from evals.arms.lm_eval_run import RunSettings
+from evals.arms.mtp_measure import measure_records
 
 
 def server_mtp(spec, records: list[dict], specs, settings: RunSettings, options: BackendOptions, log,
@@ -16,7 +20,6 @@ def server_mtp(spec, records: list[dict], specs, settings: RunSettings, options:
     """A server arm's acceptance (evals/arms/server_metrics.py): vLLM's counters over the run, or SGLang's per-request
     meta_info from a greedy /generate replay of every greedy generation (attached to its records; each replay kept
     in `store` as it arrives, like the answers, so a resumed run replays only what is missing)."""
-    from evals.arms import server_metrics as server_spec
 
     if spec.kind is None:
         return {"measured": False, "why": spec.why}
@@ -47,9 +50,6 @@ def server_mtp(spec, records: list[dict], specs, settings: RunSettings, options:
 
 
 def _kept_replay(store, spec, prompt: str, max_new: int, until: list[str], timeout: float) -> dict:
-    from evals.arms import server_metrics
-    from evals.arms.answers import request_key
-
     key = request_key(store.digest, "sglang_generate", (prompt, max_new, until), 0) if store else None
     kept = store.get(key) if store else None
     if kept is not None:
@@ -66,7 +66,6 @@ def measure_mtp(backend: Backend, records: list[dict], depth: int, log) -> dict:
     nothing was."""
     if backend.draft is None:
         return {"measured": False, "why": backend.draft_note or "no MTP draft"}
-    from evals.arms.mtp_measure import measure_records
 
     log(f"  {backend.label}: MTP draft acceptance (depth {depth}, {len(backend.draft.layers)} MTP layer(s))")
     measured = measure_records(backend.lm, backend.draft, records, depth, log=log)

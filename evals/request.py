@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from evals.arms.backends import ACTIVATIONS, DTYPES, is_url
+from evals.arms.backends import ACTIVATIONS, DTYPES, is_url, served_models
+from evals.arms.data_files import data_files
 from evals.arms.tasks import THINKING_MODES
 from evals.tasks.data_sources import EVAL_DATA_DIR, sources_of
+from evals.tasks.registry import registry
 from quant.errors import QuantError
 
 MAX_MARGIN_POINTS = 50.0  # a margin wider than this admits any candidate: refused as a mistake
@@ -125,7 +127,6 @@ def same_source(a: str, b: str) -> bool:
 
 def check_chat(request: EvalRequest, specs) -> None:
     """Chat tasks need a server's chat endpoint; --thinking needs every task asked through a chat template."""
-    from evals.tasks.registry import registry
 
     servers = [s for s in (request.candidate, request.baseline) if s and is_url(s)]
     for spec in specs:
@@ -146,8 +147,6 @@ def check_inputs(request: EvalRequest, specs) -> None:
     """What can be checked before any work beyond the arguments: the data files, the data the hub must give
     (all of it named in one error when the hub is off), and every server answering with the model asked for."""
     from evals.arms import hub_data
-    from evals.arms.backends import served_models
-    from evals.arms.data_files import data_files
 
     needed = {}
     for source in sources_of(specs):

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+from evals.arms import hub_data
 from evals.arms.answers import open_store, read_identity, write_identity
 from evals.arms.backends import Backend, BackendOptions, open_backend
 from evals.arms.lm_eval_run import SAMPLES_FILE, RunSettings, go_offline, run_arm, run_dir_name, write_records
@@ -88,7 +89,6 @@ def _reuse_baseline(request: EvalRequest, specs, earlier, scratch: Path, log) ->
 def eval_data(request: EvalRequest, specs, dest: Path) -> dict[str, Path | None]:
     """{data source: local path} of the tasks' data: the user's copy, else the hub's (fetched under `dest` before
     the run goes offline), else None (a local-only source with no copy: the task writer names the flag)."""
-    from evals.arms import hub_data
 
     data = {}
     for source in sources_of(specs):

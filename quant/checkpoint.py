@@ -23,6 +23,7 @@ from quant.errors import QuantError, UnreadableCheckpoint
 from quant.families import text_config
 from quant.families.mtp import COUNT_KEYS as MTP_COUNT_KEYS  # every family's MTP count key
 from quant.families.shapes import LM_LAYER
+from quant.safetensors_header import read_header
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +127,6 @@ class Checkpoint:
     def file_header(self, name: str) -> dict:
         """{tensor: (dtype, shape)} from the header of safetensors file `name`, one the index may not list (a draft
         file beside the shards). ValueError or OSError when it cannot be read."""
-        from quant.safetensors_header import read_header
 
         return read_header(self.root / name)[0]
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quant.errors import QuantError
+from quant.families import family_for_config
+from quant.process import usable_cpu_attention
 
 # What a request that failed after every retry is recorded as: no digits and no "(X)" letter, so every lm-eval
 # filter extracts nothing and the answer is scored wrong, and the report can count it.
@@ -259,11 +261,9 @@ def _causal_lm(load_dir: Path, dtype):
     (Kimi-K2.5, MiniMax-M3) is loaded as its image-text-to-text model, which generates from text alone and maps
     the release's tensor names itself."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     from quant.model_exec.mtp import experts_options
-    from quant.process import usable_cpu_attention
 
     usable_cpu_attention()
     config = AutoConfig.from_pretrained(load_dir)
@@ -345,7 +345,6 @@ def _emulate_activations(model, ckpt, formats: dict, with_draft: bool, notes: li
     """Hook each quantized linear of `model` to quantize-dequantize its input as the scheme says; the mode that
     runs ("emulate", or "bf16" when no module was hooked), its note appended to `notes`."""
     from quant.dequant import emulate_activations
-    from quant.families import family_for_config
 
     layers = (ckpt.config.get("text_config") or ckpt.config).get("num_hidden_layers")
     family = family_for_config(ckpt.config, ckpt.root / "config.json")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from evals.arms.answers import kept_answers
 from evals.arms.backends import FAILED_GENERATION, Backend
 from evals.tasks.record import EvalTask
 from quant.errors import QuantError
@@ -219,7 +220,6 @@ def run_arm(backend: Backend, specs: list[EvalTask], task_dir: Path, out_dir: Pa
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from evals.arms.answers import kept_answers
 
     task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     records = []

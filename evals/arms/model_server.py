@@ -22,7 +22,10 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from evals.arms.answers import checkpoint_digest
+from evals.arms.backends import load_checkpoint_model
 from evals.arms.tasks import THINK_CLOSE, THINK_OPEN, split_reasoning
+from quant.errors import QuantError
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -228,9 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     args = parser.parse_args(argv)
 
-    from evals.arms.answers import checkpoint_digest
-    from evals.arms.backends import load_checkpoint_model
-    from quant.errors import QuantError
 
     try:
         with tempfile.TemporaryDirectory(prefix="evals-server-") as work:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from quant.checkpoint import open_checkpoint
+from quant.dequant import dequantize_checkpoint
+
 
 def mean_nll(checkpoint: str | Path, texts: list[str] | list[tuple[str, str]], batch: int = 16,
              device: str = "cpu") -> float:
@@ -21,8 +24,6 @@ def mean_nll(checkpoint: str | Path, texts: list[str] | list[tuple[str, str]], b
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from quant.checkpoint import open_checkpoint
-    from quant.dequant import dequantize_checkpoint
 
     checkpoint = Path(checkpoint)
     with tempfile.TemporaryDirectory(prefix="nll-") as tmp:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from quant.errors import QuantError
 from quant.files import write_atomic
+from quant.ownership import NotOurs, read_record, real_path, unchanged, update_record
 from quant.pipeline.model_card import CARD_FILE, accuracy_section, replace_accuracy
 
 CARD_IMAGE = "eval_report.png"
@@ -14,7 +15,6 @@ CARD_IMAGE = "eval_report.png"
 def check_card_target(export: Path) -> None:
     """`--card` writes only into a model card quant quantize wrote: an export of this tool (its checked owner
     record) whose README.md (and eval_report.png) still hold what this tool wrote, never into any other file."""
-    from quant.ownership import NotOurs, read_record, real_path, unchanged
 
     export = Path(export)
     if not export.is_dir():
@@ -38,7 +38,6 @@ def add_accuracy(export: Path, report: dict, report_dir: Path) -> Path:
     """Replace (or add) the accuracy section of export/README.md; copy report.png beside it; record both in the
     export's owner record. Returns the card. `report`: the report as report.json holds it (`EvalReport.to_json()`),
     the form quant's model card reads."""
-    from quant.ownership import update_record
 
     check_card_target(export)
     card_path = Path(export) / CARD_FILE

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from evals.statistics.recovery import Recovery
 from evals.statistics.results import ComparisonRow, EvalReport
+from quant.files import write_atomic
+from quant.terminal import Column
+from quant.terminal import print_table as print_rows
 
 REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "report.png"
 VERDICT_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "invalid": "magenta"}
@@ -298,7 +301,6 @@ def print_table(report: EvalReport, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from quant.terminal import Column, print_table as print_rows
 
     console = console or Console()
     verdict = len(table_header(report)) - 1
@@ -323,7 +325,6 @@ def print_table(report: EvalReport, console=None) -> None:
 def write_report(report: EvalReport, out_dir: Path, record=None) -> dict[str, Path]:
     """Write the PNG and markdown, then report.json last (atomically, the report's JSON form): its presence means
     the run finished. `record(names)`: the owner record's, told of each file as soon as it is written."""
-    from quant.files import write_atomic
 
     paths = {"png": out_dir / REPORT_PNG, "md": out_dir / REPORT_MD, "json": out_dir / REPORT_JSON}
     plot(report, paths["png"])

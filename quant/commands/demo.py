@@ -12,6 +12,8 @@ from pathlib import Path
 import typer
 
 from evals.tasks.data_sources import EVAL_DATA_DIR
+from quant.commands.toy import write_toy
+from quant.errors import QuantError
 
 TRAINED_TOY = EVAL_DATA_DIR / "toy_arith" / "model"
 
@@ -30,7 +32,6 @@ def command(
 ) -> None:
     """Run build → quantize → verify-manifest → eval → report on toy models. Exits as `quant eval` does on its
     verdict: 0 pass, 1 fail, 3 inconclusive (a --limit too small to decide), 4 invalid."""
-    from quant.errors import QuantError
     from quant.ownership import claim
 
     if not 1 <= limit <= 200:
@@ -45,10 +46,9 @@ def _demo(out: Path, limit: int, overwrite: bool) -> int:
     """The demo's steps; the eval's exit code (the README's table)."""
     from rich.console import Console
 
-    from evals.report.card import add_accuracy
     from evals.compare import EvalRequest, evaluate
+    from evals.report.card import add_accuracy
     from evals.report.render import print_table
-    from quant.commands.toy import write_toy
     from quant.pipeline import quantize_checkpoint
     from quant.verify import verify_checkpoint
     from quant.verify.report import render

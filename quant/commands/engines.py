@@ -7,6 +7,9 @@ from typing import List, Optional
 
 import typer
 
+from quant.errors import QuantError, did_you_mean
+from quant.families import all_families
+
 app = typer.Typer(help="The engine profiles (quant/manifests/engines/): one file per engine release.",
                   no_args_is_help=True)
 
@@ -59,8 +62,6 @@ def _check_architecture(arch: str) -> None:
     """An architecture no family is released with and no rule names is a typo: one line with the closest."""
     from quant.engine_rules import architectures_named
     from quant.engines import all_profiles
-    from quant.errors import QuantError, did_you_mean
-    from quant.families import all_families
 
     known = {a for f in all_families() for a in f.architecture_classes()}
     known |= {a for p in all_profiles() for a in architectures_named(p.rules)}

@@ -10,9 +10,11 @@ from typing import Optional
 
 import typer
 
+from quant.errors import QuantError
 from quant.gptq.calibration import DEFAULT_DATA
 from quant.planning.recipes import recipe_names
 from quant.planning.schemes import ALIASES, DEFAULT_SCHEME, OTHER_MEANINGS, SCHEMES
+from quant.process import reuse_freed_memory
 
 # The lists in --help come from the data (manifests/recipes.yaml, the scheme table): tests/test_docs_from_data.py.
 RECIPES_HELP = " | ".join([f"{recipe_names()[0]} (default)", *recipe_names()[1:],
@@ -122,7 +124,6 @@ def _quantize(src: str, out: Path, *, devices: str, workers: int, gptq, check_en
     """The run itself (on rank 0 when launched as several ranks), then its summary lines."""
     from quant.gptq.ranks import launched
     from quant.pipeline import quantize_checkpoint
-    from quant.process import reuse_freed_memory
 
     reuse_freed_memory()
     engines = "auto" if check_engines.strip() == "auto" else [e for e in check_engines.split(",") if e.strip()]
@@ -158,7 +159,6 @@ def _run_ranked(run, devices: str, workers: int, gptq) -> None:
     """This process is one of several ranks: rank 0 runs the pipeline on its device, its GPTQ solver sharing the
     work with the others (`quant.gptq.ranks`); the others follow it."""
 
-    from quant.errors import QuantError
     from quant.gptq.ranks import Ranks, run_command
     from quant.gptq.run import solve_checkpoint
 
@@ -171,8 +171,6 @@ def _run_ranked(run, devices: str, workers: int, gptq) -> None:
 
 
 def _one_device_per_rank(devices: str, workers: int) -> None:
-    from quant.errors import QuantError
-
     if devices != "auto" or workers != 1:
         raise QuantError("under torchrun (or --ranks) each rank computes on its own device (GPU LOCAL_RANK, else "
                          "the CPU): leave --devices auto and --workers 1")

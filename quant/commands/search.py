@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from quant.errors import QuantError
+from quant.gptq.calibration import DEFAULT_DATA, CalibrationSettings
 
 
 def command(
@@ -27,7 +28,6 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="Print the pick as JSON."),
 ) -> None:
     """Pick each unit's format (engine-loadable by construction) to minimise the measured NLL rise in a budget."""
-    from quant.gptq.calibration import DEFAULT_DATA, CalibrationSettings
     from quant.search.run import search
     from quant.units import parse_size
 

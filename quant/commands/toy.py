@@ -11,7 +11,9 @@ from pathlib import Path
 
 import typer
 
-from quant.toy import TOY_NAMES, source_formats
+import quant
+from quant.paths import MANIFESTS_DIR, cache_root
+from quant.toy import TOY_NAMES, build_toy, parse_shard_size, source_format_spec, source_formats, toy_family
 
 # Every toy manifests/toys.yaml defines (quant.toy reads only YAML at import: no torch on `--help`).
 NAMES_HELP = ", ".join(TOY_NAMES)
@@ -41,7 +43,6 @@ def command(
 
     checkpoint = open_checkpoint(path)
     size = sum(info.nbytes for info in checkpoint.tensors.values())
-    from quant.toy import toy_family
 
     variant = source_format or ("block-FP8" if fp8_block else toy_family(name).release_format or "BF16")
     typer.echo(f"{name} ({variant}, seed {seed}) -> {path}: {len(checkpoint.tensors)} tensors, "
@@ -54,7 +55,6 @@ def write_toy(name: str, out: Path, *, fp8_block: bool = False, shard_size=None,
     toy of the same options; anything else needs `overwrite`, and only files of ours are replaced."""
 
     from quant.ownership import claim
-    from quant.toy import build_toy, parse_shard_size, source_format_spec, toy_family
 
     toy_family(name)  # an unknown name, format or a bad size is refused before anything is written
     source_format_spec(source_format)
@@ -86,9 +86,6 @@ CACHED = ".toy-sha256.json"
 
 
 def toy_cache(identity: dict) -> Path:
-    import quant
-    from quant.paths import MANIFESTS_DIR, cache_root
-
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     for root in dict.fromkeys([Path(quant.__file__).parent, MANIFESTS_DIR]):
         for path in sorted(root.rglob("*")):

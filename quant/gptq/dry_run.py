@@ -39,8 +39,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quant.checkpoint import SourceReader
 from quant.errors import QuantError
-from quant.planning.schemes import DEFAULT_SCHEME
+from quant.families import family_for_config, mtp_layout, text_config
+from quant.families.shapes import evaluate
+from quant.gptq.schedule import expert_modules, layer_schedule
+from quant.gptq.settings import GptqSettings
+from quant.model_exec.layers import LayerNames, config_model
+from quant.model_exec.mtp import draft_config
+from quant.planning.recipes import load_recipe
+from quant.planning.schemes import DEFAULT_SCHEME, MXFP4_SCHEMES, get_scheme
+from quant.planning.treatment import ModuleTreatment
 from quant.units import GIB, human, parse_size  # noqa: F401  (parse_size: the command's flags)
 
 HEADROOM = 0.9  # the share of a device the suggested --hessian-budget may fill; the rest is the runtime's (CUDA
@@ -145,8 +154,6 @@ def _capacity(device: str, device_memory: int | None) -> int | None:
 
 
 def _expression(expr, values: dict, what: str) -> int:
-    from quant.families.shapes import evaluate
-
     result = evaluate(expr, {**values, "min": min, "max": max})
     if result is None:
         raise QuantError(f"family data {what} = {expr!r}: cannot be evaluated for this config.json "
@@ -164,7 +171,6 @@ def solver_bytes(group: int, rows: int, k: int) -> int:
 
 def plan_layers(model, family, solved, settings, dtype_bytes: int) -> list[LayerPlan]:
     """Each decoder layer's GPTQ work and memory, from the meta model (shapes only)."""
-    from quant.model_exec.layers import LayerNames
 
     prefix = family.text_prefixes[0]
     names = LayerNames.of_family(family)
@@ -175,7 +181,6 @@ def plan_layers(model, family, solved, settings, dtype_bytes: int) -> list[Layer
 def solved_rule(treatment):
     """Whether GPTQ solves module `name`: an MXFP4 weight of the plan, as `planning.plan.Planner.treatment`
     (`treatment`, a `planning.treatment.ModuleTreatment`) decides it."""
-    from quant.planning.schemes import MXFP4_SCHEMES
 
     def solved(name: str) -> bool:
         scheme = treatment(name)[1]
@@ -190,8 +195,6 @@ def _plan_layer(index: int, layer, base_name: str, solved, settings, dtype_bytes
     solve units cut as `layer.solve_layer` cuts them (`schedule.layer_schedule`)."""
     import torch
 
-    from quant.gptq.schedule import expert_modules, layer_schedule
-    from quant.model_exec.layers import LayerNames
 
     names = names or LayerNames()
     modules = dict(layer.named_modules())
@@ -270,7 +273,6 @@ def plan_mtp(root: Path, config: dict, family, mtp, solved, settings, dtype, dty
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quant.model_exec.mtp import draft_config
 
     if mtp.draft is None or mtp.draft.unsupported or mtp.unpublished or not mtp.count:  # no draft: RTN
         return []
@@ -297,7 +299,6 @@ def plan_mtp(root: Path, config: dict, family, mtp, solved, settings, dtype, dty
 def _source_element_bytes(config: dict) -> int:
     """Bytes per element of a source weight as `SourceReader.load` returns it: block-FP8 dequantized to fp32,
     otherwise the checkpoint's dtype (config.json's `dtype` / `torch_dtype`)."""
-    from quant.families import text_config
 
     quant_cfg = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
     if str(quant_cfg.get("quant_method", "")).lower() == "fp8":
@@ -414,7 +415,6 @@ class MemoryModel:
     @property
     def mapped(self) -> int:
         """The source pages mapped while layers are read (`SourceReader.REMAP_BYTES` at most)."""
-        from quant.checkpoint import SourceReader
 
         return min(SourceReader.REMAP_BYTES, self.resident + sum(p.layer_bytes for p in self.every))
 
@@ -444,11 +444,6 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     (`settings`: the run's GptqSettings)."""
     import torch
 
-    from quant.families import family_for_config, mtp_layout, text_config
-    from quant.model_exec.layers import config_model
-    from quant.planning.recipes import load_recipe
-    from quant.planning.treatment import ModuleTreatment
-    from quant.planning.schemes import MXFP4_SCHEMES, get_scheme
 
     if method not in ("rtn", "gptq"):
         raise QuantError(f"unknown method {method!r}; choose rtn or gptq")
@@ -473,7 +468,6 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     if method == "rtn":
         return model
 
-    from quant.gptq.settings import GptqSettings
 
     settings = settings or GptqSettings()
     dtype = torch.float32 if _is_cpu(model.devices[0]) else torch.bfloat16

@@ -27,8 +27,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from quant.gptq.hessians import HessianCollector, InputRecorder, supported
 from quant.gptq.progress import Phase
 from quant.gptq.schedule import LayerSchedule, Unit, Workers, group_cost, layer_schedule, sweeps, unit_cost
+from quant.gptq.solve import gptq_mxfp4, output_error
+from quant.numerics import mxfp4
 from quant.planning.plan import TensorJob
 from quant.planning.schemes import MXFP4_SCHEMES
 
@@ -90,7 +93,6 @@ def solve_layer(layer, jobs: list[TensorJob], slot_of, run_pass, ctx: LayerConte
 def _solvable(layer, jobs: list[TensorJob], slots: dict, progress) -> tuple[dict, list, list[str], dict]:
     """(the records of the jobs that stay round-to-nearest, the MXFP4 jobs, the plain linears to solve, the fused
     expert parameters to solve: key -> the experts solved in it)."""
-    from quant.gptq.hessians import supported
 
     records: dict[str, dict] = {}
     eligible = [j for j in jobs if j.scheme in MXFP4_SCHEMES]
@@ -126,8 +128,6 @@ class _Passes:
         self.count = len(self.rounds)
 
     def collect(self, s: int):
-        from quant.gptq.hessians import HessianCollector
-
         chunk = self.rounds[s]
         with Phase(self.ctx.timing, "gptq_hessians_s", self.ctx.ranks):
             collector = HessianCollector(self.layer, {u.key for u in chunk}, _experts_of(chunk))
@@ -163,7 +163,6 @@ class _Sweeps:
 
     def _record(self, keys: list[str], plain: list[str], run_pass) -> dict:
         """Runs the layer over this rank's batches, keeping the inputs of `keys`; returns the routed counts."""
-        from quant.gptq.hessians import InputRecorder
 
         with Phase(self.timing, "gptq_hessians_s", self.ranks):
             self.recorder = InputRecorder(self.layer, set(keys))
@@ -179,8 +178,6 @@ class _Sweeps:
             return _routed_counts(self.layer, self.recorder.batches, plain, keys)
 
     def collect(self, s: int):
-        from quant.gptq.hessians import HessianCollector
-
         ranks = self.ranks
         needs = {r: ({u.key for u in self.sweeps[r][s] if u.experts is None},
                      {u.key.rsplit(".", 1)[0] for u in self.sweeps[r][s] if u.experts is not None})
@@ -280,8 +277,6 @@ def _solve_group(param, experts: tuple[int, ...] | None, hessians, counts, jobs:
     reports those jobs to `progress`."""
     import torch
 
-    from quant.gptq.solve import gptq_mxfp4, output_error
-    from quant.numerics import mxfp4
 
     records: dict[str, dict] = {}
     parts: dict[str, dict] = {}

@@ -19,7 +19,9 @@ from quant.gptq.layer import LayerContext, solve_layer
 from quant.gptq.persist import chained, previous_solution, save_layer_solution
 from quant.gptq.progress import Phase, Progress, layer_line
 from quant.gptq.schedule import job_work
+from quant.model_exec.mtp import MtpBlock
 from quant.planning.plan import TensorJob
+from quant.planning.schemes import SCHEMES
 
 
 @dataclass
@@ -112,7 +114,6 @@ class LayerLoop:
         """One draft layer, fed `prev` (emptied once its inputs are made); returns its outputs (none for the last)."""
         import torch
 
-        from quant.model_exec.mtp import MtpBlock
 
         stack, timing = self.stack, self.timing
         t0 = time.perf_counter()
@@ -153,7 +154,6 @@ def _apply_quantized(layer, jobs: list[TensorJob], solved: dict, scale_mode: str
     scheme's round-to-nearest), so the next layer calibrates on the quantized model's activations."""
     import torch
 
-    from quant.planning.schemes import SCHEMES
 
     params = dict(layer.named_parameters())
     for job in jobs:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quant.families import family_for_config, mtp_layout
+from quant.model_exec.mtp import draft_layers
+
 
 @dataclass(frozen=True)
 class MtpLayerRef:
@@ -36,8 +39,6 @@ class MtpLayerRef:
 def mtp_layers(ckpt) -> list[MtpLayerRef]:
     """The checkpoint's MTP draft layers (its MTP layout's draft); [] when the family or checkpoint has none
     (MiniMax-M2's config counts MTP modules its release never published: nothing to solve there either)."""
-    from quant.families import family_for_config, mtp_layout
-    from quant.model_exec.mtp import draft_layers
 
     mtp = mtp_layout(ckpt.config, family_for_config(ckpt.config))
     # a block transformers cannot build is rounded to nearest (SolvedWeights says why)

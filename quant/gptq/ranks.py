@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
+from quant.checkpoint import open_checkpoint
 from quant.errors import QuantError, RankLost
 
 TIMEOUT_ENV = "QUANT_RANK_TIMEOUT"
@@ -281,7 +282,6 @@ def follow(ranks: Ranks, solve_checkpoint) -> None:
     command hands `solve_checkpoint` in (run.py builds on this module, not the other way round)."""
     import transformers  # noqa: F401  (its import, seconds, overlaps rank 0's planning)
 
-    from quant.checkpoint import open_checkpoint
 
     while True:
         message = ranks.broadcast(None, 0, "waiting for rank 0's plan")

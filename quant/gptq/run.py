@@ -36,9 +36,12 @@ from pathlib import Path
 from quant.gptq.calibration import calibration_tokens
 from quant.gptq.layer import LayerContext
 from quant.gptq.loop import LayerLoop
+from quant.gptq.mtp import mtp_layers
 from quant.gptq.persist import SolvedWeights, run_key
 from quant.gptq.progress import PHASES, Progress, calibration_line, report_run
+from quant.gptq.ranks import Ranks
 from quant.gptq.schedule import Workers, quantized_jobs_by_layer, split_mtp_jobs, work
+from quant.model_exec.layers import DecoderStack, meta_model
 from quant.planning.plan import Plan
 
 # What other packages import from here (the command, the benchmarks): the run, its result and phases. The settings
@@ -66,9 +69,6 @@ def solve_checkpoint(plan: Plan, ckpt, src_path: Path, store: Path | None, devic
     SolvedWeights; the others return None."""
     import torch
 
-    from quant.gptq.mtp import mtp_layers
-    from quant.gptq.ranks import Ranks
-    from quant.model_exec.layers import DecoderStack, meta_model
 
     devices = [devices] if isinstance(devices, str) else list(devices)
     ranks = ranks if ranks is not None else Ranks(device=devices[0])

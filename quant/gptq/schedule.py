@@ -15,9 +15,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from quant.gptq.ranks import balance
 from quant.planning.plan import Plan, TensorJob
 from quant.planning.schemes import MXFP4_SCHEMES
 from quant.planning.treatment import LAYER
+from quant.process import cpu_threads, set_threads
 
 
 # -- the jobs of each layer ------------------------------------------------------------------------------------
@@ -211,7 +213,6 @@ class Workers:
     def assign(self, costs: list[float]) -> list[int]:
         """The worker of each task: largest estimated cost first, each to the least loaded worker (lowest index
         on ties; `ranks.balance`, as the ranks share a layer's weights)."""
-        from quant.gptq.ranks import balance
 
         return balance(costs, len(self.devices))
 
@@ -242,7 +243,6 @@ class Workers:
         """Worker `w`'s thread: its tasks in order, until one fails here or in another worker (`failed`)."""
         import torch
 
-        from quant.process import cpu_threads, set_threads
 
         device = self.devices[w]
         if all(torch.device(d).type == "cpu" for d in self.devices):

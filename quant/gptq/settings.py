@@ -10,8 +10,9 @@ from typing import ClassVar
 
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings, data_identity
-
 from quant.gptq.layer import MIN_EXPERT_TOKENS
+from quant.gptq.run import solve_checkpoint
+from quant.model_exec.layers import meta_model
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,6 @@ class GptqSettings:
     def check(self, src_path: Path, ckpt) -> None:
         """The calibration data, and the family: one transformers cannot build GPTQ's decoder layers of is refused
         (QuantError) before any work."""
-        from quant.model_exec.layers import meta_model
 
         self.calibration.check()
         meta_model(src_path, ckpt)
@@ -61,7 +61,6 @@ class GptqSettings:
     def solve(self, request):
         """`run.solve_checkpoint` for the pipeline's `quant.pipeline.solver.SolveRequest` (rank 0 of several: the
         other ranks are handed the run first, `ranks.lead_solve`); returns its `persist.SolvedWeights`."""
-        from quant.gptq.run import solve_checkpoint
 
         ranks, devices = self.ranks, request.devices
         if ranks is not None and ranks.size > 1:

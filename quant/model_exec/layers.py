@@ -23,7 +23,12 @@ import torch
 
 from quant.checkpoint import SCALE_INV, Checkpoint, Source, SourceReader
 from quant.errors import QuantError
-from quant.families import text_prefix  # the language model's tensor prefix, per family data
+from quant.families import (
+    family_for_config,
+    text_prefix,  # the language model's tensor prefix, per family data
+)
+from quant.sources import native
+from quant.sources.native import read_values
 
 PER_EXPERT = re.compile(r"^(?P<experts>.*\bexperts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -41,8 +46,6 @@ class LayerNames:
 
     @classmethod
     def of(cls, ckpt: Checkpoint) -> "LayerNames":
-        from quant.families import family_for_config
-
         return cls.of_family(family_for_config(ckpt.config, ckpt.root / "config.json"))
 
     @classmethod
@@ -139,8 +142,6 @@ def row_shards(tensors, name: str) -> list[str]:
 
 
 def _unsupported(ckpt: Checkpoint, why: str) -> QuantError:
-    from quant.families import family_for_config
-
     family = family_for_config(ckpt.config, ckpt.root / "config.json").name
     return QuantError(f"--method gptq does not support {family} checkpoints yet: {why}; round to nearest "
                       f"(--method rtn, the default) works")
@@ -158,7 +159,6 @@ def config_model(root: Path, dtype: torch.dtype = torch.float32, unsupported=Non
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from quant.families import family_for_config
 
     unsupported = unsupported or (lambda why: QuantError(f"--method gptq cannot run this checkpoint: {why}"))
     try:
@@ -202,7 +202,6 @@ def meta_model(root: Path, ckpt: Checkpoint, dtype: torch.dtype = torch.float32)
     that every decoder layer it builds can be read from the checkpoint's tensors; a family where it cannot (a
     vision-language wrapper AutoModelForCausalLM has no model for, tensor names transformers only maps while
     loading) is one QuantError naming the family, before any work."""
-    from quant.sources import native
 
     if native.is_microscaled(ckpt):  # DecoderStack.read takes BF16 or block FP8 (quant.sources decodes the rest)
         raise _unsupported(ckpt, "its weights arrive microscaled (MXFP4 / NVFP4 / MXFP8 / FP8 codes with block "
@@ -274,7 +273,6 @@ class DecoderStack:
         scale = name + SCALE_INV
         scale_info = self.ckpt.tensors.get(scale) if info.dtype == "F8_E4M3" else None
         src = Source(name, info.file, scale if scale_info else None, scale_info.file if scale_info else None)
-        from quant.sources.native import read_values
 
         return read_values(self.reader, src)
 

@@ -31,7 +31,10 @@ from pathlib import Path
 
 import torch
 
+from quant.checkpoint import open_checkpoint
 from quant.errors import QuantError
+from quant.families import family_for_config, mtp_layout, text_config
+from quant.model_exec.layers import PER_EXPERT, Slot, materialize
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,6 @@ def draft_config(root: Path, mtp):
 
 def _layout(config: dict):
     """The checkpoint's MTP layout, by its config's family (which must be known: the draft is family data)."""
-    from quant.families import family_for_config, mtp_layout
 
     return mtp_layout(config, family_for_config(config))
 
@@ -131,8 +133,6 @@ class CheckpointTensors:
     """Tensors of a safetensors checkpoint by name (headers via quant.checkpoint), as stored."""
 
     def __init__(self, root: Path):
-        from quant.checkpoint import open_checkpoint
-
         self.ckpt = open_checkpoint(root)
         self.root = Path(root)
 
@@ -278,7 +278,6 @@ def load_draft(root: Path, *, dtype=None, device: str = "cpu") -> MtpDraft | Non
     `root` must be an unquantized (or dequantized) checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from quant.families import text_config
 
     root = Path(root)
     reader = CheckpointTensors(root)
@@ -322,8 +321,6 @@ class MtpBlock:
     def __init__(self, stack, names: DraftNames):
         from transformers import AutoModelForCausalLM
 
-        from quant.families import text_config
-        from quant.model_exec.layers import materialize
 
         self.names, self.stack = names, stack
         device, dtype = stack.device, stack.dtype
@@ -373,7 +370,6 @@ class MtpBlock:
     def slot(self, tensor: str, expert: int | None = None, rows: tuple[int, int] | None = None):
         """Where checkpoint tensor `tensor` (optionally a fused slice) of the block sits in `layer` (as
         `DecoderStack.slot`)."""
-        from quant.model_exec.layers import PER_EXPERT, Slot
 
         rest = tensor[len(self.names.block):]
         if expert is not None:

@@ -53,6 +53,8 @@ from quant.hub import REPO_REF, HubRef
 from quant.ownership import read_record, real_path, regular_file, unchanged
 from quant.pipeline.model_card import CARD_FILE
 from quant.pipeline.output import COMPLETE_MARKER, MANIFEST_FILE
+from quant.verify import verify_checkpoint
+from quant.verify.scales import scan_scales
 
 LAST = "config.json"  # uploaded after everything else
 PUSH_RECORD = ".quant-push.json"  # what a push wrote, in its first commit: the export's shards and the files sent
@@ -134,8 +136,6 @@ def finished_export(path: Path) -> Export:
 def preflight(export: Export, engines: list[str] | None, force: bool, log=print) -> int:
     """`quant verify-manifest EXPORT --scales` for `engines` (default: those the export's scheme loads in): an
     error refuses the push (EngineFailure, exit 1) unless `force`. Returns the number of errors found."""
-    from quant.verify import verify_checkpoint
-    from quant.verify.scales import scan_scales
 
     engines = engines or export.engines()
     report = verify_checkpoint(export.root, engines=engines)

@@ -24,25 +24,36 @@ from pathlib import Path
 
 from quant import __version__
 from quant.checkpoint import DTYPE_BYTES, INDEX_FILE, open_checkpoint
-from quant.validate import require_loadable_drafts, require_sound_scales, require_valid
+from quant.engines import exclude_aliases, newest, select_profiles, unexpanded_fused_name
 from quant.errors import EngineFailure, QuantError, did_you_mean
 from quant.files import sha256_bytes, write_atomic
+from quant.hub import hub_reference, open_hub_checkpoint
+from quant.numerics import SCALE_MODES
+from quant.pipeline import execute
 from quant.pipeline.model_card import CARD_FILE, accuracy_of, render_card, replace_accuracy, without_accuracy
-from quant.pipeline.output import (COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record,
-                                   side_files)
-from quant.pipeline.shard_records import ShardResult, completed
+from quant.pipeline.output import COMPLETE_MARKER, GPTQ_DIR, MANIFEST_FILE, RECIPE_FILE, Output, read_record, side_files
 from quant.pipeline.quark_config import official_fp8_config, quark_quantization_config
+from quant.pipeline.shard_records import ShardResult, completed
 from quant.pipeline.sidecars import sidecar_files_present, sidecar_index, sidecar_records
-from quant.pipeline.source_files import (HubChanges, HubFiles, LocalChanges, LocalFiles, check_disk, side_file_names,
-                                         source_reference, streamed_reference)
+from quant.pipeline.snapshot import cached_source
 from quant.pipeline.solver import SolveRequest, WeightSolver
+from quant.pipeline.source_files import (
+    HubChanges,
+    HubFiles,
+    LocalChanges,
+    LocalFiles,
+    check_disk,
+    side_file_names,
+    source_reference,
+    streamed_reference,
+)
 from quant.planning.plan import Plan, ShardJob, make_plan
 from quant.planning.recipes import family_for_config, load_recipe
-from quant.numerics import SCALE_MODES
 from quant.planning.schemes import DEFAULT_SCHEME, MXFP4_SCHEMES, get_scheme, scheme_name
-from quant.hub import hub_reference
-from quant.pipeline.snapshot import cached_source
 from quant.process import auto_devices, cpu_threads, frozen_imports, set_threads, visible_accelerators
+from quant.validate import require_loadable_drafts, require_sound_scales, require_valid
+from quant.verify import verify_checkpoint
+from quant.verify.scales import scan_scales
 
 LAYER_PREFIX = re.compile(r"^.*?layers\.\d+\.")
 
@@ -69,7 +80,6 @@ def secondary_patterns(plan: Plan, config: dict) -> dict[str, str]:
     shard some engine looks up by its fused name (engines.unexpanded_fused_name) gets that name's pattern too.
     Where modules of one name take different schemes in different layers (a recipe's `modules`, what `quant
     search` writes), each such module gets keys of its own instead: every name an engine builds it under."""
-    from quant.engines import unexpanded_fused_name
 
     schemes_of_name: dict[str, set[str]] = {}
     for module, scheme in plan.quantized.items():
@@ -102,7 +112,6 @@ def per_module_keys(module: str, config: dict) -> list[str]:
     """The layer_quant_config keys of one module: its names under every engine (exact names: both engines fnmatch
     the keys, vLLM also takes a key that is a substring of the name), its fused name where an engine looks that up,
     and for a routed expert its MoE's prefix, which the engines look a FusedMoE's config up by."""
-    from quant.engines import exclude_aliases, unexpanded_fused_name
 
     names = list(exclude_aliases(module, config))
     fused = unexpanded_fused_name(module, config)
@@ -116,8 +125,6 @@ def per_module_keys(module: str, config: dict) -> list[str]:
 
 
 def render_exclude(plan: Plan, config: dict) -> list[str]:
-    from quant.engines import exclude_aliases
-
     entries: list[str] = []
     seen = set()
     for module in plan.kept_modules:
@@ -275,7 +282,6 @@ def summarize(results: list[ShardResult], linear_params: dict[str, int] | None =
 def scale_check(out: Path, metadata_dir: Path | None = None) -> None:
     """Every scale the export wrote is one an engine can use (quant.verify.scales: no E8M0 0x00/0xFF expert or
     block, no zero/inf/NaN FP8 scale): run on every export, whatever --check-engines says."""
-    from quant.verify.scales import scan_scales
 
     errors = [f for f in scan_scales(out, metadata_dir) if f.severity == "error"]
     if errors:
@@ -289,8 +295,6 @@ def self_check(out: Path, engines: list[str], metadata_dir: Path | None = None, 
     (EngineFailure, nothing published). An older release that refuses the export is named, with its first reason,
     in a line and in the manifest (`engines.refused_by`): the export is published, and `quant verify-manifest`
     reports the same releases. Returns the manifest's `engines` record: checked, refused_by."""
-    from quant.engines import newest, select_profiles
-    from quant.verify import verify_checkpoint
 
     report = verify_checkpoint(out, engines=engines, metadata_dir=metadata_dir, named=set())
     current = {p.label for p in select_profiles(report.profiles) if newest(p)}
@@ -394,7 +398,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = DEFAU
 def scheme_releases(schemes: set[str]) -> list[str]:
     """The default releases (each scheme's `engines`, engine rules default_releases) that load every scheme in
     `schemes`, in the engine files' order: the self-check's releases when none are named."""
-    from quant.engines import select_profiles
 
     first, *rest = [[p.label for p in select_profiles(list(get_scheme(name).engines))] for name in sorted(schemes)]
     return [label for label in first if all(label in other for other in rest)]
@@ -406,7 +409,6 @@ def _is_auto(check_engines) -> bool:
 
 def _check_arguments(scheme: str, method: str, gptq, scale_mode: str, check_engines, workers: int):
     """Refuse a bad option before anything is read; returns the engine releases the self-check runs for."""
-    from quant.engines import select_profiles
 
     get_scheme(scheme)  # an unknown scheme is refused first
     if method not in ("rtn", "gptq"):
@@ -441,7 +443,6 @@ def _open_source(src, hub, max_disk: int | None, log):
                 raise QuantError(f"{src}: not a checkpoint directory, nor a Hub repository ORG/NAME[@REVISION]")
             src_path, source_ref = cached_source(ref, max_disk, log)
         return src_path, source_ref, open_checkpoint(src_path)
-    from quant.hub import open_hub_checkpoint
 
     return None, source_reference(hub), open_hub_checkpoint(hub)
 
@@ -521,7 +522,6 @@ def _solve(calibrated, todo, plan: Plan, files, out: Path, device_list, log, dig
 def run_shard(*args, **kwargs):
     """`execute.run_shard` (a ShardResult, or with defer_write the write to run), imported on first use because
     it loads torch."""
-    from quant.pipeline import execute
 
     return execute.run_shard(*args, **kwargs)
 
@@ -589,8 +589,7 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return lambda n: None
-        from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
         columns = [TextColumn("[bold]quantize"), BarColumn(), TextColumn("{task.fields[shards]} shards"),
                    TransferSpeedColumn(), TimeRemainingColumn()]

@@ -16,12 +16,14 @@ from pathlib import Path
 
 from quant.checkpoint import Checkpoint
 from quant.errors import QuantError
+from quant.families import family_for_config
 from quant.files import sha256_file, write_atomic
 from quant.hub import HubCheckpoint, HubRef, hub_reference
 from quant.pipeline.download import VERIFIED_DIR, download
 from quant.pipeline.fetch import ShardFetcher
 from quant.pipeline.output import OWN_FILES, SOURCE_DIR, read_record
 from quant.pipeline.shard_records import ShardResult
+from quant.pipeline.sidecars import sidecar_files_present
 from quant.planning.needs import SourceUse, required_disk
 from quant.planning.plan import Plan, ShardJob
 from quant.planning.source import HUB_PATTERNS
@@ -183,8 +185,6 @@ def side_file_names(source: HubCheckpoint) -> list[str]:
 def draft_file_names(source: HubCheckpoint) -> list[str]:
     """The sidecar files (a separate draft) the source's config declares and its repository holds: weights, not
     side files, fetched whole before the shards (a streamed run copies them from what it fetched)."""
-    from quant.families import family_for_config
-    from quant.pipeline.sidecars import sidecar_files_present
 
     return sidecar_files_present(family_for_config(source.config).name, source.config, source.has_file)
 

@@ -28,10 +28,11 @@ from pathlib import Path
 import yaml
 
 from quant.errors import QuantError
-from quant.families import family_names, load_family
+from quant.families import family_for_config, family_names, load_family, text_config
 from quant.families.mtp import NEXTN_COUNT_KEY
 from quant.families.schema import BadData, check_keys, load_yaml
 from quant.paths import MANIFESTS_DIR
+from quant.sources.registry import encode_as, release_storages
 from quant.toy.release import FILE_KEYS, RELEASE_EXTRAS_KEYS, encode_rows, merge_into, release_extras, release_file
 from quant.toy.tokenizer import EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, save_toy_tokenizer, toy_tokenizer
 
@@ -642,7 +643,6 @@ def _microscale(tensors: dict, native: dict) -> dict:
     BF16; the scale rules are the release's, not this tool's (quant.sources' formats)."""
     import torch
 
-    from quant.sources.registry import encode_as
 
     mx = [re.compile(p) for p in native.get("mxfp4", [])]
     fp8 = [re.compile(p) for p in native.get("fp8_ue8m0", [])]
@@ -665,7 +665,6 @@ def _microscale(tensors: dict, native: dict) -> dict:
 def source_formats() -> dict:
     """manifests/source_formats.yaml `formats`: the release storage formats a toy can be written in (read strictly,
     with the source formats they encode in, by quant.sources.registry)."""
-    from quant.sources.registry import release_storages
 
     return release_storages()
 
@@ -684,8 +683,6 @@ def _in_source_format(tensors: dict, config_json: dict, name: str) -> tuple[dict
     """The toy's tensors stored as the release of source format `name` stores them (manifests/source_formats.yaml):
     each 2-D linear weight of the listed roles encoded (quant.sources.registry.encode_as), the others listed as
     kept; and the release's quantization_config."""
-    from quant.families import family_for_config
-    from quant.sources.registry import encode_as
 
     spec = source_format_spec(name)
     if config_json.get("quantization_config"):
@@ -769,7 +766,6 @@ def _write_side_file(directory: Path, name: str, tensors: dict) -> None:
 def _write_generation_config(directory: Path, config_json: dict) -> None:
     from transformers import GenerationConfig
 
-    from quant.families import text_config
 
     config_json = text_config(config_json)
     GenerationConfig(

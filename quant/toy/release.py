@@ -22,6 +22,8 @@ import copy
 import re
 
 from quant.errors import QuantError
+from quant.families import text_config
+from quant.sources.mxfp8 import encode_mxfp8_release
 
 __all__ = ["RELEASE_EXTRAS_KEYS", "FILE_KEYS", "release_extras", "release_file", "encode_rows", "merge_into"]
 
@@ -82,7 +84,6 @@ def release_file(spec: dict, config_json: dict, seed: int) -> tuple[tuple[str, d
     """((file name, tensors) or None, config.json) of the toy's `release_extras.file`: the keys declaring it merged
     into config.json, its tensors laid out over the text config read over the top level (quant.families.
     text_config: a wrapper release may declare it at the top, as MiniMax-M3.1 does its dspark_* keys)."""
-    from quant.families import text_config
     from quant.toy.layout import layout_checkpoint
 
     file = spec.get("file")
@@ -95,7 +96,6 @@ def release_file(spec: dict, config_json: dict, seed: int) -> tuple[tuple[str, d
 
 def encode_rows(tensors: dict, patterns) -> dict:
     """Tables matching `patterns` (`X.weight`) as float8_e4m3fn + float8_e8m0fnu `X.scale` [rows, cols / 32]."""
-    from quant.sources.mxfp8 import encode_mxfp8_release
 
     compiled = [re.compile(p) for p in patterns or []]
     out = {}

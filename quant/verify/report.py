@@ -6,6 +6,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from quant.checkpoint import UNREADABLE_PROBLEMS
+from quant.terminal import Column, print_table
 
 SEVERITIES = ("error", "warning")
 # The rules of integrity findings whose shard cannot be read (hygiene.integrity_findings).
@@ -133,7 +134,6 @@ def render(report: Report, console) -> None:
     otherwise (a pipe, a log, a narrow terminal: quant.terminal)."""
     from rich.markup import escape
 
-    from quant.terminal import Column, print_table
 
     groups = report.groups()
     console.print(escape(f"verify-manifest {report.path}: checked {', '.join(report.profiles)}"), highlight=False)

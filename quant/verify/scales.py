@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from quant.checkpoint import Checkpoint, open_checkpoint
 from quant.safetensors_header import read_header
 from quant.verify.report import Finding
 
@@ -332,7 +333,6 @@ def scan_issues(path, metadata_dir=None, stats: ScanStats | None = None,
     Reads only the scale tensors. Shards that cannot be read are skipped (the header preflight reports them);
     a read failing midway is an "integrity: corrupt-shard" finding. `stats`, when given, is filled in. Shards
     are read by `threads` threads (default: up to 4, at most the CPUs)."""
-    from quant.checkpoint import Checkpoint, open_checkpoint
 
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, metadata_dir)
     stats = stats if stats is not None else ScanStats()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import fnmatch
 
 from quant.engines import Profile
+from quant.families import family_for_config, lookup_family
 from quant.verify.report import Finding
+from quant.verify.shapes import engine_registered, known_model_types
 
 QCFG = "config.json:quantization_config"
 
@@ -127,8 +129,6 @@ def unparsed_model_type(config: dict, profile: Profile) -> list[Finding]:
     config_registry) nor the transformers it runs with (its `transformers` requirement against the family's
     `transformers_since`) know it. A type no transformers release knows is judged by the project's transformers
     and the other releases' registries, as before."""
-    from quant.families import family_for_config, lookup_family
-    from quant.verify.shapes import engine_registered, known_model_types
 
     model_type, auto_map = config.get("model_type"), config.get("auto_map")
     if not isinstance(model_type, str) or model_type in profile.rules.config_registry or \

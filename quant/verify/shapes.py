@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from quant.checkpoint import SHOWN, lm_layer_indices
+from quant.engines import all_profiles
 from quant.families import text_config, unknown_family_note
 from quant.families.shapes import ShapeOf, config_shapes, shape_rules, tensor_shapes
 from quant.verify.report import Finding
@@ -129,7 +130,6 @@ def known_model_types() -> frozenset[str] | None:
 def engine_registered(model_type: str) -> tuple[str, ...]:
     """The engine releases (labels such as "sglang==0.5.23") that parse this model_type with a config class of
     their own (engine rules config_registry), in the data's order."""
-    from quant.engines import all_profiles
 
     return tuple(p.label for p in all_profiles() if model_type in p.rules.config_registry)
 
