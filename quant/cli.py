@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 import typer
 
 from quant.errors import QuantError, machine_failure
-from quant.process import exit_now, supervise
+from quant.process import bars_off_a_terminal, exit_now, supervise
 
 app = typer.Typer(
     name="quant",
@@ -96,6 +96,7 @@ def main() -> None:
     # Output piped into `head` and the like: die quietly of SIGPIPE as Unix tools do (exit 141 in the shell),
     # instead of a traceback or a misleading exit code from the next write to a closed pipe.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    bars_off_a_terminal()
     try:
         conventional(typer.main.get_command(app))(prog_name="quant")
         code = 0

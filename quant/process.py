@@ -38,6 +38,16 @@ def thread_env() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def bars_off_a_terminal() -> None:
+    """Off a terminal (a log file, a pipe), the libraries' tqdm bars off: transformers' weight loading, lm-eval's
+    request loops and huggingface_hub's downloads each write one `\r`-joined line there, and the tool's own lines
+    say what runs and how far it is. tqdm reads TQDM_* once, when it is first imported, so this is set before any
+    library loads it; a user's own TQDM_DISABLE wins (set empty, the bars stay: tqdm reads any other value as
+    true, "0" too)."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
 def reuse_freed_memory() -> None:
     """Have glibc keep freed memory for reuse instead of returning it to the kernel.
 

@@ -244,8 +244,13 @@ def test_each_family_names_its_architecture_classes():
     ("architectures: {mine: []}\n", "architectures.mine must be a non-empty list of class names"),
     ("architectures: [XForCausalLM]\n", "architectures must be a mapping of model_type"),
     ("toys: {x: {}}\n", "unknown key 'toys'"),
+    ("fused_experts: {gate_up_proj: {split: [gate_proj, up_proj], dim: 2}}\n",
+     r"fused_experts.gate_up_proj.dim must be 1"),
+    ("fused_experts: {gate_up_proj: {split: []}}\n", r"fused_experts.gate_up_proj.split must list the linears"),
+    ("fused_experts: {gate_up_proj: {splits: [gate_proj]}}\n", r"unknown key 'splits'"),
+    ("fused_experts: [gate_up_proj]\n", r"fused_experts must map a fused parameter"),
 ])
-def test_a_malformed_architectures_or_toys_key_is_named(tmp_path, monkeypatch, text, message):
+def test_a_malformed_key_of_a_family_file_is_named(tmp_path, monkeypatch, text, message):
     import quant.families as families
 
     shutil.copytree(families.families_dir(), tmp_path / "families")
@@ -465,23 +470,6 @@ def test_amd_recipe_qwen35_keeps_attention_linear_attention_vision_and_mtp(toy_f
 def test_amd_recipe_for_a_family_without_a_release_says_so(new_toys):
     with pytest.raises(QuantError, match="minimax_m2 family has no 'amd' release recipe"):
         plan_for(new_toys["minimax-m2"], "amd")
-
-
-@pytest.mark.parametrize("text,message", [
-    ("fused_experts: {gate_up_proj: {split: [gate_proj, up_proj], dim: 2}}\n",
-     r"fused_experts.gate_up_proj.dim must be 1"),
-    ("fused_experts: {gate_up_proj: {split: []}}\n", r"fused_experts.gate_up_proj.split must list the linears"),
-    ("fused_experts: {gate_up_proj: {splits: [gate_proj]}}\n", r"unknown key 'splits'"),
-    ("fused_experts: [gate_up_proj]\n", r"fused_experts must map a fused parameter"),
-])
-def test_a_malformed_fused_experts_is_named(tmp_path, monkeypatch, text, message):
-    import quant.families as families
-
-    shutil.copytree(families.families_dir(), tmp_path / "families")
-    write(tmp_path / "families" / "mine.yaml", "family: mine\ninherit: generic\nmodel_types: [mine]\n" + text)
-    monkeypatch.setattr(families, "families_dir", lambda: tmp_path / "families")
-    with pytest.raises(BadData, match=message):
-        load_family("mine")
 
 
 def test_fused_experts_split_in_order():

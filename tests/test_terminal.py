@@ -92,3 +92,21 @@ def test_the_stream_status_and_summary_give_one_figure_in_one_unit():
 
     assert [decimal(n) for n in (5_900, 3_500_000, 200e9, 2.8e12, 12)] == ["5.9 kB", "3.5 MB", "200 GB", "2.8 TB",
                                                                            "12 bytes"]
+
+
+def test_library_bars_are_off_in_a_pipe_unless_asked_for():
+    """Off a terminal, `quant` turns tqdm's bars off before any library imports tqdm (which reads TQDM_* once, at
+    its import): a bar drawn afterwards, as transformers' and lm-eval's are, writes nothing into the log. A user's
+    own TQDM_DISABLE wins: set empty, it keeps them (tqdm reads any non-empty value, "0" too, as true)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from quant.process import bars_off_a_terminal; bars_off_a_terminal(); "
+            "from tqdm import tqdm; [None for _ in tqdm(range(3), desc='loading')]")
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    piped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "loading" not in piped.stderr, piped.stderr
+    kept = subprocess.run([sys.executable, "-c", code], env={**env, "TQDM_DISABLE": ""}, capture_output=True,
+                          text=True, check=True)
+    assert "loading" in kept.stderr
