@@ -145,7 +145,8 @@ def test_eval_card_writes_only_into_our_exports(toy_factory, tmp_path):
 def test_weight_only_mxfp4_works_with_its_defaults_and_its_card_names_only_vllm(toy_factory, tmp_path):
     out = tmp_path / "w"
     manifest = quantize_checkpoint(toy_factory("glm5"), out, scheme="w_mxfp4", log=lambda m: None)
-    assert manifest["engines"]["checked"] == ["vllm==0.33"]  # the newest vLLM (the scheme's engines: vllm==latest)
+    # the vLLM releases whose Quark linear and FusedMoE build weight-only MXFP4 (engine rules `schemes`)
+    assert manifest["engines"]["checked"] == ["vllm==0.32", "vllm==0.33"]
     card = (out / "README.md").read_text()
     assert "vllm serve ." in card and "sglang" not in card.split("## Serve")[1].split("## Accuracy")[0].lower() \
         .replace("sglang cannot load", "")

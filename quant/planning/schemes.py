@@ -28,10 +28,24 @@ class Scheme:
     row_align: int = 1  # rows() takes whole windows of this many rows
     # (sum of squared errors, sum of squares) of weight rows against their parts; None: dequantize and compare
     error_sums: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[float, float]] | None = None
-    # The engine releases that load this scheme: the default self-check and the serve commands of the model card.
-    # Weight-only MXFP4: SGLang's QuarkConfig knows only w_mxfp4_a_mxfp4 among MX schemes, and vLLM 0.31 cannot
-    # build it (engine rules, `schemes`), so vLLM 0.32 and newer only.
-    engines: tuple[str, ...] = ("sglang", "vllm")  # each engine's default releases (engine rules)
+    # Its kind in the engines' scheme tables (engine rules `schemes`: the kind verify-manifest classifies the
+    # written layer config as); None for a format outside them (block FP8: every serving engine's releases).
+    engine_kind: str | None = None
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engine releases that load this scheme, read from the engine rules: each serving engine's default
+        releases whose Linear and FusedMoE both build `engine_kind`; an engine all of whose default releases do is
+        named alone. The default self-check, the manifest's `scheme_loads_in` and the card's serve commands."""
+        from quant.engines import select_profiles, serving_engines
+
+        out: list[str] = []
+        for engine in serving_engines():
+            releases = select_profiles([engine])
+            loading = [p.label for p in releases if self.engine_kind is None or all(
+                table.get(self.engine_kind) == "ok" for table in (p.rules.schemes.linear, p.rules.schemes.moe))]
+            out += [engine] if len(loading) == len(releases) else loading
+        return tuple(out)
 
 
 def _mxfp4(w: torch.Tensor, scale_mode: str) -> dict[str, torch.Tensor]:
@@ -125,17 +139,17 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in [
         Scheme("w_mxfp4_a_mxfp4", "MXFP4 weights, dynamic MXFP4 activations (what AMD publishes)", 32, "quark",
-               _mxfp4, _mxfp4_back, _row_select, error_sums=_mxfp4_error),
+               _mxfp4, _mxfp4_back, _row_select, error_sums=_mxfp4_error, engine_kind="mxfp4"),
         Scheme("w_mxfp4", "MXFP4 weights only, activations in BF16", 32, "quark", _mxfp4, _mxfp4_back,
-               _row_select, error_sums=_mxfp4_error, engines=("vllm==latest",)),
+               _row_select, error_sums=_mxfp4_error, engine_kind="mxfp4_weight_only"),
         # MXFP8 linears load in vLLM 0.31 to 0.33, MXFP8 experts only from vLLM 0.33 (QuarkW8A8Mxfp8MoEMethod);
         # SGLang 0.5.12 to 0.5.23 have no Quark MXFP8 scheme and amd-quark 0.13 (transformers) cannot run one
         # (engine rules `schemes`, kind mxfp8). As the scheme, the experts are MXFP8 too: the newest vLLM only (0.33).
         Scheme("w_mxfp8_a_mxfp8", "MXFP8 weights (OCP E4M3, one E8M0 scale per 32 inputs), dynamic MXFP8 "
                "activations (Quark OCP_MXFP8E4M3Spec)", 32, "quark", _mxfp8, _mxfp8_back, _row_select,
-               engines=("vllm==latest",)),
+               engine_kind="mxfp8"),
         Scheme("fp8", "FP8 E4M3 per-channel weights, dynamic per-token FP8 activations (Quark ptpc_fp8)", 1,
-               "quark", _fp8_channel, _fp8_back, _row_select),
+               "quark", _fp8_channel, _fp8_back, _row_select, engine_kind="fp8"),
         Scheme("fp8-block", "FP8 E4M3 128x128 blocks with weight_scale_inv (DeepSeek/GLM official format)", 1,
                "fp8-official", _fp8_block, _fp8_block_back, _block_rows, row_align=128),
     ]
