@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from quant.engine_rules import SchemeKind
 from quant.errors import QuantError, did_you_mean
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class Scheme:
     error_sums: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[float, float]] | None = None
     # Its kind in the engines' scheme tables (engine rules `schemes`: the kind verify-manifest classifies the
     # written layer config as); None for a format outside them (block FP8: every serving engine's releases).
-    engine_kind: str | None = None
+    engine_kind: SchemeKind | None = None
 
     @property
     def engines(self) -> tuple[str, ...]:
