@@ -48,7 +48,7 @@ def test_search_beats_the_uniform_recipes_and_loads_in_vllm(tmp_path, one_torch_
     from tests.test_gptq import gptq_toy_heldout
 
     src = GPTQ_TOY / "model"
-    texts = gptq_toy_heldout()
+    texts = gptq_toy_heldout(windows=10 ** 6)  # all 100 held-out problems (402 windows), not the first 30
     sizes = {r: _export(src, tmp_path / r, r) for r in ("all-linear", "experts-mxfp4-rest-mxfp8")}
     nll = {r: mean_nll(tmp_path / r, texts) for r in sizes}
     nll["bf16"] = mean_nll(src, texts)

@@ -27,7 +27,7 @@ def command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     as_json: bool = typer.Option(False, "--json", help="Print the pick as JSON."),
 ) -> None:
-    """Pick each unit's format (engine-loadable by construction) to minimise the measured NLL rise in a budget."""
+    """Pick each unit's format (engine-loadable by construction) to minimise the measured damage (KL) in a budget."""
     from quant.search.run import search
     from quant.units import parse_size
 

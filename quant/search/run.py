@@ -18,7 +18,7 @@ from quant.planning.recipes import TREATMENTS, Recipe, load_recipe
 from quant.planning.schemes import DEFAULT_SCHEME, Scheme, get_scheme
 from quant.planning.treatment import ModuleTreatment
 from quant.search.menu import unit_menu
-from quant.search.sensitivity import check_views, load_model, mean_nll, quantized
+from quant.search.sensitivity import check_views, load_model, mean_kl, mean_nll, quantized, reference_logprobs
 from quant.search.sizes import header_bytes, stored_bytes
 from quant.search.solver import Option, pareto_front
 from quant.search.units import Linear, Unit, linears_of, search_units
@@ -30,7 +30,7 @@ SHARD_OVERHEAD = 8 + 256  # a shard's length prefix, its __metadata__ and paddin
 @dataclass(frozen=True)
 class Choice:
     unit: Unit
-    options: list[Option]  # the menu, each with bytes (data + header) and measured NLL rise
+    options: list[Option]  # the menu, each with bytes (data + header) and measured KL (nats)
     data_bytes: dict[str, int]  # treatment -> stored bytes of values and scales (the effective bits' numerator)
 
 
@@ -81,6 +81,7 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
     check_views(model, measured, lambda lin: read_weight(ckpt, lin))
     windows = calibration_tokens(calib, src)
     base = mean_nll(model, windows)
+    reference_lp = reference_logprobs(model, windows)
     log(f"search: {len(units)} units, BF16 calibration NLL {base:.4f} over {windows.shape[0]} windows")
     choices, pinned = [], {}
     for unit in units:
@@ -97,9 +98,9 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
             chosen = [(linears[m], s) for m in unit.modules if (s := scheme_of(m, t)) is not None]
             if chosen and not unit.mtp:
                 with quantized(model, chosen, scale_mode):
-                    loss = mean_nll(model, windows) - base
+                    loss = mean_kl(model, windows, reference_lp)
             options.append(Option(t, priced[t][1], loss))
-            log(f"  {unit.name}: {t} {priced[t][1]} bytes, NLL {loss:+.5f}")
+            log(f"  {unit.name}: {t} {priced[t][1]} bytes, KL {loss:.5f}")
         choices.append(Choice(unit, options, {t: priced[t][0] for t in menu}))
     in_units = {m for u in units for m in u.modules}
     fixed = SHARD_OVERHEAD * len(ckpt.files)
