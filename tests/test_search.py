@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,8 +13,10 @@ import pytest
 from quant.gptq.calibration import CalibrationSettings
 from quant.search.solver import Option, best_within, pareto_front
 
+REPO = Path(__file__).resolve().parent.parent
 GPTQ_TOY = Path(__file__).parent / "data" / "gptq_toy"
 CALIB = CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=128, seq_len=128)
+SMALL_CALIB = CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=8, seq_len=32)
 
 
 def test_the_solver_is_exact_against_every_combination():
@@ -78,3 +83,168 @@ def test_search_for_sglang_0_5_12_picks_only_what_it_loads(tmp_path, one_torch_t
     assert "mxfp8" not in labels  # SGLang 0.5.12 has no Quark MXFP8 scheme (engine rules `schemes`)
     chosen = pick(searched, max_size=10 ** 9)
     assert chosen is not None and all(c.options[i].label != "mxfp8" for c, i in zip(searched.choices, chosen))
+
+
+def _search_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "quant", "search", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=600)
+
+
+def test_bad_budgets_and_sources_are_one_line_and_exit_2_before_any_work(tmp_path):
+    from quant.toy.build import build_toy
+
+    src = GPTQ_TOY / "model"
+    taken = tmp_path / "taken.yaml"
+    taken.write_text("mine\n")
+    microscaled = build_toy("deepseek-v4", tmp_path / "v4")  # ships MXFP4 experts: nothing to search from BF16
+    cases = {
+        "give one budget": [src, "--out", tmp_path / "a.yaml", "--max-size", "900KB", "--bits", "6"],
+        "give one budget: --max-size": [src, "--out", tmp_path / "b.yaml"],
+        "--bits 20.0: must be between 1 and 16": [src, "--out", tmp_path / "c.yaml", "--bits", "20"],
+        f"{taken} exists; pass --overwrite": [src, "--out", taken, "--bits", "6"],
+        "--sensitivity hessian: one of kl, fisher": [src, "--out", tmp_path / "d.yaml", "--bits", "6",
+                                                     "--sensitivity", "hessian"],
+        "quant search reads a BF16 source (this one is microscaled)": [microscaled, "--out", tmp_path / "e.yaml",
+                                                                       "--bits", "6"],
+    }
+    for expected, args in cases.items():
+        run = _search_cli(*args)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], (args, run.stderr)
+        assert "Traceback" not in run.stderr
+    assert taken.read_text() == "mine\n"
+    assert not any((tmp_path / f"{x}.yaml").exists() for x in "abcde")
+
+
+@pytest.mark.slow
+def test_search_writes_a_recipe_quantize_takes_and_the_front_as_json_and_png(tmp_path):
+    """The command end to end on the sensitive toy (few calibration windows): the recipe, --json's fields, the
+    PNG, and the export that recipe writes within the budget."""
+    from quant.pipeline.run import quantize_checkpoint
+
+    recipe, png = tmp_path / "mix.yaml", tmp_path / "front.png"
+    run = _search_cli(GPTQ_TOY / "model", "--engine", "vllm", "--max-size", "900KB", "--calib-data",
+                      GPTQ_TOY / "calib.jsonl", "--calib-samples", 8, "--calib-seq-len", 64, "--out", recipe,
+                      "--plot", png, "--json")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert {"recipe", "effective_bits", "size_bytes", "predicted_loss", "front", "sensitivity"} <= set(result)
+    assert result["size_bytes"] <= 900_000 and result["sensitivity"] == "fisher"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    quantize_checkpoint(GPTQ_TOY / "model", tmp_path / "out", recipe=str(recipe), check_engines=None,
+                        log=lambda m: None)
+    assert sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors")) <= result["size_bytes"]
+    again = _search_cli(GPTQ_TOY / "model", "--engine", "vllm", "--bits", "6", "--out", recipe)
+    assert again.returncode == 2 and "exists" in again.stderr  # nothing it did not write is replaced
+
+
+@pytest.mark.slow
+def test_the_streamed_estimate_ranks_and_totals_as_the_exact_kl(one_torch_thread):
+    """The Fisher estimate (one layer at a time) against the exact KL on the whole model, choice by choice."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    from quant.search.run import measure
+
+    calib = CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=64, seq_len=128)
+    exact = measure(GPTQ_TOY / "model", ["vllm"], calib, log=lambda m: None, sensitivity="kl")
+    estimate = measure(GPTQ_TOY / "model", ["vllm"], calib, log=lambda m: None, sensitivity="fisher")
+    pairs = [(a.loss, b.loss) for ca, cb in zip(exact.choices, estimate.choices)
+             for a, b in zip(ca.options, cb.options) if a.label != "bf16" and not ca.unit.mtp and a.loss > 0]
+    assert len(pairs) >= 12
+    kl, fisher = np.array(pairs).T
+    assert spearmanr(kl, fisher).statistic >= 0.95
+    assert 0.75 <= fisher.sum() / kl.sum() <= 1.33
+    assert exact.pinned == estimate.pinned and [c.unit for c in exact.choices] == [c.unit for c in estimate.choices]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engines", [None, ["vllm"], ["sglang==0.5.12"]], ids=["serving", "vllm", "sglang-0.5.12"])
+def test_every_toy_at_three_budgets_loads_in_the_releases_asked(tmp_path, one_torch_thread, engines):
+    """Every assignment the search returns passes verify-manifest for the releases it searched for: each BF16 toy,
+    at the smallest, a middle and the largest size of its Pareto front (the middle one asked as --bits). A toy the
+    search refuses says why in one line: a microscaled release, a release that cannot parse the model, or an
+    export no choice of the search's can make load (Qwen3.5's MTP experts, which every recipe keeps BF16, in
+    vLLM 0.31)."""
+    from quant.errors import QuantError
+    from quant.pipeline.run import quantize_checkpoint
+    from quant.search.run import loadable_pick, measure, recipe_yaml
+    from quant.search.solver import pareto_front
+    from quant.toy.build import build_toy, toy_names
+    from quant.verify import verify_checkpoint
+
+    searched_toys, refused = 0, {}
+    for name in toy_names():
+        src = build_toy(name, tmp_path / name / "src")
+        try:
+            searched = measure(src, engines, SMALL_CALIB, log=lambda m: None)
+            front = pareto_front([c.options for c in searched.choices])
+            middle = front[len(front) // 2].choices
+            budgets = {"smallest": {"max_size": searched.size(front[0].choices)},
+                       "middle": {"bits": searched.effective_bits(middle)},
+                       "largest": {"max_size": searched.size(front[-1].choices)}}
+            picks = {label: loadable_pick(src, searched, engines, b.get("max_size"), b.get("bits"), "even",
+                                          lambda m: None) for label, b in budgets.items()}
+        except QuantError as e:
+            refused[name] = str(e)
+            continue
+        searched_toys += 1
+        for label, budget in budgets.items():
+            chosen = picks[label]
+            if chosen is None:  # the preflight took the smallest mixes off: nothing loadable fits this budget
+                assert label == "smallest", (name, label)
+                continue
+            recipe = tmp_path / name / f"{label}.yaml"
+            recipe.write_text(recipe_yaml(searched, chosen, label))
+            out = tmp_path / name / label
+            quantize_checkpoint(src, out, recipe=str(recipe), check_engines=None, log=lambda m: None)
+            summary = json.loads((out / "quant_manifest.json").read_text())["summary"]
+            if "bits" in budget:
+                assert summary["effective_bits"] <= budget["bits"] + 1e-3, (name, summary)
+            else:
+                size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+                assert size <= budget["max_size"], (name, label, size)
+            report = verify_checkpoint(out, engines=engines)
+            assert not report.errors, (name, label, [f.message for f in report.errors])
+    reasons = ("reads a BF16 source", "nothing it loads can be searched", "no choice the search makes changes this")
+    assert all(any(r in why for r in reasons) for why in refused.values()), refused
+    assert searched_toys >= 9, refused
+
+
+@pytest.mark.slow
+def test_the_export_preview_reads_as_the_export_itself(tmp_path):
+    """quant.pipeline.preview (what the search verifies) against what quantize writes: the same tensors, dtypes,
+    shapes and config.json, and verify-manifest's same findings, for every BF16 toy and three recipes."""
+    from quant.checkpoint import open_checkpoint
+    from quant.pipeline.preview import preview_checkpoint
+    from quant.pipeline.run import quantize_checkpoint
+    from quant.planning.plan import make_plan
+    from quant.planning.recipes import family_for_config, load_recipe
+    from quant.planning.schemes import DEFAULT_SCHEME, get_scheme
+    from quant.sources.native import is_microscaled
+    from quant.toy.build import build_toy, toy_names
+    from quant.verify import verify_checkpoint
+
+    def findings(ckpt):
+        return sorted((f.severity, f.engine, f.versions, f.tensor, f.rule) for f in verify_checkpoint(ckpt).findings)
+
+    compared = 0
+    for name in toy_names():
+        src = build_toy(name, tmp_path / name / "src")
+        ckpt = open_checkpoint(src)
+        if is_microscaled(ckpt):
+            continue
+        family = family_for_config(ckpt.config)
+        for recipe in ("all-linear", "experts-mxfp4-rest-mxfp8", "experts-only"):
+            plan = make_plan(ckpt, family, load_recipe(recipe, family), get_scheme(DEFAULT_SCHEME), "even")
+            preview = preview_checkpoint(plan, ckpt)
+            out = tmp_path / name / recipe
+            quantize_checkpoint(src, out, recipe=recipe, check_engines=None, log=lambda m: None)
+            real = open_checkpoint(out)
+            assert {n: (t.dtype, t.shape) for n, t in preview.tensors.items()} == \
+                {n: (t.dtype, tuple(t.shape)) for n, t in real.tensors.items()}, (name, recipe)
+            assert preview.config == real.config, (name, recipe)
+            assert findings(preview) == findings(real), (name, recipe)
+            compared += 1
+    assert compared >= 27

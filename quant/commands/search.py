@@ -24,6 +24,10 @@ def command(
                                    "dataset (default: GPTQ's)."),
     calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
     calib_seq_len: int = typer.Option(128, "--calib-seq-len", help="Tokens per window."),
+    sensitivity: str = typer.Option("fisher", "--sensitivity", help="fisher: estimated streaming one decoder layer "
+                                    "at a time (any size); kl: measured exactly on the whole model in memory."),
+    plot: Path = typer.Option(None, "--plot", help="Also draw the Pareto front, the uniform recipes and the pick "
+                              "as a PNG (refused if it exists, without --overwrite)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     as_json: bool = typer.Option(False, "--json", help="Print the pick as JSON."),
 ) -> None:
@@ -35,13 +39,18 @@ def command(
         raise QuantError("give one budget: --max-size SIZE or --bits B")
     if bits is not None and not 1 <= bits <= 16:
         raise QuantError(f"--bits {bits}: must be between 1 and 16")
-    if out.exists() and not overwrite:
-        raise QuantError(f"{out} exists; pass --overwrite to replace it")
+    for path in (out, plot):
+        if path is not None and path.exists() and not overwrite:
+            raise QuantError(f"{path} exists; pass --overwrite to replace it")
     limit = parse_size(max_size, "--max-size") if max_size is not None else None
     calib = CalibrationSettings(calib_data or DEFAULT_DATA, calib_samples, calib_seq_len)
     log = (lambda _m: None) if as_json else typer.echo
-    result = search(src, engine or None, calib, max_size=limit, bits=bits, log=log)
+    result = search(src, engine or None, calib, max_size=limit, bits=bits, log=log, sensitivity=sensitivity)
     out.write_text(result["recipe_yaml"])
+    if plot is not None:
+        from quant.search.plot import plot_front
+
+        plot_front(result["front"], result, plot, f"quant search {src.name}: {result['size_bytes']} bytes")
     if as_json:
         typer.echo(json.dumps({k: v for k, v in result.items() if k != "recipe_yaml"}, indent=1))
         return

@@ -95,6 +95,10 @@ def secondary_patterns(plan: Plan, config: dict) -> dict[str, str]:
         fused = unexpanded_fused_name(module, config)
         if fused is not None:
             patterns["*" + LAYER_PREFIX.sub("", fused)] = scheme
+        for name in exclude_aliases(module, config):  # the engines look a FusedMoE's config up by its runtime
+            routed = ROUTED_EXPERT.match(name)           # prefix (MiniMax's block_sparse_moe is built as mlp),
+            if routed:                                   # never by an expert's leaf
+                patterns["*" + LAYER_PREFIX.sub("", routed.group("moe"))] = scheme
     for module, scheme in plan.quantized.items():
         if scheme == plan.scheme.name:
             hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p) or ("*" not in p and p in module)),

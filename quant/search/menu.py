@@ -12,7 +12,7 @@ from quant.checkpoint import FLOAT_DTYPES
 from quant.engines import Profile
 from quant.pipeline.quark_config import layer_config
 from quant.planning.schemes import Scheme
-from quant.search.sizes import written_tensors
+from quant.planning.written import written_tensors
 from quant.search.units import Unit
 from quant.verify.schema import classify
 
@@ -46,6 +46,14 @@ def _loads(profile: Profile, config: dict, module: str, scheme: Scheme, moe: boo
                    for f in rules.schemes.module_failures for n in names)
 
 
+# How a release decides a FusedMoE is unquantized, among the engine rules' `moe.excluded_when`: those that an
+# export keeping a layer's routed experts in BF16 satisfies. The export names each expert leaf in exclude, never
+# the coarse `...mlp.experts` prefix (vLLM 0.31 asserts on a coarse entry), so a release that only looks the
+# FusedMoE up by its coarse prefix (SGLang) builds those experts quantized and fails on the BF16 tensors.
+KEPT_MOE_LOADS_WHEN = ("coarse_or_any_leaf", "per_leaf")
+ROUTED = re.compile(r"\.experts\.\d+\.")  # a routed expert's linear, in a main or an MTP layer
+
+
 def unit_menu(unit: Unit, treatments: tuple[str, ...], scheme_of: SchemeOf, in_features: dict[str, int],
               profiles: list[Profile], config: dict, scale_mode: str) -> list[str]:
     """The treatments of `treatments` that every release in `profiles` loads for every module of `unit`."""
@@ -54,8 +62,12 @@ def unit_menu(unit: Unit, treatments: tuple[str, ...], scheme_of: SchemeOf, in_f
         ok = True
         for module in unit.modules:
             scheme = scheme_of(module, treatment)
-            if scheme is None:
-                continue  # kept BF16 (by this treatment, or by the family under it): every engine loads it
+            if scheme is None:  # kept BF16 (by this treatment, or by the family under it)
+                if ROUTED.search(module) and not all(
+                        p.rules.moe.excluded_when in KEPT_MOE_LOADS_WHEN for p in profiles):
+                    ok = False
+                    break
+                continue
             if in_features[module] % scheme.k_multiple:
                 ok = False  # the planner refuses it (blocks run along the input dim)
             moe = unit.moe and ".experts." in module

@@ -4,24 +4,27 @@ exact pick within the budget, and the recipe that writes it."""
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from quant.checkpoint import DTYPE_BYTES, open_checkpoint
-from quant.engines import select_profiles
 from quant.errors import QuantError
 from quant.families import family_for_config, mtp_layout, text_config
 from quant.gptq.calibration import CalibrationSettings, calibration_tokens
+from quant.pipeline.preview import preview_checkpoint
 from quant.planning.plan import make_plan
 from quant.planning.recipes import TREATMENTS, Recipe, load_recipe
 from quant.planning.schemes import DEFAULT_SCHEME, Scheme, get_scheme
 from quant.planning.treatment import ModuleTreatment
+from quant.search.fisher import fisher_losses
 from quant.search.menu import unit_menu
 from quant.search.sensitivity import check_views, load_model, mean_kl, mean_nll, quantized, reference_logprobs
 from quant.search.sizes import header_bytes, stored_bytes
 from quant.search.solver import Option, pareto_front
 from quant.search.units import Linear, Unit, linears_of, search_units
+from quant.verify import readable_profiles, unparsed_model_type, verify_checkpoint
 
 REFERENCE_RECIPES = ("all-linear", "experts-mxfp4-rest-mxfp8", "experts-only")
 SHARD_OVERHEAD = 8 + 256  # a shard's length prefix, its __metadata__ and padding (an upper bound)
@@ -41,7 +44,7 @@ class Searched:
     fixed_bytes: int
     choices: list[Choice]
     params: int
-    bf16_nll: float
+    bf16_nll: float | None  # None where the estimate streamed (it never runs the whole model)
     pinned: dict[str, str] = field(default_factory=dict)  # MTP unit -> treatment (NLL never runs it)
 
     def effective_bits(self, picks: tuple[int, ...]) -> float:
@@ -60,8 +63,15 @@ def _treatment_rule(family, primary: Scheme, mtp) -> Callable[[str, str], Scheme
     return lambda module, treatment: rules[treatment](module)[1]
 
 
+SENSITIVITIES = ("kl", "fisher")
+
+
 def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, scale_mode: str = "even",
-            log: Callable[[str], None] = print) -> Searched:
+            log: Callable[[str], None] = print, sensitivity: str = "fisher") -> Searched:
+    """Units, their menus and prices, and each choice's loss: `kl` measures it exactly on the whole model in
+    memory (sensitivity.py), `fisher` estimates it streaming one decoder layer at a time (fisher.py)."""
+    if sensitivity not in SENSITIVITIES:
+        raise QuantError(f"--sensitivity {sensitivity}: one of {', '.join(SENSITIVITIES)}")
     ckpt = open_checkpoint(src)
     family = family_for_config(ckpt.config)
     primary = get_scheme(DEFAULT_SCHEME)
@@ -72,44 +82,67 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
     mtp = mtp_layout(config, family)
     scheme_of = _treatment_rule(family, primary, mtp)
     linears = linears_of(plan, ckpt)
-    profiles = select_profiles(engines)
+    profiles, _ = readable_profiles(ckpt.config, engines)  # by default, the releases verify-manifest checks
+    for profile in profiles:
+        for unreadable in unparsed_model_type(ckpt.config, profile):
+            raise QuantError(f"--engine {profile.label}: {unreadable.message}; nothing it loads can be searched "
+                             f"({unreadable.fix})")
     roles = {m: family.role_of(m) or "" for m in linears}
     units = search_units(linears, roles, list(mtp.decoder_layers), profiles)
     in_features = {m: lin.shape[1] for m, lin in linears.items()}
-    model = load_model(src)
-    measured = [linears[m] for u in units if not u.mtp for m in u.modules]
-    check_views(model, measured, lambda lin: read_weight(ckpt, lin))
-    windows = calibration_tokens(calib, src)
-    base = mean_nll(model, windows)
-    reference_lp = reference_logprobs(model, windows)
-    log(f"search: {len(units)} units, BF16 calibration NLL {base:.4f} over {windows.shape[0]} windows")
-    choices, pinned = [], {}
+    menus, prices, pinned = {}, {}, {}
     for unit in units:
         menu = unit_menu(unit, TREATMENTS, scheme_of, in_features, profiles, ckpt.config, scale_mode)
         if not menu:
             raise QuantError(f"{unit.name}: no treatment loads in every release asked ({', '.join(engines or [])})")
-        priced = {t: _price(unit, linears, scheme_of, t) for t in menu}
+        prices[unit.name] = {t: _price(unit, linears, scheme_of, t) for t in menu}
         if unit.mtp:  # the NLL never runs the draft: its smallest loadable format (BENCHMARKS.md "MTP recipe")
-            menu = [min(menu, key=lambda t: priced[t][1])]
+            menu = [min(menu, key=lambda t: prices[unit.name][t][1])]
             pinned[unit.name] = menu[0]
-        options = []
-        for t in menu:
-            loss = 0.0
-            chosen = [(linears[m], s) for m in unit.modules if (s := scheme_of(m, t)) is not None]
-            if chosen and not unit.mtp:
-                with quantized(model, chosen, scale_mode):
-                    loss = mean_kl(model, windows, reference_lp)
-            options.append(Option(t, priced[t][1], loss))
-            log(f"  {unit.name}: {t} {priced[t][1]} bytes, KL {loss:.5f}")
-        choices.append(Choice(unit, options, {t: priced[t][0] for t in menu}))
-    in_units = {m for u in units for m in u.modules}
+        menus[unit.name] = menu
+    windows = calibration_tokens(calib, src)
+    if sensitivity == "fisher":
+        base = None  # the streamed pass never holds the whole model's NLL
+        log(f"search: {len(units)} units, Fisher estimate over {windows.shape[0]} windows, one layer at a time")
+        losses = fisher_losses(src, ckpt, family.layer_returns, units, menus, linears, scheme_of, windows,
+                               scale_mode, log=log)
+    else:
+        base, losses = _kl_losses(src, ckpt, units, menus, linears, scheme_of, windows, scale_mode, log)
+    choices = []
+    for unit in units:
+        options = [Option(t, prices[unit.name][t][1], losses.get(unit.name, {}).get(t, 0.0))
+                   for t in menus[unit.name]]
+        choices.append(Choice(unit, options, {t: prices[unit.name][t][0] for t in menus[unit.name]}))
     fixed = SHARD_OVERHEAD * len(ckpt.files)
     sources = {lin.source.name for lin in linears.values()}
     for name, info in ckpt.tensors.items():
         if name not in sources:
             fixed += info.numel * DTYPE_BYTES.get(info.dtype, 1) + header_bytes(name, info.dtype, tuple(info.shape))
-    assert in_units == set(linears)
     return Searched(fixed, choices, sum(plan.linear_params.values()), base, pinned)
+
+
+def _kl_losses(src: Path, ckpt, units: list[Unit], menus: dict[str, list[str]], linears: dict[str, Linear],
+               scheme_of, windows, scale_mode: str, log) -> tuple[float | None, dict[str, dict[str, float]]]:
+    """The exact measure: the whole model in memory, each choice's KL from the BF16 model's predictions."""
+    model = load_model(src)
+    measured = [linears[m] for u in units if not u.mtp for m in u.modules]
+    check_views(model, measured, lambda lin: read_weight(ckpt, lin))
+    base = mean_nll(model, windows)
+    reference_lp = reference_logprobs(model, windows)
+    log(f"search: {len(units)} units, BF16 calibration NLL {base:.4f} over {windows.shape[0]} windows")
+    losses: dict[str, dict[str, float]] = {}
+    for unit in units:
+        if unit.mtp:
+            continue
+        for t in menus[unit.name]:
+            chosen = [(linears[m], s) for m in unit.modules if (s := scheme_of(m, t)) is not None]
+            loss = 0.0
+            if chosen:
+                with quantized(model, chosen, scale_mode):
+                    loss = mean_kl(model, windows, reference_lp)
+            losses.setdefault(unit.name, {})[t] = loss
+            log(f"  {unit.name}: {t} KL {loss:.6f}")
+    return base, losses
 
 
 def read_weight(ckpt, linear: Linear):
@@ -134,16 +167,72 @@ def _price(unit: Unit, linears: dict[str, Linear], scheme_of, treatment: str) ->
     return data, total
 
 
-def pick(searched: Searched, max_size: int | None = None, bits: float | None = None) -> tuple[int, ...] | None:
-    """The least predicted loss within `max_size` bytes of shards, or `bits` effective bits."""
+def pick(searched: Searched, max_size: int | None = None, bits: float | None = None,
+         banned: frozenset[tuple[int, str]] = frozenset()) -> tuple[int, ...] | None:
+    """The least predicted loss within `max_size` bytes of shards, or `bits` effective bits, never taking a
+    (unit index, treatment) of `banned`."""
+    allowed = [[i for i, o in enumerate(c.options) if (k, o.label) not in banned]
+               for k, c in enumerate(searched.choices)]
+    if not all(allowed):
+        return None
     if bits is not None:
-        units = [[Option(o.label, c.data_bytes[o.label], o.loss) for o in c.options] for c in searched.choices]
+        units = [[Option(c.options[i].label, c.data_bytes[c.options[i].label], c.options[i].loss) for i in a]
+                 for c, a in zip(searched.choices, allowed)]
         budget = int(bits * searched.params // 8)
     else:
-        units = [c.options for c in searched.choices]
+        units = [[c.options[i] for i in a] for c, a in zip(searched.choices, allowed)]
         budget = int(max_size or 0) - searched.fixed_bytes
     fitting = [p for p in pareto_front(units) if p.size_bytes <= budget]
-    return fitting[-1].choices if fitting else None
+    return tuple(a[i] for a, i in zip(allowed, fitting[-1].choices)) if fitting else None
+
+
+def preview_errors(src: Path, searched: Searched, picks: tuple[int, ...], engines: list[str] | None,
+                   scale_mode: str) -> list:
+    """verify-manifest's errors for the export `quant quantize SRC OUT --recipe` would write for `picks`, read
+    from that export's headers and config.json as planned (quant.pipeline.preview), nothing written."""
+    ckpt = open_checkpoint(src)
+    family = family_for_config(ckpt.config)
+    with tempfile.TemporaryDirectory(prefix="quant-search-") as tmp:
+        path = Path(tmp) / "recipe.yaml"
+        path.write_text(recipe_yaml(searched, picks, "preview"))
+        plan = make_plan(ckpt, family, load_recipe(str(path), family), get_scheme(DEFAULT_SCHEME), scale_mode)
+    return verify_checkpoint(preview_checkpoint(plan, ckpt), engines=engines).errors
+
+
+def loadable_pick(src: Path, searched: Searched, engines: list[str] | None, max_size: int | None, bits: float | None,
+                  scale_mode: str, log: Callable[[str], None]) -> tuple[int, ...] | None:
+    """The pick, previewed by the preflight: a (unit, treatment) the preflight blames is taken off the menu and
+    the budget solved again, until the preview passes. The menus already hold only what the engine rules load
+    (menu.py); this catches what only the whole export shows. A failure no unit's choice causes is one line."""
+    unit_of = {m: k for k, c in enumerate(searched.choices) for m in c.unit.modules}
+    banned: frozenset[tuple[int, str]] = frozenset()
+    for _ in range(sum(len(c.options) for c in searched.choices)):
+        picks = pick(searched, max_size, bits, banned)
+        if picks is None:
+            return None
+        errors = preview_errors(src, searched, picks, engines, scale_mode)
+        if not errors:
+            return picks
+        blamed = set()
+        for finding in errors:
+            k = _unit_of_tensor(finding.tensor, unit_of)
+            if k is None:
+                raise QuantError(f"{finding.engine} {'/'.join(finding.versions)}: {finding.message}; no choice the "
+                                 f"search makes changes this (fix: {finding.fix})")
+            blamed.add((k, searched.choices[k].options[picks[k]].label))
+        for k, label in sorted(blamed):
+            log(f"  {searched.choices[k].unit.name}: {label} taken off the menu (the preflight of the pick refuses it)")
+        banned = banned | blamed
+    return None
+
+
+def _unit_of_tensor(tensor: str, unit_of: dict[str, int]) -> int | None:
+    name = tensor
+    while name:
+        if name in unit_of:
+            return unit_of[name]
+        name = name.rpartition(".")[0]
+    return None
 
 
 def reference(searched: Searched, recipe: str, family) -> tuple[int, ...] | None:
@@ -165,19 +254,37 @@ def reference(searched: Searched, recipe: str, family) -> tuple[int, ...] | None
 
 def recipe_yaml(searched: Searched, picks: tuple[int, ...], note: str) -> str:
     """A user recipe (`quant quantize --recipe`): one `modules` entry per unit, anchored on its module names."""
+    every = [m for c in searched.choices for m in c.unit.modules]
     lines = [f"# {note}", "base: all-linear", "description: " + note.replace(":", " -"), "modules:"]
     for c, i in zip(searched.choices, picks):
-        names = "|".join(re.escape(m) for m in c.unit.modules)
-        lines.append(f"  - '^(?:{names})$': {c.options[i].label}  # {c.unit.name}")
+        pattern = unit_pattern(c.unit.modules, every)
+        entry = f"'{pattern}'" if len(pattern) < YAML_KEY_LIMIT else f"? '{pattern}'\n    "  # YAML's explicit key
+        lines.append(f"  - {entry}: {c.options[i].label}  # {c.unit.name}")
     return "\n".join(lines) + "\n"
 
 
+YAML_KEY_LIMIT = 1000  # PyYAML refuses a plain `key: value` key over 1024 characters
+EXPERT_INDEX = re.compile(r"\\\.experts\\\.\d+\\\.")  # in an escaped name: \.experts\.12\.
+
+
+def unit_pattern(modules: tuple[str, ...], every: list[str]) -> str:
+    """A regex matching exactly `modules` among `every` module: a layer's routed experts with their index as any
+    number where that matches no other module (a recipe a reader can check), else every name spelled out."""
+    escaped = [re.escape(m) for m in modules]
+    collapsed = sorted({EXPERT_INDEX.sub(r"\\.experts\\.\\d+\\.", e) for e in escaped})
+    compact = "^(?:" + "|".join(collapsed) + ")$"
+    if {m for m in every if re.match(compact, m)} == set(modules):
+        return compact
+    return "^(?:" + "|".join(escaped) + ")$"
+
+
 def search(src: Path, engines: list[str] | None, calib: CalibrationSettings, max_size: int | None = None,
-           bits: float | None = None, scale_mode: str = "even", log: Callable[[str], None] = print) -> dict:
+           bits: float | None = None, scale_mode: str = "even", log: Callable[[str], None] = print,
+           sensitivity: str = "fisher") -> dict:
     """Measure, pick within the budget, and describe: the recipe text, the pick's totals, the Pareto front with
     the uniform recipes beside it."""
-    searched = measure(src, engines, calib, scale_mode, log)
-    chosen = pick(searched, max_size, bits)
+    searched = measure(src, engines, calib, scale_mode, log, sensitivity)
+    chosen = loadable_pick(src, searched, engines, max_size, bits, scale_mode, log)
     if chosen is None:
         smallest = searched.size(pareto_front([c.options for c in searched.choices])[0].choices)
         budget = f"--max-size {max_size}" if bits is None else f"--bits {bits}"
@@ -201,4 +308,5 @@ def search(src: Path, engines: list[str] | None, calib: CalibrationSettings, max
     return {"recipe": {c.unit.name: c.options[i].label for c, i in zip(searched.choices, chosen)},
             "recipe_yaml": recipe_yaml(searched, chosen, note), "size_bytes": totals["size_bytes"],
             "effective_bits": totals["effective_bits"], "predicted_loss": totals["predicted_loss"],
-            "bf16_calibration_nll": round(searched.bf16_nll, 6), "front": front}
+            "bf16_calibration_nll": None if searched.bf16_nll is None else round(searched.bf16_nll, 6),
+            "sensitivity": sensitivity, "front": front}
