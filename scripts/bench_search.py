@@ -117,21 +117,9 @@ def random_draws(searched, budget: int, n: int, seed: int) -> tuple[list[tuple[i
     return out, attempts
 
 
-def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, seed: int) -> dict:
-    import evals.arms.nll as nll_mod
+def measure_counted(src: Path, calib) -> tuple:
+    """`measure` once: the Searched, its wall seconds, and how many KL forward evaluations it ran."""
     import quant.search.run as run
-    from quant.checkpoint import open_checkpoint
-    from quant.families import family_for_config
-    from quant.planning.recipes import recipe_names
-
-    work = work / name
-    work.mkdir(parents=True, exist_ok=True)
-    texts = heldout()
-    t0 = time.perf_counter()
-    bf16_nll = nll_mod.mean_nll(src, texts)
-    nll_s = time.perf_counter() - t0
-    bf16_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    print(f"[{name}] {len(texts)} held-out windows, BF16 NLL {bf16_nll:.5f} ({nll_s:.1f} s)", flush=True)
 
     evals = 0
     kl = run.mean_kl
@@ -145,12 +133,15 @@ def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, s
     try:
         t0 = time.perf_counter()
         searched = run.measure(src, ENGINES, calib, log=lambda m: None)
-        measure_s = time.perf_counter() - t0
+        return searched, time.perf_counter() - t0, evals
     finally:
         run.mean_kl = kl
-    n_options = sum(len(c.options) for c in searched.choices)
-    print(f"[{name}] measure: {measure_s:.1f} s, {len(searched.choices)} units, {n_options} options, "
-          f"{evals} KL evaluations", flush=True)
+
+
+def uniform_exports(name: str, src: Path, work: Path, texts: list[str]) -> dict[str, dict]:
+    """Every built-in recipe exported and scored; one that fails prints one line and is left out."""
+    from evals.arms.nll import mean_nll
+    from quant.planning.recipes import recipe_names
 
     uniform: dict[str, dict] = {}
     for recipe in recipe_names():
@@ -160,10 +151,55 @@ def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, s
         except Exception as e:  # a recipe this toy or layout cannot take: one line, no row
             print(f"[{name}] recipe {recipe}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
             continue
-        value = nll_mod.mean_nll(work / f"recipe-{recipe}", texts)
+        value = mean_nll(work / f"recipe-{recipe}", texts)
         uniform[recipe] = {"bytes": size, "effective_bits": bits, "nll": value}
         print(f"[{name}] recipe {recipe}: {size} bytes, {bits} bits, NLL {value:.5f} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return uniform
+
+
+def random_mixes(name: str, src: Path, work: Path, texts: list[str], searched, label: str, budget: int,
+                 n_random: int, seed: int) -> tuple[list[tuple], int]:
+    """The random assignments near `budget`, exported and scored: (NLL, bytes, bits, predicted bytes) each."""
+    import quant.search.run as run
+    from evals.arms.nll import mean_nll
+
+    tag = label.split(":")[0]
+    draws, attempts = random_draws(searched, budget, n_random, seed)
+    if len(draws) < n_random:
+        print(f"[{name}] budget {label}: only {len(draws)} of {n_random} random draws landed in "
+              f"[0.95, 1] × budget after {attempts} attempts")
+    scored = []
+    t0 = time.perf_counter()
+    for k, picks in enumerate(draws):
+        path = work / f"random-{tag}.yaml"
+        path.write_text(run.recipe_yaml(searched, picks, f"bench_search random {k}"))
+        out = work / f"random-{tag}-{k}"
+        size, bits = export(src, out, str(path))
+        scored.append((mean_nll(out, texts), size, bits, searched.size(picks)))
+        shutil.rmtree(out)
+    print(f"[{name}] budget {label}: {len(scored)} random mixes scored ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    return scored, attempts
+
+
+def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, seed: int) -> dict:
+    import quant.search.run as run
+    from evals.arms.nll import mean_nll
+
+    work = work / name
+    work.mkdir(parents=True, exist_ok=True)
+    texts = heldout()
+    t0 = time.perf_counter()
+    bf16_nll = mean_nll(src, texts)
+    bf16_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    print(f"[{name}] {len(texts)} held-out windows, BF16 NLL {bf16_nll:.5f} ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    searched, measure_s, evals = measure_counted(src, calib)
+    n_options = sum(len(c.options) for c in searched.choices)
+    print(f"[{name}] measure: {measure_s:.1f} s, {len(searched.choices)} units, {n_options} options, "
+          f"{evals} KL evaluations", flush=True)
+    uniform = uniform_exports(name, src, work, texts)
     for need in ("all-linear", "experts-mxfp4-rest-mxfp8"):
         if need not in uniform:
             raise SystemExit(f"[{name}] recipe {need} failed: the budgets need it")
@@ -171,7 +207,6 @@ def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, s
     mixed_b, lin_b = uniform["experts-mxfp4-rest-mxfp8"]["bytes"], uniform["all-linear"]["bytes"]
     budgets = {"a: experts-mxfp4-rest-mxfp8": mixed_b, "b: halfway": (mixed_b + lin_b) // 2,
                "c: all-linear × 1.05": int(lin_b * 1.05)}
-    family = family_for_config(open_checkpoint(src).config)
 
     def row(budget: str, what: str, size: int, bits: float, value: float, **extra) -> dict:
         rec = (lin - value) / (lin - bf16_nll) if lin != bf16_nll else None
@@ -182,55 +217,38 @@ def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, s
     rows += [row("", f"recipe {r}", u["bytes"], u["effective_bits"], u["nll"]) for r, u in uniform.items()]
     summary = {}
     for label, budget in budgets.items():
-        tag = label.split(":")[0]
         chosen = run.pick(searched, max_size=budget)
         if chosen is None:
             print(f"[{name}] budget {label} ({budget}): the search finds no mix that fits")
             continue
-        recipe = work / f"pick-{tag}.yaml"
+        recipe = work / f"pick-{label.split(':')[0]}.yaml"
         recipe.write_text(run.recipe_yaml(searched, chosen, f"bench_search {name} budget {label} {budget} bytes"))
-        size, bits = export(src, work / f"pick-{tag}", str(recipe))
-        value = nll_mod.mean_nll(work / f"pick-{tag}", texts)
-        mix = {}
-        for c, i in zip(searched.choices, chosen):
-            mix[c.options[i].label] = mix.get(c.options[i].label, 0) + 1
+        size, bits = export(src, recipe.with_suffix(""), str(recipe))
+        value = mean_nll(recipe.with_suffix(""), texts)
+        labels = [c.options[i].label for c, i in zip(searched.choices, chosen)]
+        mix = {t: labels.count(t) for t in dict.fromkeys(labels)}
         pick_row = row(label, "search pick", size, bits, value, budget_bytes=budget,
                        predicted_bytes=searched.size(chosen), predicted_bits=searched.effective_bits(chosen),
                        predicted_kl=sum(c.options[i].loss for c, i in zip(searched.choices, chosen)),
-                       mix=mix, recipe={c.unit.name: c.options[i].label for c, i in zip(searched.choices, chosen)})
+                       mix=mix, recipe={c.unit.name: t for c, t in zip(searched.choices, labels)})
         rows.append(pick_row)
         print(f"[{name}] budget {label} ({budget}): pick {size} bytes (predicted {searched.size(chosen)}), "
               f"{bits} bits, NLL {value:.5f}, units per format {mix}", flush=True)
-        for r, u in uniform.items():
-            if u["bytes"] <= budget:
-                rows.append(row(label, f"recipe {r}", u["bytes"], u["effective_bits"], u["nll"], budget_bytes=budget))
-        draws, attempts = random_draws(searched, budget, n_random, seed)
-        if len(draws) < n_random:
-            print(f"[{name}] budget {label}: only {len(draws)} of {n_random} random draws landed in "
-                  f"[0.95, 1] × budget after {attempts} attempts")
-        scored = []
-        t0 = time.perf_counter()
-        for k, picks in enumerate(draws):
-            path = work / f"random-{tag}.yaml"
-            path.write_text(run.recipe_yaml(searched, picks, f"bench_search random {k}"))
-            out = work / f"random-{tag}-{k}"
-            size_k, bits_k = export(src, out, str(path))
-            scored.append((nll_mod.mean_nll(out, texts), size_k, bits_k, searched.size(picks)))
-            shutil.rmtree(out)
-        if scored:
-            print(f"[{name}] budget {label}: {len(scored)} random mixes scored "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
-            values = sorted(s[0] for s in scored)
-            rank = 1 + sum(v < value for v in values)
-            by = sorted(scored)
-            med = by[(len(by) - 1) // 2]  # the lower median as a real draw (its bytes and bits shown)
-            for what, s in (("random min", by[0]), ("random median", med), ("random max", by[-1])):
-                rows.append(row(label, f"{what} (n={len(scored)})", s[1], s[2], s[0], budget_bytes=budget))
-            summary[label] = {"budget": budget, "random_n": len(scored), "random_attempts": attempts,
-                              "random_nll": [s[0] for s in scored], "random_bytes": [s[1] for s in scored],
-                              "random_median_nll": statistics.median(values), "pick_rank": rank,
-                              "pick_nll": value}
-            pick_row["rank_among_random"] = f"{rank} of {len(scored) + 1}"
+        rows += [row(label, f"recipe {r}", u["bytes"], u["effective_bits"], u["nll"], budget_bytes=budget)
+                 for r, u in uniform.items() if u["bytes"] <= budget]
+        scored, attempts = random_mixes(name, src, work, texts, searched, label, budget, n_random, seed)
+        if not scored:
+            continue
+        values = sorted(s[0] for s in scored)
+        rank = 1 + sum(v < value for v in values)
+        by = sorted(scored)
+        med = by[(len(by) - 1) // 2]  # the lower median as a real draw (its bytes and bits shown)
+        for what, s in (("random min", by[0]), ("random median", med), ("random max", by[-1])):
+            rows.append(row(label, f"{what} (n={len(scored)})", s[1], s[2], s[0], budget_bytes=budget))
+        summary[label] = {"budget": budget, "random_n": len(scored), "random_attempts": attempts,
+                          "random_nll": [s[0] for s in scored], "random_bytes": [s[1] for s in scored],
+                          "random_median_nll": statistics.median(values), "pick_rank": rank, "pick_nll": value}
+        pick_row["rank_among_random"] = f"{rank} of {len(scored) + 1}"
     return {"toy": name, "measure_s": measure_s, "units": len(searched.choices), "options": n_options,
             "kl_evaluations": evals, "heldout_windows": len(texts), "bf16_nll": bf16_nll, "rows": rows,
             "budgets": summary}
