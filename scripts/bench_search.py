@@ -11,13 +11,14 @@ For each trained toy (GLM-5 layout):
     bare` uses gptq_toy's "q\\na" instead, text the toy never saw (its BF16 NLL is then about 8.6 nats/token,
     above a uniform guess over its 258 tokens, and the quantized exports' NLLs move at random around it);
 this script
-  1. runs `quant.search.run.measure` once with engines ["vllm"] (its wall time is the search's own cost; the number
-     of KL forward evaluations, one per quantized option measured, is counted by wrapping its `mean_kl`);
+  1. runs `quant.search.run.measure` with engines ["vllm"] once per sensitivity, the streamed Fisher estimate
+     (the default) and the exact KL (its wall time is the search's own cost);
   2. exports every uniform built-in recipe (`quant.planning.recipes.recipe_names()`; one that fails to plan or
      export prints one line and is left out) with `quantize_checkpoint`, and the BF16 source is scored too;
   3. takes three budgets of shard bytes: (a) the experts-mxfp4-rest-mxfp8 export's, (b) halfway between that and
-     all-linear's, (c) all-linear's × 1.05; for each: the search's pick (`pick(searched, max_size=budget)`, written
-     by `recipe_yaml` and exported with it), every uniform recipe whose export fits, and `--random` random
+     all-linear's, (c) all-linear's × 1.05; for each: the search's pick under each sensitivity
+     (`loadable_pick`, as `quant search` picks, written by `recipe_yaml` and exported with it), every uniform
+     recipe whose export fits, and `--random` random
      assignments (one option per unit drawn uniformly, seeded; rejection-sampled until the predicted size
      `searched.size` lies in [0.95 × budget, budget], at most MAX_ATTEMPTS draws) exported and scored: min /
      median / max and the pick's rank among them.
@@ -117,25 +118,19 @@ def random_draws(searched, budget: int, n: int, seed: int) -> tuple[list[tuple[i
     return out, attempts
 
 
-def measure_counted(src: Path, calib) -> tuple:
-    """`measure` once: the Searched, its wall seconds, and how many KL forward evaluations it ran."""
+SENSITIVITIES = ("fisher", "kl")
+
+
+def measure_each(src: Path, calib) -> dict[str, tuple]:
+    """`measure` once per sensitivity: the Searched and its wall seconds (the search's own cost)."""
     import quant.search.run as run
 
-    evals = 0
-    kl = run.mean_kl
-
-    def counted(*a, **k):
-        nonlocal evals
-        evals += 1
-        return kl(*a, **k)
-
-    run.mean_kl = counted
-    try:
+    out = {}
+    for sensitivity in SENSITIVITIES:
         t0 = time.perf_counter()
-        searched = run.measure(src, ENGINES, calib, log=lambda m: None)
-        return searched, time.perf_counter() - t0, evals
-    finally:
-        run.mean_kl = kl
+        searched = run.measure(src, ENGINES, calib, log=lambda m: None, sensitivity=sensitivity)
+        out[sensitivity] = (searched, time.perf_counter() - t0)
+    return out
 
 
 def uniform_exports(name: str, src: Path, work: Path, texts: list[str]) -> dict[str, dict]:
@@ -183,8 +178,34 @@ def random_mixes(name: str, src: Path, work: Path, texts: list[str], searched, l
     return scored, attempts
 
 
-def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, seed: int) -> dict:
+def score_picks(name: str, src: Path, work: Path, texts: list[str], measured: dict, label: str, budget: int,
+                row) -> list[dict]:
+    """The search's pick at `budget` under each sensitivity, exported and scored: one row each."""
     import quant.search.run as run
+    from evals.arms.nll import mean_nll
+
+    rows = []
+    for sensitivity, (by, _) in measured.items():
+        chosen = run.loadable_pick(src, by, ENGINES, budget, None, "even", lambda m: None)
+        if chosen is None:
+            print(f"[{name}] budget {label} ({budget}): the search finds no mix that fits")
+            continue
+        recipe = work / f"pick-{sensitivity}-{label.split(':')[0]}.yaml"
+        recipe.write_text(run.recipe_yaml(by, chosen, f"bench_search {name} budget {label} {budget} bytes"))
+        size, bits = export(src, recipe.with_suffix(""), str(recipe))
+        value = mean_nll(recipe.with_suffix(""), texts)
+        labels = [c.options[i].label for c, i in zip(by.choices, chosen)]
+        mix = {t: labels.count(t) for t in dict.fromkeys(labels)}
+        rows.append(row(label, f"search pick ({sensitivity})", size, bits, value, budget_bytes=budget,
+                        predicted_bytes=by.size(chosen), predicted_bits=by.effective_bits(chosen),
+                        predicted_loss=sum(c.options[i].loss for c, i in zip(by.choices, chosen)),
+                        mix=mix, recipe={c.unit.name: t for c, t in zip(by.choices, labels)}))
+        print(f"[{name}] budget {label} ({budget}): {sensitivity} pick {size} bytes (predicted {by.size(chosen)}), "
+              f"{bits} bits, NLL {value:.5f}, units per format {mix}", flush=True)
+    return rows
+
+
+def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, seed: int) -> dict:
     from evals.arms.nll import mean_nll
 
     work = work / name
@@ -195,10 +216,12 @@ def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, s
     bf16_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"[{name}] {len(texts)} held-out windows, BF16 NLL {bf16_nll:.5f} ({time.perf_counter() - t0:.1f} s)",
           flush=True)
-    searched, measure_s, evals = measure_counted(src, calib)
+    measured = measure_each(src, calib)
+    searched = measured["fisher"][0]  # the units and options are the same whatever the sensitivity
+    measure_s = {k: round(v[1], 1) for k, v in measured.items()}
     n_options = sum(len(c.options) for c in searched.choices)
-    print(f"[{name}] measure: {measure_s:.1f} s, {len(searched.choices)} units, {n_options} options, "
-          f"{evals} KL evaluations", flush=True)
+    evals = sum(len(c.options) for c in searched.choices if not c.unit.mtp)
+    print(f"[{name}] measure: {measure_s} s, {len(searched.choices)} units, {n_options} options", flush=True)
     uniform = uniform_exports(name, src, work, texts)
     for need in ("all-linear", "experts-mxfp4-rest-mxfp8"):
         if need not in uniform:
@@ -217,47 +240,34 @@ def bench_toy(name: str, src: Path, calib, heldout, work: Path, n_random: int, s
     rows += [row("", f"recipe {r}", u["bytes"], u["effective_bits"], u["nll"]) for r, u in uniform.items()]
     summary = {}
     for label, budget in budgets.items():
-        chosen = run.pick(searched, max_size=budget)
-        if chosen is None:
-            print(f"[{name}] budget {label} ({budget}): the search finds no mix that fits")
-            continue
-        recipe = work / f"pick-{label.split(':')[0]}.yaml"
-        recipe.write_text(run.recipe_yaml(searched, chosen, f"bench_search {name} budget {label} {budget} bytes"))
-        size, bits = export(src, recipe.with_suffix(""), str(recipe))
-        value = mean_nll(recipe.with_suffix(""), texts)
-        labels = [c.options[i].label for c, i in zip(searched.choices, chosen)]
-        mix = {t: labels.count(t) for t in dict.fromkeys(labels)}
-        pick_row = row(label, "search pick", size, bits, value, budget_bytes=budget,
-                       predicted_bytes=searched.size(chosen), predicted_bits=searched.effective_bits(chosen),
-                       predicted_kl=sum(c.options[i].loss for c, i in zip(searched.choices, chosen)),
-                       mix=mix, recipe={c.unit.name: t for c, t in zip(searched.choices, labels)})
-        rows.append(pick_row)
-        print(f"[{name}] budget {label} ({budget}): pick {size} bytes (predicted {searched.size(chosen)}), "
-              f"{bits} bits, NLL {value:.5f}, units per format {mix}", flush=True)
+        picks_rows = score_picks(name, src, work, texts, measured, label, budget, row)
+        rows += picks_rows
         rows += [row(label, f"recipe {r}", u["bytes"], u["effective_bits"], u["nll"], budget_bytes=budget)
                  for r, u in uniform.items() if u["bytes"] <= budget]
         scored, attempts = random_mixes(name, src, work, texts, searched, label, budget, n_random, seed)
         if not scored:
             continue
         values = sorted(s[0] for s in scored)
-        rank = 1 + sum(v < value for v in values)
         by = sorted(scored)
         med = by[(len(by) - 1) // 2]  # the lower median as a real draw (its bytes and bits shown)
         for what, s in (("random min", by[0]), ("random median", med), ("random max", by[-1])):
             rows.append(row(label, f"{what} (n={len(scored)})", s[1], s[2], s[0], budget_bytes=budget))
         summary[label] = {"budget": budget, "random_n": len(scored), "random_attempts": attempts,
                           "random_nll": [s[0] for s in scored], "random_bytes": [s[1] for s in scored],
-                          "random_median_nll": statistics.median(values), "pick_rank": rank, "pick_nll": value}
-        pick_row["rank_among_random"] = f"{rank} of {len(scored) + 1}"
+                          "random_median_nll": statistics.median(values)}
+        for pick_row in picks_rows:
+            rank = 1 + sum(v < pick_row["nll"] for v in values)
+            pick_row["rank_among_random"] = f"{rank} of {len(scored) + 1}"
+            summary[label][pick_row["what"]] = {"rank": rank, "nll": pick_row["nll"]}
     return {"toy": name, "measure_s": measure_s, "units": len(searched.choices), "options": n_options,
-            "kl_evaluations": evals, "heldout_windows": len(texts), "bf16_nll": bf16_nll, "rows": rows,
+            "measured_options": evals, "heldout_windows": len(texts), "bf16_nll": bf16_nll, "rows": rows,
             "budgets": summary}
 
 
 def table(result: dict) -> str:
     lines = [f"**{result['toy']}** (BF16 held-out NLL {result['bf16_nll']:.5f} over {result['heldout_windows']} "
-             f"windows; measure {result['measure_s']:.0f} s, {result['units']} units, {result['kl_evaluations']} "
-             f"KL evaluations)", "",
+             f"windows; measure {result['measure_s']} s, {result['units']} units, {result['measured_options']} "
+             f"options measured)", "",
              "| budget | what | bytes | effective bits | held-out NLL | rise over BF16 | all-linear's rise recovered |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
