@@ -4,7 +4,7 @@ exact pick within the budget, and the recipe that writes it."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +43,8 @@ class Searched:
     params: int
     bf16_nll: float
     pinned: dict[str, str] = field(default_factory=dict)  # MTP unit -> treatment (NLL never runs it)
+    # MTP unit -> its whole loadable menu, smallest first (loss 0: unmeasured), for a caller that measures the draft
+    mtp_menus: dict[str, Choice] = field(default_factory=dict)
 
     def effective_bits(self, picks: tuple[int, ...]) -> float:
         bits = sum(8 * c.data_bytes[c.options[i].label] for c, i in zip(self.choices, picks))
@@ -50,6 +52,16 @@ class Searched:
 
     def size(self, picks: tuple[int, ...]) -> int:
         return self.fixed_bytes + sum(c.options[i].size_bytes for c, i in zip(self.choices, picks))
+
+    def with_mtp(self, treatment: str) -> Searched:
+        """The same search with every MTP unit pinned to `treatment` (on each one's menu) instead."""
+        def pinned(c: Choice) -> Choice:
+            full = self.mtp_menus[c.unit.name]
+            option = next(o for o in full.options if o.label == treatment)
+            return Choice(c.unit, [option], {treatment: full.data_bytes[treatment]})
+
+        return replace(self, choices=[pinned(c) if c.unit.name in self.mtp_menus else c for c in self.choices],
+                       pinned={u: treatment for u in self.pinned})
 
 
 def _treatment_rule(family, primary: Scheme, mtp) -> Callable[[str, str], Scheme | None]:
@@ -83,14 +95,17 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
     base = mean_nll(model, windows)
     reference_lp = reference_logprobs(model, windows)
     log(f"search: {len(units)} units, BF16 calibration NLL {base:.4f} over {windows.shape[0]} windows")
-    choices, pinned = [], {}
+    choices, pinned, mtp_menus = [], {}, {}
     for unit in units:
         menu = unit_menu(unit, TREATMENTS, scheme_of, in_features, profiles, ckpt.config, scale_mode)
         if not menu:
             raise QuantError(f"{unit.name}: no treatment loads in every release asked ({', '.join(engines or [])})")
         priced = {t: _price(unit, linears, scheme_of, t) for t in menu}
         if unit.mtp:  # the NLL never runs the draft: its smallest loadable format (BENCHMARKS.md "MTP recipe")
-            menu = [min(menu, key=lambda t: priced[t][1])]
+            menu = sorted(menu, key=lambda t: priced[t][1])
+            mtp_menus[unit.name] = Choice(unit, [Option(t, priced[t][1], 0.0) for t in menu],
+                                          {t: priced[t][0] for t in menu})
+            menu = menu[:1]
             pinned[unit.name] = menu[0]
         options = []
         for t in menu:
@@ -109,7 +124,7 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
         if name not in sources:
             fixed += info.numel * DTYPE_BYTES.get(info.dtype, 1) + header_bytes(name, info.dtype, tuple(info.shape))
     assert in_units == set(linears)
-    return Searched(fixed, choices, sum(plan.linear_params.values()), base, pinned)
+    return Searched(fixed, choices, sum(plan.linear_params.values()), base, pinned, mtp_menus)
 
 
 def read_weight(ckpt, linear: Linear):
