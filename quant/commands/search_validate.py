@@ -76,30 +76,39 @@ def search_validated(src: Path, engines: list[str] | None, calib: CalibrationSet
         raise QuantError(f"no mix of the engines' formats fits {'--bits' if bits else '--max-size'}")
     log(f"validate: bisecting {len(front)} picks of the front by size against {v.baseline} on {v.tasks}")
     judge = _Judge(src, v, work, log)
-    lo, hi = 0, len(front)  # the first passing pick is in [lo, hi); hi == len(front): none known to pass
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if judge(searched, front[mid], f"front {mid + 1}/{len(front)}")["passed"]:
-            hi = mid
-        else:
-            lo = mid + 1
-    if hi == len(front):
+    first = first_passing(len(front), lambda i: judge(searched, front[i], f"front {i + 1}/{len(front)}", i)["passed"])
+    if first is None:
         raise NothingPasses(f"no pick of the front passes quant eval against {v.baseline} with recovery >= "
                             f"{v.min_recovery:g}, the largest ({searched.size(front[-1])} bytes) included; see {work}")
-    chosen, row = searched, judge.by_key[judge.key(searched, front[hi])]
+    chosen, row = searched, judge.by_key[judge.key(searched, front[first])]
     if v.min_acceptance is not None:
-        chosen, row = _decide_mtp(searched, front[hi], row, judge, v.min_acceptance)
-    return {"recipe": {c.unit.name: c.options[i].label for c, i in zip(chosen.choices, front[hi])},
-            "recipe_yaml": row.pop("_yaml"), "size_bytes": row["size_bytes"],
+        chosen, row = decide_mtp(searched, front[first], judge, v.min_acceptance)
+    return {"recipe": {c.unit.name: c.options[i].label for c, i in zip(chosen.choices, front[first])},
+            "recipe_yaml": row["_yaml"], "size_bytes": row["size_bytes"],
             "effective_bits": row["effective_bits"], "predicted_loss": row["predicted_loss"],
             "bf16_calibration_nll": round(searched.bf16_nll, 6), "front_size": len(front),
             "validation": asdict(v), "evaluated": [_public(r) for r in judge.rows],
             "chosen": _public(row)}
 
 
-def _decide_mtp(searched: Searched, picks: tuple[int, ...], row: dict, judge: _Judge, least: float):
-    """The MTP layer's formats every MTP unit loads, smallest first: the first whose measured acceptance is at
-    least `least` (the pinned smallest one was measured with the pick itself)."""
+def first_passing(n: int, passes: Callable[[int], bool]) -> int | None:
+    """The least i in [0, n) with passes(i), for a `passes` monotone in i (False then True), or None: a bisection
+    asking at most ceil(log2(n + 1)) times."""
+    lo, hi = 0, n  # the first passing index is in [lo, hi); hi == n: none known to pass
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi if hi < n else None
+
+
+def decide_mtp(searched: Searched, picks: tuple[int, ...], judge: Callable[[Searched, tuple[int, ...], str], dict],
+               least: float) -> tuple[Searched, dict]:
+    """The formats every MTP unit loads, smallest first: the first whose measured draft acceptance is at least
+    `least` (the smallest, pinned by the search, was judged with the pick itself; the draft never changes the
+    answers, so only its acceptance decides)."""
     menus = list(searched.mtp_menus.values())
     common = [o.label for o in menus[0].options if all(o.label in {x.label for x in m.options} for m in menus)]
     size = {t: sum(next(o.size_bytes for o in m.options if o.label == t) for m in menus) for t in common}
@@ -131,7 +140,7 @@ class _Judge:
         settings = {k: val for k, val in asdict(self.v).items() if k not in ("min_recovery", "min_acceptance")}
         return hashlib.sha256(json.dumps([labels, settings], sort_keys=True).encode()).hexdigest()[:10]
 
-    def __call__(self, searched: Searched, picks: tuple[int, ...], what: str) -> dict:
+    def __call__(self, searched: Searched, picks: tuple[int, ...], what: str, index: int | None = None) -> dict:
         key = self.key(searched, picks)
         if key in self.by_key:
             return self.by_key[key]
@@ -155,7 +164,7 @@ class _Judge:
         rates = [r.acceptance.candidate_rate for r in primary if r.acceptance is not None]
         passed = report.verdict == Verdict.PASS and all(
             x["ratio"] is not None and x["ratio"] >= self.v.min_recovery for x in recovery.values())
-        row = {"what": what, "size_bytes": size, "effective_bits": bits, "predicted_loss": loss,
+        row = {"what": what, "front_index": index, "size_bytes": size, "effective_bits": bits, "predicted_loss": loss,
                "mtp": next(iter(searched.pinned.values()), None), "verdict": report.verdict.value,
                "recovery": recovery, "acceptance": min(rates) if rates else None, "passed": passed,
                "export": str(stem), "report": str(out / "report.json"), "_yaml": text}
