@@ -37,8 +37,8 @@ def command(
                               "their evals (new, or made by quant search; default: beside --out)."),
     min_acceptance: float = typer.Option(None, "--min-acceptance", help="With --min-recovery: the MTP layer's "
                                          "smallest format whose measured draft acceptance rate is at least this."),
-    limit: int = typer.Option(None, "--limit", help="With --min-recovery: questions per task (quant eval --limit; "
-                              "0 for all)."),
+    limit: int = typer.Option(None, "--limit", help="With --min-recovery: questions per task (quant eval --limit, "
+                              "default 200; 0 for all)."),
     margin: float = typer.Option(2.0, "--margin", help="With --min-recovery: quant eval's non-inferiority margin "
                                  "in points."),
     max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="With --min-recovery: quant eval --max-gen-toks."),
@@ -69,10 +69,11 @@ def command(
     if validating:
         from quant.commands.search_validate import Validation, search_validated
 
-        v = Validation(baseline, tasks, min_recovery, min_acceptance, limit or None, margin, max_gen_toks, batch_size)
+        questions = Validation.limit if limit is None else limit or None  # quant eval's default; 0: all
+        v = Validation(baseline, tasks, min_recovery, min_acceptance, questions, margin, max_gen_toks, batch_size)
         work = work if work is not None else out.with_name(out.name + ".work")
         result = search_validated(src, engine or None, calib, v, work, max_size=limit_bytes, bits=bits,
-                                  log=typer.echo if not as_json else (lambda _m: None))
+                                  log=lambda m: typer.echo(m, err=as_json))  # with --json: on stderr
         out.write_text(result.pop("recipe_yaml"))
         if as_json:
             typer.echo(json.dumps(result, indent=1))

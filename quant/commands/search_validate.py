@@ -38,7 +38,7 @@ class Validation:
     tasks: str
     min_recovery: float  # each task's recovery (candidate accuracy / baseline's) at least this
     min_acceptance: float | None = None  # the MTP draft's depth-1 acceptance rate at least this
-    limit: int | None = None
+    limit: int | None = EvalRequest.limit  # questions per task; None: all
     margin: float = EvalRequest.margin
     max_gen_toks: int | None = None
     batch_size: int = EvalRequest.batch_size
