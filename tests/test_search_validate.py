@@ -31,7 +31,7 @@ def test_bisection_finds_the_first_pass_within_log2_questions():
     for n in range(1, 70):
         for first in range(n + 1):  # first == n: nothing passes
             asked: list[int] = []
-            found = first_passing(n, lambda i: asked.append(i) or i >= first)
+            found = first_passing(n, lambda i, asked=asked, first=first: asked.append(i) or i >= first)
             assert found == (first if first < n else None)
             assert len(asked) == len(set(asked)) <= math.ceil(math.log2(n)) + 1, (n, first, asked)
             if found is not None and found > 0:
