@@ -1,9 +1,9 @@
 """`quant search --min-recovery R --baseline BASE --tasks T`: the smallest pick of the search's Pareto front whose
 `quant eval` against BASE passes, found by bisection over the front by size (a bigger pick is assumed never to
-evaluate worse), each tried pick exported into --work and judged by the eval stage's own `evaluate` (its verdict,
-margins and gates) and its recovery. With --min-acceptance A the MTP layer's format, which the search pins to
-its smallest loadable one, is then decided by the draft acceptance the eval measures: smallest first, the first
-at or above A."""
+evaluate worse), each tried pick exported into --work and judged by the eval stage's own `evaluate` (its verdict:
+the accuracy margin, the floors, the MTP acceptance margin) and its recovery. With --min-acceptance A the MTP
+layer's format, which the search pins to its smallest loadable one, is then decided by the draft acceptance the eval
+measures: smallest first, the first at or above A."""
 
 from __future__ import annotations
 
