@@ -1,5 +1,6 @@
 """`quant search SRC (--max-size SIZE | --bits B) --out RECIPE.yaml`: the mix of formats with the least measured
-loss within a budget, written as a user recipe for `quant quantize --recipe`."""
+loss within a budget, written as a user recipe for `quant quantize --recipe`. With `--min-recovery R --baseline
+BASE --tasks T`: the smallest mix whose `quant eval` against BASE passes (quant/commands/search_validate.py)."""
 
 from __future__ import annotations
 
@@ -30,22 +31,65 @@ def command(
                               "as a PNG (refused if it exists, without --overwrite)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     as_json: bool = typer.Option(False, "--json", help="Print the pick as JSON."),
+    min_recovery: float = typer.Option(None, "--min-recovery", help="Validate: the smallest pick of the front whose "
+                                       "quant eval against --baseline passes with each task's recovery at least "
+                                       "this fraction (the budget flags then only cap the front)."),
+    baseline: str = typer.Option(None, "--baseline", help="With --min-recovery: the eval's baseline (checkpoint or "
+                                 "server URL)."),
+    tasks: str = typer.Option(None, "--tasks", help="With --min-recovery: the eval tasks (as quant eval --tasks)."),
+    work: Path = typer.Option(None, "--work", help="With --min-recovery: the directory for the tried exports and "
+                              "their evals (new, or made by quant search; default: beside --out)."),
+    min_acceptance: float = typer.Option(None, "--min-acceptance", help="With --min-recovery: the MTP layer's "
+                                         "smallest format whose measured draft acceptance rate is at least this."),
+    limit: int = typer.Option(None, "--limit", help="With --min-recovery: questions per task (quant eval --limit, "
+                              "default 200; 0 for all)."),
+    margin: float = typer.Option(2.0, "--margin", help="With --min-recovery: quant eval's non-inferiority margin "
+                                 "in points."),
+    max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="With --min-recovery: quant eval --max-gen-toks."),
+    batch_size: int = typer.Option(16, "--batch-size", help="With --min-recovery: quant eval --batch-size."),
 ) -> None:
     """Pick each unit's format (engine-loadable by construction) to minimise the measured damage (KL) in a budget."""
     from quant.search.run import search
     from quant.units import parse_size
 
-    if (max_size is None) == (bits is None):
-        raise QuantError("give one budget: --max-size SIZE or --bits B")
+    validating = min_recovery is not None
+    if not validating and (max_size is None) == (bits is None):
+        raise QuantError("give one budget: --max-size SIZE or --bits B (or --min-recovery R to validate)")
+    if validating and max_size is not None and bits is not None:
+        raise QuantError("give at most one budget with --min-recovery: --max-size SIZE or --bits B")
+    given = [f for f, x in (("--baseline", baseline), ("--tasks", tasks), ("--work", work),
+                            ("--min-acceptance", min_acceptance), ("--limit", limit)) if x is not None]
+    if not validating and given:
+        raise QuantError(f"{given[0]} validates the pick: give --min-recovery R with it")
+    if validating and (baseline is None or tasks is None):
+        raise QuantError("--min-recovery needs --baseline BASE and --tasks T (what quant eval compares)")
     if bits is not None and not 1 <= bits <= 16:
         raise QuantError(f"--bits {bits}: must be between 1 and 16")
     for path in (out, plot):
         if path is not None and path.exists() and not overwrite:
             raise QuantError(f"{path} exists; pass --overwrite to replace it")
-    limit = parse_size(max_size, "--max-size") if max_size is not None else None
+    limit_bytes = parse_size(max_size, "--max-size") if max_size is not None else None
     calib = CalibrationSettings(calib_data or DEFAULT_DATA, calib_samples, calib_seq_len)
     log = (lambda _m: None) if as_json else typer.echo
-    result = search(src, engine or None, calib, max_size=limit, bits=bits, log=log, sensitivity=sensitivity)
+    if validating:
+        from quant.commands.search_validate import Validation, search_validated
+
+        questions = Validation.limit if limit is None else limit or None  # quant eval's default; 0: all
+        v = Validation(baseline, tasks, min_recovery, min_acceptance, questions, margin, max_gen_toks, batch_size)
+        work = work if work is not None else out.with_name(out.name + ".work")
+        result = search_validated(src, engine or None, calib, v, work, max_size=limit_bytes, bits=bits,
+                                  log=lambda m: typer.echo(m, err=as_json),  # with --json: on stderr
+                                  sensitivity=sensitivity)
+        out.write_text(result.pop("recipe_yaml"))
+        if as_json:
+            typer.echo(json.dumps(result, indent=1))
+            return
+        chosen = result["chosen"]
+        typer.echo(f"wrote {out}: {chosen['size_bytes']} bytes, {chosen['effective_bits']} effective bits, "
+                   f"{chosen['verdict']} against {baseline} ({len(result['evaluated'])} of {result['front_size']} "
+                   f"picks evaluated; export {chosen['export']})")
+        return
+    result = search(src, engine or None, calib, max_size=limit_bytes, bits=bits, log=log, sensitivity=sensitivity)
     out.write_text(result["recipe_yaml"])
     if plot is not None:
         from quant.search.plot import plot_front

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +46,8 @@ class Searched:
     params: int
     bf16_nll: float | None  # None where the estimate streamed (it never runs the whole model)
     pinned: dict[str, str] = field(default_factory=dict)  # MTP unit -> treatment (NLL never runs it)
+    # MTP unit -> its whole loadable menu, smallest first (loss 0: unmeasured), for a caller that measures the draft
+    mtp_menus: dict[str, Choice] = field(default_factory=dict)
 
     def effective_bits(self, picks: tuple[int, ...]) -> float:
         bits = sum(8 * c.data_bytes[c.options[i].label] for c, i in zip(self.choices, picks))
@@ -53,6 +55,16 @@ class Searched:
 
     def size(self, picks: tuple[int, ...]) -> int:
         return self.fixed_bytes + sum(c.options[i].size_bytes for c, i in zip(self.choices, picks))
+
+    def with_mtp(self, treatment: str) -> Searched:
+        """The same search with every MTP unit pinned to `treatment` (on each one's menu) instead."""
+        def pinned(c: Choice) -> Choice:
+            full = self.mtp_menus[c.unit.name]
+            option = next(o for o in full.options if o.label == treatment)
+            return Choice(c.unit, [option], {treatment: full.data_bytes[treatment]})
+
+        return replace(self, choices=[pinned(c) if c.unit.name in self.mtp_menus else c for c in self.choices],
+                       pinned={u: treatment for u in self.pinned})
 
 
 def _treatment_rule(family, primary: Scheme, mtp) -> Callable[[str, str], Scheme | None]:
@@ -90,14 +102,17 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
     roles = {m: family.role_of(m) or "" for m in linears}
     units = search_units(linears, roles, list(mtp.decoder_layers), profiles)
     in_features = {m: lin.shape[1] for m, lin in linears.items()}
-    menus, prices, pinned = {}, {}, {}
+    menus, prices, pinned, mtp_menus = {}, {}, {}, {}
     for unit in units:
         menu = unit_menu(unit, TREATMENTS, scheme_of, in_features, profiles, ckpt.config, scale_mode)
         if not menu:
             raise QuantError(f"{unit.name}: no treatment loads in every release asked ({', '.join(engines or [])})")
         prices[unit.name] = {t: _price(unit, linears, scheme_of, t) for t in menu}
         if unit.mtp:  # the NLL never runs the draft: its smallest loadable format (BENCHMARKS.md "MTP recipe")
-            menu = [min(menu, key=lambda t: prices[unit.name][t][1])]
+            menu = sorted(menu, key=lambda t: prices[unit.name][t][1])
+            mtp_menus[unit.name] = Choice(unit, [Option(t, prices[unit.name][t][1], 0.0) for t in menu],
+                                          {t: prices[unit.name][t][0] for t in menu})
+            menu = menu[:1]
             pinned[unit.name] = menu[0]
         menus[unit.name] = menu
     windows = calibration_tokens(calib, src)
@@ -118,7 +133,7 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
     for name, info in ckpt.tensors.items():
         if name not in sources:
             fixed += info.numel * DTYPE_BYTES.get(info.dtype, 1) + header_bytes(name, info.dtype, tuple(info.shape))
-    return Searched(fixed, choices, sum(plan.linear_params.values()), base, pinned)
+    return Searched(fixed, choices, sum(plan.linear_params.values()), base, pinned, mtp_menus)
 
 
 def _kl_losses(src: Path, ckpt, units: list[Unit], menus: dict[str, list[str]], linears: dict[str, Linear],
