@@ -156,7 +156,7 @@ def uniform_exports(name: str, src: Path, work: Path, texts: list[str]) -> dict[
 def random_mixes(name: str, src: Path, work: Path, texts: list[str], searched, label: str, budget: int,
                  n_random: int, seed: int) -> tuple[list[tuple], int]:
     """The random assignments near `budget`, exported and scored: (NLL, bytes, bits, predicted bytes) each."""
-    import quant.search.run as run
+    from quant.search import recipe_file
     from evals.arms.nll import mean_nll
 
     tag = label.split(":")[0]
@@ -168,7 +168,7 @@ def random_mixes(name: str, src: Path, work: Path, texts: list[str], searched, l
     t0 = time.perf_counter()
     for k, picks in enumerate(draws):
         path = work / f"random-{tag}.yaml"
-        path.write_text(run.recipe_yaml(searched, picks, f"bench_search random {k}"))
+        path.write_text(recipe_file.recipe_yaml(searched, picks, f"bench_search random {k}"))
         out = work / f"random-{tag}-{k}"
         size, bits = export(src, out, str(path))
         scored.append((mean_nll(out, texts), size, bits, searched.size(picks)))
@@ -181,17 +181,17 @@ def random_mixes(name: str, src: Path, work: Path, texts: list[str], searched, l
 def score_picks(name: str, src: Path, work: Path, texts: list[str], measured: dict, label: str, budget: int,
                 row) -> list[dict]:
     """The search's pick at `budget` under each sensitivity, exported and scored: one row each."""
-    import quant.search.run as run
+    from quant.search import loadable, recipe_file
     from evals.arms.nll import mean_nll
 
     rows = []
     for sensitivity, (by, _) in measured.items():
-        chosen = run.loadable_pick(src, by, ENGINES, budget, None, "even", lambda m: None)
+        chosen = loadable.loadable_pick(src, by, ENGINES, budget, None, "even", lambda m: None)
         if chosen is None:
             print(f"[{name}] budget {label} ({budget}): the search finds no mix that fits")
             continue
         recipe = work / f"pick-{sensitivity}-{label.split(':')[0]}.yaml"
-        recipe.write_text(run.recipe_yaml(by, chosen, f"bench_search {name} budget {label} {budget} bytes"))
+        recipe.write_text(recipe_file.recipe_yaml(by, chosen, f"bench_search {name} budget {label} {budget} bytes"))
         size, bits = export(src, recipe.with_suffix(""), str(recipe))
         value = mean_nll(recipe.with_suffix(""), texts)
         labels = [c.options[i].label for c, i in zip(by.choices, chosen)]

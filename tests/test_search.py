@@ -76,7 +76,8 @@ def test_search_beats_the_uniform_recipes_and_loads_in_vllm(tmp_path, one_torch_
 
 @pytest.mark.slow
 def test_search_for_sglang_0_5_12_picks_only_what_it_loads(tmp_path, one_torch_thread):
-    from quant.search.run import measure, pick
+    from quant.search.run import measure
+    from quant.search.searched import pick
 
     searched = measure(GPTQ_TOY / "model", ["sglang==0.5.12"], CALIB, log=lambda m: None)
     labels = {o.label for c in searched.choices for o in c.options}
@@ -169,7 +170,9 @@ def test_every_toy_at_three_budgets_loads_in_the_releases_asked(tmp_path, one_to
     vLLM 0.31)."""
     from quant.errors import QuantError
     from quant.pipeline.run import quantize_checkpoint
-    from quant.search.run import loadable_pick, measure, recipe_yaml
+    from quant.search.loadable import loadable_pick
+    from quant.search.recipe_file import recipe_yaml
+    from quant.search.run import measure
     from quant.search.solver import pareto_front
     from quant.toy.build import build_toy, toy_names
     from quant.verify import verify_checkpoint

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from quant.commands.search_validate import WORK_MARK, decide_mtp, first_passing
-from quant.search.run import Choice, Searched
+from quant.search.searched import Choice, Searched
 from quant.search.solver import Option
 from quant.search.units import Unit
 

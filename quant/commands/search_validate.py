@@ -19,7 +19,10 @@ from evals.statistics.verdict import Verdict
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings
 from quant.pipeline.run import quantize_checkpoint
-from quant.search.run import Searched, measure, preview_errors, recipe_yaml
+from quant.search.loadable import preview_errors
+from quant.search.recipe_file import recipe_yaml
+from quant.search.run import measure
+from quant.search.searched import Searched
 from quant.search.solver import pareto_front
 
 WORK_MARK = ".quant-search-work.json"  # what makes --work ours: written when this command creates it

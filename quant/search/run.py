@@ -4,8 +4,6 @@ exact pick within the budget, and the recipe that writes it."""
 from __future__ import annotations
 
 import re
-import tempfile
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -13,7 +11,6 @@ from quant.checkpoint import DTYPE_BYTES, open_checkpoint
 from quant.errors import QuantError
 from quant.families import family_for_config, mtp_layout, text_config
 from quant.gptq.calibration import CalibrationSettings, calibration_tokens
-from quant.pipeline.preview import preview_checkpoint
 from quant.planning.plan import make_plan
 from quant.planning.recipes import TREATMENTS, Recipe, load_recipe
 from quant.planning.schemes import DEFAULT_SCHEME, Scheme, get_scheme
@@ -22,49 +19,15 @@ from quant.search.fisher import fisher_losses
 from quant.search.menu import unit_menu
 from quant.search.sensitivity import check_views, load_model, mean_kl, mean_nll, quantized, reference_logprobs
 from quant.search.sizes import header_bytes, stored_bytes
+from quant.search.loadable import loadable_pick
+from quant.search.recipe_file import recipe_yaml, reference
+from quant.search.searched import Choice, Searched
 from quant.search.solver import Option, pareto_front
 from quant.search.units import Linear, Unit, linears_of, search_units
-from quant.verify import readable_profiles, unparsed_model_type, verify_checkpoint
+from quant.verify import readable_profiles, unparsed_model_type
 
 REFERENCE_RECIPES = ("all-linear", "experts-mxfp4-rest-mxfp8", "experts-only")
 SHARD_OVERHEAD = 8 + 256  # a shard's length prefix, its __metadata__ and padding (an upper bound)
-
-
-@dataclass(frozen=True)
-class Choice:
-    unit: Unit
-    options: list[Option]  # the menu, each with bytes (data + header) and measured KL (nats)
-    data_bytes: dict[str, int]  # treatment -> stored bytes of values and scales (the effective bits' numerator)
-
-
-@dataclass
-class Searched:
-    """Everything measured: the fixed bytes outside the units, each unit's priced menu, the linears' parameters."""
-
-    fixed_bytes: int
-    choices: list[Choice]
-    params: int
-    bf16_nll: float | None  # None where the estimate streamed (it never runs the whole model)
-    pinned: dict[str, str] = field(default_factory=dict)  # MTP unit -> treatment (NLL never runs it)
-    # MTP unit -> its whole loadable menu, smallest first (loss 0: unmeasured), for a caller that measures the draft
-    mtp_menus: dict[str, Choice] = field(default_factory=dict)
-
-    def effective_bits(self, picks: tuple[int, ...]) -> float:
-        bits = sum(8 * c.data_bytes[c.options[i].label] for c, i in zip(self.choices, picks))
-        return round(bits / self.params, 4)
-
-    def size(self, picks: tuple[int, ...]) -> int:
-        return self.fixed_bytes + sum(c.options[i].size_bytes for c, i in zip(self.choices, picks))
-
-    def with_mtp(self, treatment: str) -> Searched:
-        """The same search with every MTP unit pinned to `treatment` (on each one's menu) instead."""
-        def pinned(c: Choice) -> Choice:
-            full = self.mtp_menus[c.unit.name]
-            option = next(o for o in full.options if o.label == treatment)
-            return Choice(c.unit, [option], {treatment: full.data_bytes[treatment]})
-
-        return replace(self, choices=[pinned(c) if c.unit.name in self.mtp_menus else c for c in self.choices],
-                       pinned={u: treatment for u in self.pinned})
 
 
 def _treatment_rule(family, primary: Scheme, mtp) -> Callable[[str, str], Scheme | None]:
@@ -180,117 +143,6 @@ def _price(unit: Unit, linears: dict[str, Linear], scheme_of, treatment: str) ->
         d, t = stored_bytes(m, lin.shape, lin.dtype, scheme_of(m, treatment))
         data, total = data + d, total + t
     return data, total
-
-
-def pick(searched: Searched, max_size: int | None = None, bits: float | None = None,
-         banned: frozenset[tuple[int, str]] = frozenset()) -> tuple[int, ...] | None:
-    """The least predicted loss within `max_size` bytes of shards, or `bits` effective bits, never taking a
-    (unit index, treatment) of `banned`."""
-    allowed = [[i for i, o in enumerate(c.options) if (k, o.label) not in banned]
-               for k, c in enumerate(searched.choices)]
-    if not all(allowed):
-        return None
-    if bits is not None:
-        units = [[Option(c.options[i].label, c.data_bytes[c.options[i].label], c.options[i].loss) for i in a]
-                 for c, a in zip(searched.choices, allowed)]
-        budget = int(bits * searched.params // 8)
-    else:
-        units = [[c.options[i] for i in a] for c, a in zip(searched.choices, allowed)]
-        budget = int(max_size or 0) - searched.fixed_bytes
-    fitting = [p for p in pareto_front(units) if p.size_bytes <= budget]
-    return tuple(a[i] for a, i in zip(allowed, fitting[-1].choices)) if fitting else None
-
-
-def preview_errors(src: Path, searched: Searched, picks: tuple[int, ...], engines: list[str] | None,
-                   scale_mode: str) -> list:
-    """verify-manifest's errors for the export `quant quantize SRC OUT --recipe` would write for `picks`, read
-    from that export's headers and config.json as planned (quant.pipeline.preview), nothing written."""
-    ckpt = open_checkpoint(src)
-    family = family_for_config(ckpt.config)
-    with tempfile.TemporaryDirectory(prefix="quant-search-") as tmp:
-        path = Path(tmp) / "recipe.yaml"
-        path.write_text(recipe_yaml(searched, picks, "preview"))
-        plan = make_plan(ckpt, family, load_recipe(str(path), family), get_scheme(DEFAULT_SCHEME), scale_mode)
-    return verify_checkpoint(preview_checkpoint(plan, ckpt), engines=engines).errors
-
-
-def loadable_pick(src: Path, searched: Searched, engines: list[str] | None, max_size: int | None, bits: float | None,
-                  scale_mode: str, log: Callable[[str], None]) -> tuple[int, ...] | None:
-    """The pick, previewed by the preflight: a (unit, treatment) the preflight blames is taken off the menu and
-    the budget solved again, until the preview passes. The menus already hold only what the engine rules load
-    (menu.py); this catches what only the whole export shows. A failure no unit's choice causes is one line."""
-    unit_of = {m: k for k, c in enumerate(searched.choices) for m in c.unit.modules}
-    banned: frozenset[tuple[int, str]] = frozenset()
-    for _ in range(sum(len(c.options) for c in searched.choices)):
-        picks = pick(searched, max_size, bits, banned)
-        if picks is None:
-            return None
-        errors = preview_errors(src, searched, picks, engines, scale_mode)
-        if not errors:
-            return picks
-        blamed = set()
-        for finding in errors:
-            k = _unit_of_tensor(finding.tensor, unit_of)
-            if k is None:
-                raise QuantError(f"{finding.engine} {'/'.join(finding.versions)}: {finding.message}; no choice the "
-                                 f"search makes changes this (fix: {finding.fix})")
-            blamed.add((k, searched.choices[k].options[picks[k]].label))
-        for k, label in sorted(blamed):
-            log(f"  {searched.choices[k].unit.name}: {label} taken off the menu (the preflight of the pick refuses it)")
-        banned = banned | blamed
-    return None
-
-
-def _unit_of_tensor(tensor: str, unit_of: dict[str, int]) -> int | None:
-    name = tensor
-    while name:
-        if name in unit_of:
-            return unit_of[name]
-        name = name.rpartition(".")[0]
-    return None
-
-
-def reference(searched: Searched, recipe: str, family) -> tuple[int, ...] | None:
-    """A uniform recipe as a pick (None where one of its unit treatments is off the menu)."""
-    r = load_recipe(recipe, family)
-    out = []
-    for c in searched.choices:
-        if c.unit.name in searched.pinned:
-            out.append(0)
-            continue
-        first = c.unit.modules[0]
-        want = r.treatment(family.role_of(first), first)
-        labels = [o.label for o in c.options]
-        if want not in labels:
-            return None
-        out.append(labels.index(want))
-    return tuple(out)
-
-
-def recipe_yaml(searched: Searched, picks: tuple[int, ...], note: str) -> str:
-    """A user recipe (`quant quantize --recipe`): one `modules` entry per unit, anchored on its module names."""
-    every = [m for c in searched.choices for m in c.unit.modules]
-    lines = [f"# {note}", "base: all-linear", "description: " + note.replace(":", " -"), "modules:"]
-    for c, i in zip(searched.choices, picks):
-        pattern = unit_pattern(c.unit.modules, every)
-        entry = f"'{pattern}'" if len(pattern) < YAML_KEY_LIMIT else f"? '{pattern}'\n    "  # YAML's explicit key
-        lines.append(f"  - {entry}: {c.options[i].label}  # {c.unit.name}")
-    return "\n".join(lines) + "\n"
-
-
-YAML_KEY_LIMIT = 1000  # PyYAML refuses a plain `key: value` key over 1024 characters
-EXPERT_INDEX = re.compile(r"\\\.experts\\\.\d+\\\.")  # in an escaped name: \.experts\.12\.
-
-
-def unit_pattern(modules: tuple[str, ...], every: list[str]) -> str:
-    """A regex matching exactly `modules` among `every` module: a layer's routed experts with their index as any
-    number where that matches no other module (a recipe a reader can check), else every name spelled out."""
-    escaped = [re.escape(m) for m in modules]
-    collapsed = sorted({EXPERT_INDEX.sub(r"\\.experts\\.\\d+\\.", e) for e in escaped})
-    compact = "^(?:" + "|".join(collapsed) + ")$"
-    if {m for m in every if re.match(compact, m)} == set(modules):
-        return compact
-    return "^(?:" + "|".join(escaped) + ")$"
 
 
 def search(src: Path, engines: list[str] | None, calib: CalibrationSettings, max_size: int | None = None,
