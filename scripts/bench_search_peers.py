@@ -164,10 +164,12 @@ def modelopt_worker(src: Path, windows: Path, bits: float, out: Path) -> dict:
     seconds = time.perf_counter() - t0
     picks = {}
     for name, module in model.named_modules():
-        quantizers = {a: q for a, q in vars(module).get("_modules", {}).items() if a.endswith("weight_quantizer")}
-        if not quantizers:
+        # A linear's weight_quantizer; fused experts' gate_up_proj_weight_quantizers (one per expert) and down's.
+        quantizers = [q for a, q in vars(module).get("_modules", {}).items()
+                      if a.endswith(("weight_quantizer", "weight_quantizers"))]
+        if not quantizers or not name.startswith("model.layers."):
             continue
-        q = next(iter(quantizers.values()))
+        q = quantizers[0][0] if isinstance(quantizers[0], torch.nn.ModuleList) else quantizers[0]
         if not q.is_enabled:
             treatment = "bf16"
         elif tuple(q.num_bits) == (2, 1):
@@ -349,7 +351,8 @@ def main() -> None:  # noqa: PLR0915 (the benchmark, read top to bottom)
             manifest = json.loads((export / "quant_manifest.json").read_text())
             nll = mean_nll(export, texts)
             row = {"peer": label, "budget": budget, "bits": bits,
-                   "effective_bits": manifest["summary"]["effective_bits"], "pick": counts(manifest), "bytes": manifest["summary"]["output_bytes"], "nll": nll,
+                   "effective_bits": manifest["summary"]["effective_bits"], "pick": counts(manifest),
+                   "bytes": manifest["summary"]["output_bytes"], "nll": nll,
                    "rise": nll - bf16, "search_s": round(seconds, 1), "process_s": round(process, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
