@@ -6,8 +6,10 @@ tool's `calibration_tokens`, saved to a .pt file the peers read), two budgets in
 (stored bits per parameter of the linears a recipe could quantize, quant_manifest.json summary.effective_bits):
 that of recipe experts-mxfp4-rest-mxfp8, and halfway from it to recipe all-linear. Searched by:
   - this tool's `quant search` (quant.search.run.search, --bits B);
-  - NVIDIA ModelOpt 0.47.0 `mtq.auto_quantize` (method "gradient", its default; formats MXFP4, MXFP8 and per-channel
-    FP8, weight-only, as the exports store them) in .venv-modelopt;
+  - NVIDIA ModelOpt 0.47.0 `mtq.auto_quantize`, method "gradient" (its default) and "kl_div", formats MXFP4,
+    MXFP8 and per-channel FP8, weight-only as the exports store them, priced at this tool's stored bits (4.25,
+    8.25, 8.25), in .venv-modelopt. Its MX fake quantization is a CUDA extension only (tensor_quant.py:183,
+    get_cuda_ext_mx(raise_if_failed=True)): on CPU this script hands it a torch stand-in (`_TorchMx`);
   - auto-round 0.16.1 `AutoScheme` (options MXFP4, MXFP8; weight-only variants) in .venv-autoround.
 Each peer sees the main model's linears only (transformers never runs the MTP layer, model.layers.2) less those
 this tool keeps BF16 in those recipes (lm_head, the routers mlp.gate, the indexer's wk and weights_proj); the MTP
@@ -17,7 +19,7 @@ into a user recipe (base all-linear, one anchored `modules:` entry per linear: s
 exported with quantize_checkpoint and scored with `evals.arms.nll.mean_nll` on `gptq_toy_heldout(windows=10**6)`.
 llm-compressor 0.14.0.1 has no HIGGS / target-bitwidth search (checked by grep, see BENCHMARKS.md): no row.
 
-    PYTHONPATH=. /work/main/.venv/bin/python scripts/bench_search_peers.py [--peers ours,modelopt,autoround]
+    PYTHONPATH=. /work/main/.venv/bin/python scripts/bench_search_peers.py [--peers ours,modelopt,modelopt_kl,autoround]
         [--work /tmp/bench-search-peers] [--venvs /work/main]
 """
 
@@ -40,6 +42,7 @@ TORCH_PIN = "torch==2.13.0"  # every venv built here: an unpinned torch pulls GB
 PEERS = {
     # name: (venv name, packages, label)
     "modelopt": (".venv-modelopt", ["nvidia-modelopt[hf]==0.47.0"], "ModelOpt 0.47.0 auto_quantize (gradient)"),
+    "modelopt_kl": (".venv-modelopt", ["nvidia-modelopt[hf]==0.47.0"], "ModelOpt 0.47.0 auto_quantize (kl_div)"),
     "autoround": (".venv-autoround", ["auto-round==0.16.1"], "auto-round 0.16.1 AutoScheme"),
 }
 # What the recipes keep BF16 among the main model's nn.Linear modules (the MTP layer transformers never builds).
@@ -91,6 +94,17 @@ def _load(src: Path):
     return AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
 
 
+def _over_all_linears(model, bits: float) -> float:
+    """`bits` over the searched linears as the peers count it: both ModelOpt's effective bits (its log's
+    "AutoQuantize effective bits") and auto-round's avg_bits (base.py "AutoScheme final avg_bits") divide by every
+    nn.Linear of the model, the ones kept BF16 here (lm_head, wk, weights_proj) at 16 bits."""
+    import torch
+
+    linears = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    kept = sum(v for n, v in linears.items() if KEEP.search(n))
+    return (bits * (sum(linears.values()) - kept) + 16 * kept) / sum(linears.values())
+
+
 def _expert_names(model, parent: str) -> list[str]:
     """The per-expert linear names this tool's manifests use for a fused transformers experts module."""
     n = model.config.n_routed_experts
@@ -127,7 +141,7 @@ class _TorchMx:
         return (q * torch.exp2(exp.clamp(-127, 127))).reshape(inputs.shape).to(inputs.dtype)
 
 
-def modelopt_worker(src: Path, windows: Path, bits: float, out: Path) -> dict:
+def modelopt_worker(src: Path, windows: Path, bits: float, out: Path, method: str = "gradient") -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -157,10 +171,10 @@ def modelopt_worker(src: Path, windows: Path, bits: float, out: Path) -> dict:
 
     t0 = time.perf_counter()
     model, state = mtq.auto_quantize(
-        model, constraints={"effective_bits": bits}, quantization_formats=formats, data_loader=batches,
-        forward_step=forward_step, loss_func=loss_func,
+        model, constraints={"effective_bits": _over_all_linears(model, bits)}, quantization_formats=formats,
+        data_loader=batches, forward_step=forward_step, loss_func=loss_func if method == "gradient" else None,
         disabled_layers=["*lm_head*", "*mlp.gate", "*indexer.wk", "*indexer.weights_proj"],
-        num_calib_steps=len(batches), num_score_steps=len(batches), method="gradient", verbose=True)
+        num_calib_steps=len(batches), num_score_steps=len(batches), method=method, verbose=True)
     seconds = time.perf_counter() - t0
     picks = {}
     for name, module in model.named_modules():
@@ -207,11 +221,7 @@ def autoround_worker(src: Path, windows: Path, bits: float, out: Path) -> dict:
     # same windows, decoded back to text (the toy's tokenizer is byte-level), which auto-round re-tokenizes.
     texts = out / "calib_windows.jsonl"
     texts.write_text("".join(json.dumps({"text": tokenizer.decode(r.tolist())}) + "\n" for r in ids))
-    # Its avg_bits counts every nn.Linear of the model (base.py "AutoScheme final avg_bits"), the BF16 ones kept here
-    # (lm_head, wk, weights_proj) at 16 bits: the same budget over that denominator.
-    linears = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    kept = sum(v for n, v in linears.items() if KEEP.search(n))
-    avg_bits = (bits * (sum(linears.values()) - kept) + 16 * kept) / sum(linears.values())
+    avg_bits = _over_all_linears(model, bits)
     t0 = time.perf_counter()
     scheme = AutoScheme(avg_bits=avg_bits, options=options, nsamples=len(ids), seqlen=ids.shape[1], batch_size=8)
     rounder = AutoRound(model, tokenizer, scheme=scheme, iters=0, dataset=str(texts),
@@ -235,7 +245,9 @@ def peer_worker(name: str, src: Path, windows: Path, bits: float, out: Path) -> 
     import torch
 
     torch.set_num_threads(1)
-    record = {"modelopt": modelopt_worker, "autoround": autoround_worker}[name](src, windows, bits, out)
+    workers = {"modelopt": modelopt_worker, "autoround": autoround_worker,
+               "modelopt_kl": lambda *a: modelopt_worker(*a, method="kl_div")}
+    record = workers[name](src, windows, bits, out)
     (out / "record.json").write_text(json.dumps(record, indent=1))
 
 
@@ -294,7 +306,7 @@ def main() -> None:  # noqa: PLR0915 (the benchmark, read top to bottom)
 
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peers", default="ours,modelopt,autoround")
+    parser.add_argument("--peers", default="ours,modelopt,modelopt_kl,autoround")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-search-peers"))
     parser.add_argument("--venvs", type=Path, default=Path("/work/main"), help="where the peers' venvs live")
     args = parser.parse_args()
