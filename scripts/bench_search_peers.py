@@ -8,7 +8,7 @@ that of recipe experts-mxfp4-rest-mxfp8, and halfway from it to recipe all-linea
   - this tool's `quant search` (quant.search.run.search, --bits B);
   - NVIDIA ModelOpt 0.47.0 `mtq.auto_quantize`, method "gradient" (its default) and "kl_div", formats MXFP4,
     MXFP8 and per-channel FP8, weight-only as the exports store them, priced at this tool's stored bits (4.25,
-    8.25, 8.25), in .venv-modelopt. Its MX fake quantization is a CUDA extension only (tensor_quant.py:183,
+    8.25, 8.25), in .venv-modelopt. Its MX fake quantization is a CUDA extension only (tensor_quant.py:184,
     get_cuda_ext_mx(raise_if_failed=True)): on CPU this script hands it a torch stand-in (`_TorchMx`);
   - auto-round 0.16.1 `AutoScheme` (options MXFP4, MXFP8; weight-only variants) in .venv-autoround.
 Each peer sees the main model's linears only (transformers never runs the MTP layer, model.layers.2) less those
