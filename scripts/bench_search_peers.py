@@ -10,7 +10,8 @@ that of recipe experts-mxfp4-rest-mxfp8, and halfway from it to recipe all-linea
     MXFP8 and per-channel FP8, weight-only as the exports store them, priced at this tool's stored bits (4.25,
     8.25, 8.25), in .venv-modelopt. Its MX fake quantization is a CUDA extension only (tensor_quant.py:184,
     get_cuda_ext_mx(raise_if_failed=True)): on CPU this script hands it a torch stand-in (`_TorchMx`);
-  - auto-round 0.16.1 `AutoScheme` (options MXFP4, MXFP8; weight-only variants) in .venv-autoround.
+  - auto-round 0.16.1 `AutoScheme` (options weight-only MXFP4 and MXFP8, and BF16) in .venv-autoround; its
+    glm_moe_dsa rule keeps layer 0's MLP and the indexer BF16, so it refuses budgets below about 5.9 bits.
 Each peer sees the main model's linears only (transformers never runs the MTP layer, model.layers.2) less those
 this tool keeps BF16 in those recipes (lm_head, the routers mlp.gate, the indexer's wk and weights_proj); the MTP
 layer is then given MXFP4, as `quant search` pins it, and the peer's budget is the one that makes the whole
@@ -48,7 +49,6 @@ PEERS = {
 # What the recipes keep BF16 among the main model's nn.Linear modules (the MTP layer transformers never builds).
 KEEP = re.compile(r"^lm_head$|\.mlp\.gate$|\.indexer\.(wk|weights_proj)$")
 TREATMENTS = ("scheme", "mxfp8", "fp8", "bf16")  # this tool's user-recipe words: MXFP4 (the scheme), ..., BF16
-STORED_BITS = {"scheme": 4.25, "mxfp8": 8.25, "fp8": 8.25, "bf16": 16.0}  # fp8: 8 + 32/in_features, 8.25 at 128
 
 
 # ---------------------------------------------------------------------------------------------------- peer venvs
