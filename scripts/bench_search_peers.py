@@ -22,8 +22,8 @@ exported with quantize_checkpoint, scored with `evals.arms.nll.mean_nll` on `gpt
 checked by verify-manifest for the serving releases (the releases that would refuse it).
 llm-compressor 0.14.0.1 has no HIGGS / target-bitwidth search (checked by grep, see BENCHMARKS.md): no row.
 
-    PYTHONPATH=. /work/main/.venv/bin/python scripts/bench_search_peers.py [--peers ours_vllm,ours,modelopt,modelopt_kl,autoround]
-        [--work /tmp/bench-search-peers] [--venvs /work/main]
+    PYTHONPATH=. .venv/bin/python scripts/bench_search_peers.py
+        [--peers ours_vllm,ours,modelopt,modelopt_kl,autoround] [--work /tmp/bench-search-peers] [--venvs /work/main]
 """
 
 from __future__ import annotations
