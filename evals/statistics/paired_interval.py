@@ -18,6 +18,8 @@ the seed, is the unit) and the interval does not collapse when every per-questio
 
 from __future__ import annotations
 
+from typing import Callable
+
 import math
 from functools import lru_cache
 
@@ -82,7 +84,12 @@ def smallest_passing_n(x: float, y: float, n: float, margin: float, level: float
         hi *= 2
         if hi > limit:
             return None
-    lo = 1
+    return first_passing(1, hi, passes)
+
+
+def first_passing(lo: int, hi: int, passes: Callable[[int], bool]) -> int:
+    """The least k in [lo, hi] with passes(k), for a `passes` monotone in k (False then True) that holds at hi:
+    a bisection asking at most ceil(log2(hi - lo + 1)) times."""
     while lo < hi:
         mid = (lo + hi) // 2
         if passes(mid):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from evals.compare import EvalRequest, evaluate
+from evals.statistics.paired_interval import first_passing as least_passing
 from evals.statistics.verdict import Verdict
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings
@@ -98,15 +99,9 @@ def search_validated(src: Path, engines: list[str] | None, calib: CalibrationSet
 
 def first_passing(n: int, passes: Callable[[int], bool]) -> int | None:
     """The least i in [0, n) with passes(i), for a `passes` monotone in i (False then True), or None: a bisection
-    asking at most ceil(log2(n + 1)) times."""
-    lo, hi = 0, n  # the first passing index is in [lo, hi); hi == n: none known to pass
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if passes(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi if hi < n else None
+    asking at most ceil(log2(n + 1)) times (index n stands for "none passes" and is never asked)."""
+    first = least_passing(0, n, lambda i: i == n or passes(i))
+    return first if first < n else None
 
 
 def decide_mtp(searched: Searched, picks: tuple[int, ...], judge: Callable[[Searched, tuple[int, ...], str], dict],
