@@ -35,6 +35,6 @@ def test_dry_run_command_writes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "quant", "search", str(GLM52), "--dry-run", "--engine", "vllm"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert "total:" in proc.stdout and "TFLOP" in proc.stdout
+    assert "total:" in proc.stdout and "FLOP" in proc.stdout and "host peak" in proc.stdout
     assert list(tmp_path.iterdir()) == []
     assert [p.name for p in GLM52.iterdir()] == ["config.json"]

@@ -131,7 +131,8 @@ class SearchCost:
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "layers"}
         out["layers"] = [{**asdict(la), "passes": la.passes, "flops": self.layer_flops(la)} for la in self.layers]
-        out["kinds"] = [{"kind": kind, "layers": [la.index for la in group], **_kind_row(self, group[0])}
+        out["kinds"] = [{"kind": kind, "layers": [la.index for la in group], **_kind_row(self, group[0]),
+                         "backward_peak": max(self.backward_peak(la) for la in group)}
                         for kind, group in self.kinds().items()]
         out["totals"] = self.totals()
         return out
@@ -146,8 +147,7 @@ class SearchCost:
 def _kind_row(cost: SearchCost, layer: LayerCost) -> dict:
     return {"params": layer.params, "active": layer.active, "weights_fp32": layer.weights_fp32,
             "units": layer.units, "options": layer.options, "passes": layer.passes,
-            "flops": cost.layer_flops(layer), "stored": layer.stored, "autograd": layer.autograd,
-            "backward_peak": cost.backward_peak(layer)}
+            "flops": cost.layer_flops(layer), "stored": layer.stored, "autograd": layer.autograd}
 
 
 def _top_k(cfg: dict, layer) -> int | None:
@@ -279,11 +279,12 @@ def _layer_cost(index: int, layer, base: str, names: LayerNames, family, scheme_
                      largest_matrix=largest_matrix, autograd=batch_tokens * (2 * 4 * outputs + 2 * workspace))
 
 
-def _count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:.0f}"
+def _count(n: float, unit: str = "") -> str:
+    """1.23G (params), 171 TFLOP (with a unit)."""
+    for prefix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1)):
+        if n >= size or not prefix:
+            return f"{n / size:.3g}{prefix}" if not unit else f"{n / size:.3g} {prefix}{unit}"
+    return ""
 
 
 def render(cost: SearchCost, flops_per_s: dict[str, float] | None = None) -> list[str]:
@@ -295,15 +296,16 @@ def render(cost: SearchCost, flops_per_s: dict[str, float] | None = None) -> lis
         la = group[0]
         lines.append(f"  {kind} x{len(group)}: {_count(la.params)} params ({human(la.weights_fp32)} fp32), active "
                      f"{_count(la.active)}/token, {la.units} units {la.options} options -> {la.passes} passes, "
-                     f"{_count(cost.layer_flops(la))}FLOP, reads {human(2 * la.stored)}, autograd {human(la.autograd)}"
-                     f", peak {human(cost.backward_peak(la))}")
+                     f"{_count(cost.layer_flops(la), 'FLOP')} each, reads {human(2 * la.stored)}, autograd "
+                     f"{human(la.autograd)}"
+                     f", peak {human(max(cost.backward_peak(x) for x in group))}")
     lines.append(f"  kept layer inputs {human(t['kept_inputs_bytes'])} ({human(cost.act_bytes + cost.carry_bytes)}"
                  f" a layer), largest layer {human(t['largest_layer_fp32_bytes'])} fp32, embedding "
                  f"{human(cost.resident)}, head {human(t['head_bytes'])}")
-    lines.append(f"  total: {t['passes']} layer passes ({t['options']} options), {_count(t['flops'])}FLOP, "
+    lines.append(f"  total: {t['passes']} layer passes ({t['options']} options), {_count(t['flops'], 'FLOP')}, "
                  f"host peak {human(t['peak_host_bytes'])} (+ about 0.5 GB fixed), reads {human(t['read_bytes'])}")
     for label, rate in (flops_per_s or {}).items():
-        lines.append(f"  at {_count(rate)}FLOP/s ({label}): {cost.hours(rate):.3g} hours")
+        lines.append(f"  at {_count(rate, 'FLOP/s')} ({label}): {cost.hours(rate):.3g} hours")
     return lines
 
 
