@@ -38,3 +38,12 @@ def test_dry_run_command_writes_nothing(tmp_path):
     assert "total:" in proc.stdout and "FLOP" in proc.stdout and "host peak" in proc.stdout
     assert list(tmp_path.iterdir()) == []
     assert [p.name for p in GLM52.iterdir()] == ["config.json"]
+
+
+def test_search_without_out_or_dry_run_is_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "quant", "search", str(GLM52), "--bits", "6"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "give --out RECIPE.yaml" in proc.stderr + proc.stdout
+    assert list(tmp_path.iterdir()) == []
