@@ -238,6 +238,8 @@ def search_cost(src: str | Path, *, samples: int = 32, seq_len: int = 128, engin
             like = seen[shapes] = _layer_cost(index, layer, f"{prefix}layers.{index}.", names, family, scheme_of,
                                               profiles, config, scale_mode, mtp, top_k, elt, workspace,
                                               batch * seq_len)
+            if any(other.kind == like.kind for key, other in seen.items() if key != shapes):
+                like.kind += f" #{len(seen)}"  # same units, other shapes: a kind of its own
         cost.layers.append(LayerCost(**{**asdict(like), "index": index}))
     return cost
 
