@@ -1,6 +1,8 @@
 """`quant search SRC (--max-size SIZE | --bits B) --out RECIPE.yaml`: the mix of formats with the least measured
 loss within a budget, written as a user recipe for `quant quantize --recipe`. With `--min-recovery R --baseline
-BASE --tasks T`: the smallest mix whose `quant eval` against BASE passes (quant/commands/search_validate.py)."""
+BASE --tasks T`: the smallest mix whose `quant eval` against BASE passes (quant/commands/search_validate.py).
+`quant search SRC --dry-run`: what the streamed Fisher estimate would cost (memory, FLOPs, bytes read), from
+config.json alone (quant.search.cost)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from quant.gptq.calibration import DEFAULT_DATA, CalibrationSettings
 
 def command(
     src: Path = typer.Argument(..., metavar="SRC", help="A BF16 source checkpoint directory."),
-    out: Path = typer.Option(..., "--out", help="The recipe file to write (refused if it exists, without "
-                             "--overwrite)."),
+    out: Path = typer.Option(None, "--out", help="The recipe file to write (refused if it exists, without "
+                             "--overwrite; not with --dry-run)."),
     max_size: str = typer.Option(None, "--max-size", help="Budget: the export's shard bytes (e.g. 950KB, 80GB)."),
     bits: float = typer.Option(None, "--bits", help="Budget: effective bits per parameter of the linears."),
     engine: list[str] = typer.Option(None, "--engine", "-e", help="Only formats these releases load (sglang, "
@@ -30,7 +32,7 @@ def command(
     plot: Path = typer.Option(None, "--plot", help="Also draw the Pareto front, the uniform recipes and the pick "
                               "as a PNG (refused if it exists, without --overwrite)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
-    as_json: bool = typer.Option(False, "--json", help="Print the pick as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the pick (with --dry-run: the prediction) as JSON."),
     min_recovery: float = typer.Option(None, "--min-recovery", help="Validate: the smallest pick of the front whose "
                                        "quant eval against --baseline passes with each task's recovery at least "
                                        "this fraction (the budget flags then only cap the front)."),
@@ -47,11 +49,19 @@ def command(
                                  "in points."),
     max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="With --min-recovery: quant eval --max-gen-toks."),
     batch_size: int = typer.Option(16, "--batch-size", help="With --min-recovery: quant eval --batch-size."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print, from SRC's config.json alone (no weights read, "
+                                 "nothing written), what the Fisher estimate would cost: memory, layer passes, "
+                                 "FLOPs and bytes read, per kind of decoder layer and in total."),
 ) -> None:
     """Pick each unit's format (engine-loadable by construction) to minimise the measured damage (KL) in a budget."""
+    if dry_run:
+        _dry_run(src, engine or None, calib_samples, calib_seq_len, as_json)
+        return
     from quant.search.run import search
     from quant.units import parse_size
 
+    if out is None:
+        raise QuantError("give --out RECIPE.yaml (the recipe to write), or --dry-run")
     validating = min_recovery is not None
     if not validating and (max_size is None) == (bits is None):
         raise QuantError("give one budget: --max-size SIZE or --bits B (or --min-recovery R to validate)")
@@ -103,3 +113,14 @@ def command(
                    f"  {row['what']}")
     typer.echo(f"wrote {out}: {result['size_bytes']} bytes, {result['effective_bits']} effective bits, predicted "
                f"NLL {result['predicted_loss']:+.5f} (quant quantize SRC OUT --recipe {out})")
+
+
+def _dry_run(src: Path, engines: list[str] | None, samples: int, seq_len: int, as_json: bool) -> None:
+    from quant.search.cost import render, search_cost
+
+    cost = search_cost(src, samples=samples, seq_len=seq_len, engines=engines)
+    if as_json:
+        typer.echo(json.dumps(cost.as_dict(), indent=1))
+        return
+    for line in render(cost):
+        typer.echo(line)

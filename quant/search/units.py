@@ -8,6 +8,7 @@ A unit starts as (layer, role) and units holding shards of one fused module are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from quant.checkpoint import Checkpoint, Source
 from quant.engines import Profile
@@ -51,9 +52,10 @@ def linears_of(plan: Plan, ckpt: Checkpoint) -> dict[str, Linear]:
     return out
 
 
-def search_units(linears: dict[str, Linear], roles: dict[str, str], mtp_layers: list[int],
+def search_units(linears: Mapping[str, object], roles: dict[str, str], mtp_layers: list[int],
                  profiles: list[Profile]) -> list[Unit]:
-    """`roles`: each module's family role (an MTP layer's modules included, which the plan may mark mtp_keep)."""
+    """`linears`: the modules (only their names are read). `roles`: each module's family role (an MTP layer's
+    modules included, which the plan may mark mtp_keep)."""
     key_of: dict[str, str] = {}
     for module in linears:
         layer = layer_of(module)
