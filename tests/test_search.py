@@ -70,6 +70,7 @@ def test_search_beats_the_uniform_recipes_and_loads_in_vllm(tmp_path, one_torch_
         nll[label] = mean_nll(tmp_path / label, texts)
         report = verify_checkpoint(tmp_path / label, engines=["vllm"])
         assert not report.errors, [f.message for f in report.errors]
+    assert nll["at-mixed"] <= nll["experts-mxfp4-rest-mxfp8"], nll  # no larger (above) and no worse
     lost = nll["all-linear"] - nll["bf16"]
     assert nll["all-linear"] - nll["halfway"] >= lost / 3, nll
 
