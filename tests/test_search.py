@@ -252,3 +252,42 @@ def test_the_export_preview_reads_as_the_export_itself(tmp_path):
             assert findings(preview) == findings(real), (name, recipe)
             compared += 1
     assert compared >= 27
+
+
+def test_an_interrupted_estimate_resumes_below_the_last_finished_layer(tmp_path, monkeypatch, one_torch_thread):
+    """The streamed estimate with a state directory, cut off while scoring the second layer it reaches, then
+    rerun: the finished layer is not scored again and every loss equals an uninterrupted run's; a changed
+    calibration (another key) starts over."""
+    import quant.search.fisher as fisher
+    from quant.search.run import measure
+
+    calib = CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=8, seq_len=64)
+    src, state = GPTQ_TOY / "model", tmp_path / "estimate"
+
+    def losses(searched):
+        return {c.unit.name: {o.label: o.loss for o in c.options} for c in searched.choices}
+
+    whole = losses(measure(src, ["vllm"], calib, log=lambda m: None))
+    scored: list[int] = []
+    real = fisher._quantized
+
+    def counting(stack, layer, index, linears, scale_mode):
+        scored.append(index)
+        if len(set(scored)) == 2 and os.environ.get("CUT") == "1":
+            raise KeyboardInterrupt  # the second layer of the backward pass (layer 0 of gptq_toy's two)
+        return real(stack, layer, index, linears, scale_mode)
+
+    monkeypatch.setattr(fisher, "_quantized", counting)
+    monkeypatch.setenv("CUT", "1")
+    with pytest.raises(KeyboardInterrupt):
+        measure(src, ["vllm"], calib, log=lambda m: None, state_dir=state)
+    assert json.loads((state / "estimate.json").read_text())["next"] == 0
+    monkeypatch.setenv("CUT", "0")
+    scored.clear()
+    lines: list[str] = []
+    assert losses(measure(src, ["vllm"], calib, log=lines.append, state_dir=state)) == whole
+    assert set(scored) == {0} and any("resuming the estimate below layer 1" in line for line in lines)
+    scored.clear()
+    other = CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=8, seq_len=64, seed=1)
+    measure(src, ["vllm"], other, log=lambda m: None, state_dir=state)
+    assert set(scored) == {0, 1}  # another key: nothing reused

@@ -39,8 +39,9 @@ def command(
     baseline: str = typer.Option(None, "--baseline", help="With --min-recovery: the eval's baseline (checkpoint or "
                                  "server URL)."),
     tasks: str = typer.Option(None, "--tasks", help="With --min-recovery: the eval tasks (as quant eval --tasks)."),
-    work: Path = typer.Option(None, "--work", help="With --min-recovery: the directory for the tried exports and "
-                              "their evals (new, or made by quant search; default: beside --out)."),
+    work: Path = typer.Option(None, "--work", help="Where the search keeps its state (new, or made by quant search): "
+                              "the estimate's progress, which a rerun resumes, and with --min-recovery the tried "
+                              "exports and their evals (then default: beside --out)."),
     min_acceptance: float = typer.Option(None, "--min-acceptance", help="With --min-recovery: the MTP layer's "
                                          "smallest format whose measured draft acceptance rate is at least this."),
     limit: int = typer.Option(None, "--limit", help="With --min-recovery: questions per task (quant eval --limit, "
@@ -67,7 +68,7 @@ def command(
         raise QuantError("give one budget: --max-size SIZE or --bits B (or --min-recovery R to validate)")
     if validating and max_size is not None and bits is not None:
         raise QuantError("give at most one budget with --min-recovery: --max-size SIZE or --bits B")
-    given = [f for f, x in (("--baseline", baseline), ("--tasks", tasks), ("--work", work),
+    given = [f for f, x in (("--baseline", baseline), ("--tasks", tasks),
                             ("--min-acceptance", min_acceptance), ("--limit", limit)) if x is not None]
     if not validating and given:
         raise QuantError(f"{given[0]} validates the pick: give --min-recovery R with it")
@@ -99,7 +100,12 @@ def command(
                    f"{chosen['verdict']} against {baseline} ({len(result['evaluated'])} of {result['front_size']} "
                    f"picks evaluated; export {chosen['export']})")
         return
-    result = search(src, engine or None, calib, max_size=limit_bytes, bits=bits, log=log, sensitivity=sensitivity)
+    if work is not None:
+        from quant.commands.search_validate import claim_work
+
+        claim_work(work)
+    result = search(src, engine or None, calib, max_size=limit_bytes, bits=bits, log=log, sensitivity=sensitivity,
+                    state_dir=work / "estimate" if work is not None else None)
     out.write_text(result["recipe_yaml"])
     if plot is not None:
         from quant.search.plot import plot_front

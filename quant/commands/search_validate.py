@@ -71,7 +71,7 @@ def search_validated(src: Path, engines: list[str] | None, calib: CalibrationSet
                      log: Callable[[str], None] = print, sensitivity: str = "fisher") -> dict:
     check(v)
     claim_work(work)
-    searched = measure(src, engines, calib, log=log, sensitivity=sensitivity)
+    searched = measure(src, engines, calib, log=log, sensitivity=sensitivity, state_dir=work / "estimate")
     if v.min_acceptance is not None and not searched.mtp_menus:
         raise QuantError(f"--min-acceptance: {src} has no MTP layer")
     front = [p.choices for p in pareto_front([c.options for c in searched.choices])]

@@ -14,6 +14,10 @@ dequantized (the layer's input being the BF16 model's). In nats per predicted to
 linear; on tests/data/gptq_toy the diagonal ranks the choices as the exact KL does (Spearman 0.96) but totals a
 third of it, the windows' outer products rank them at 0.996 and total 0.99 of it (BENCHMARKS.md).
 
+Resumable: given a state directory, each finished layer's losses and the gradient at the boundary below it are
+kept there (`EstimateState`), keyed by the bytes every layer was read from, the calibration tokens and the menus; a
+rerun after an interruption redoes the forward pass and resumes the backward pass below the last finished layer.
+
 Cost: the forward pass keeps each layer's input (windows x tokens x hidden floats a layer); the backward pass
 runs each layer once with autograd and once per (unit, format) of the layer without it. Memory: one layer's
 weights and activations beside those inputs. Nothing here needs the model whole, so it runs wherever GPTQ runs.
@@ -21,6 +25,9 @@ weights and activations beside those inputs. Nothing here needs the model whole,
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -28,6 +35,7 @@ from typing import Callable, Iterator
 import torch  # the search's modules are imported when a search runs, never at the command line's start
 
 from quant.errors import QuantError
+from quant.files import write_atomic
 from quant.model_exec.layers import DecoderStack
 from quant.planning.schemes import Scheme
 from quant.planning.treatment import layer_of
@@ -38,8 +46,10 @@ SchemeOf = Callable[[str, str], "Scheme | None"]
 
 def fisher_losses(src: Path, ckpt, layer_returns: list[str], units: list[Unit], menus: dict[str, list[str]],
                   linears: dict[str, Linear], scheme_of: SchemeOf, tokens: torch.Tensor, scale_mode: str,
-                  batch: int = 8, log: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
-    """unit name -> treatment -> estimated loss (nats per predicted token), for every unit of the main layers."""
+                  batch: int = 8, log: Callable[[str], None] = print,
+                  state_dir: Path | None = None) -> dict[str, dict[str, float]]:
+    """unit name -> treatment -> estimated loss (nats per predicted token), for every unit of the main layers;
+    with `state_dir`, resumable (EstimateState)."""
     stack = DecoderStack(src, ckpt, layer_returns, "cpu", torch.float32)
     by_layer: dict[int, list[Unit]] = {}
     for unit in units:
@@ -55,10 +65,16 @@ def fisher_losses(src: Path, ckpt, layer_returns: list[str], units: list[Unit], 
             inputs.append((hidden, carry))
             hidden, carry = stack.forward(index, layer, hidden, carry)
             _unload(stack, index)
-    grads = _head_gradients(stack, ckpt, hidden, carry, tokens, batch)
+    state = EstimateState(state_dir, _state_key(stack, tokens, by_layer, menus, scale_mode)) if state_dir else None
+    resumed = state.load() if state else None
+    if resumed is not None:
+        start, losses, grads = resumed
+        log(f"  resuming the estimate below layer {start + 1} ({state_dir})")
+    else:
+        start, losses = len(stack) - 1, {}
+        grads = _head_gradients(stack, ckpt, hidden, carry, tokens, batch)
     count = tokens.shape[0] * (tokens.shape[1] - 1)
-    losses: dict[str, dict[str, float]] = {}
-    for index in reversed(range(len(stack))):
+    for index in reversed(range(start + 1)):
         layer = stack.load_layer(index)
         layer.requires_grad_(False)
         xs, carries = inputs[index] or ([], [])
@@ -83,7 +99,49 @@ def fisher_losses(src: Path, ckpt, layer_returns: list[str], units: list[Unit], 
                 log(f"  {unit.name}: {treatment} estimated {losses[unit.name][treatment]:.6f}")
         grads, inputs[index] = below, None
         _unload(stack, index)
+        if state is not None:
+            state.save(index - 1, losses, grads)
     return losses
+
+
+class EstimateState:
+    """The streamed estimate's progress in a directory: the losses of every finished layer and the gradient at
+    the boundary below the last of them, valid only for the `key` they were computed under. Written gradients
+    first, then the record naming them (each atomically): an interruption at any point leaves a consistent pair."""
+
+    RECORD, GRADIENTS = "estimate.json", "estimate-gradients.pt"
+
+    def __init__(self, root: Path, key: str):
+        self.root, self.key = Path(root), key
+
+    def load(self) -> tuple[int, dict[str, dict[str, float]], list[torch.Tensor]] | None:
+        """(the next layer to compute, the losses so far, the gradients at its output), or None to start over."""
+        try:
+            record = json.loads((self.root / self.RECORD).read_text())
+            saved = torch.load(self.root / self.GRADIENTS, weights_only=True)
+        except (OSError, ValueError, RuntimeError):
+            return None
+        if record.get("key") != self.key or saved.get("next") != record.get("next"):
+            return None
+        return int(record["next"]), record["losses"], list(saved["gradients"])
+
+    def save(self, next_index: int, losses: dict[str, dict[str, float]], gradients: list[torch.Tensor]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save({"next": next_index, "gradients": gradients}, buffer)
+        write_atomic(self.root / self.GRADIENTS, buffer.getvalue())
+        write_atomic(self.root / self.RECORD, json.dumps({"key": self.key, "next": next_index, "losses": losses}))
+
+
+def _state_key(stack: DecoderStack, tokens: torch.Tensor, by_layer: dict[int, list[Unit]],
+               menus: dict[str, list[str]], scale_mode: str) -> str:
+    """What the losses depend on: the bytes every layer was read from (the stack's sha256 of each load), the
+    calibration tokens, each layer's units and menus, the scale rule."""
+    payload = {"layers": {str(k): v for k, v in stack.identity.items()},
+               "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
+               "units": {str(i): [[u.name, list(u.modules), menus[u.name]] for u in us] for i, us in by_layer.items()},
+               "scale_mode": scale_mode, "estimate": 1}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _hidden_of(out) -> torch.Tensor:

@@ -42,7 +42,7 @@ SENSITIVITIES = ("kl", "fisher")
 
 
 def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, scale_mode: str = "even",
-            log: Callable[[str], None] = print, sensitivity: str = "fisher") -> Searched:
+            log: Callable[[str], None] = print, sensitivity: str = "fisher", state_dir: Path | None = None) -> Searched:
     """Units, their menus and prices, and each choice's loss: `kl` measures it exactly on the whole model in
     memory (sensitivity.py), `fisher` estimates it streaming one decoder layer at a time (fisher.py)."""
     if sensitivity not in SENSITIVITIES:
@@ -83,7 +83,7 @@ def measure(src: Path, engines: list[str] | None, calib: CalibrationSettings, sc
         base = None  # the streamed pass never holds the whole model's NLL
         log(f"search: {len(units)} units, Fisher estimate over {windows.shape[0]} windows, one layer at a time")
         losses = fisher_losses(src, ckpt, family.layer_returns, units, menus, linears, scheme_of, windows,
-                               scale_mode, log=log)
+                               scale_mode, log=log, state_dir=state_dir)
     else:
         base, losses = _kl_losses(src, ckpt, units, menus, linears, scheme_of, windows, scale_mode, log)
     choices = []
@@ -147,10 +147,10 @@ def _price(unit: Unit, linears: dict[str, Linear], scheme_of, treatment: str) ->
 
 def search(src: Path, engines: list[str] | None, calib: CalibrationSettings, max_size: int | None = None,
            bits: float | None = None, scale_mode: str = "even", log: Callable[[str], None] = print,
-           sensitivity: str = "fisher") -> dict:
+           sensitivity: str = "fisher", state_dir: Path | None = None) -> dict:
     """Measure, pick within the budget, and describe: the recipe text, the pick's totals, the Pareto front with
     the uniform recipes beside it."""
-    searched = measure(src, engines, calib, scale_mode, log, sensitivity)
+    searched = measure(src, engines, calib, scale_mode, log, sensitivity, state_dir)
     chosen = loadable_pick(src, searched, engines, max_size, bits, scale_mode, log)
     if chosen is None:
         smallest = searched.size(pareto_front([c.options for c in searched.choices])[0].choices)
