@@ -21,7 +21,8 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("vllm")
 
 from quant.numerics import mxfp4, mxfp8  # noqa: E402
-from quant.sources import e2m1_e4m3, e2m1_e8m0, e4m3_e8m0, mxfp8, registry  # noqa: E402
+from quant.sources import e2m1_e4m3, e2m1_e8m0, e4m3_e8m0, registry  # noqa: E402
+from quant.sources import mxfp8 as mxfp8_release  # noqa: E402  (the release's encoder, beside numerics' mxfp8)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "source_format_vectors.py"
 SHAPES = [(32, 64), (96, 160), (64, 256)]
@@ -92,7 +93,7 @@ def test_vllm_mxfp8(shape):
     ours = registry.decode(enc, q, s)
     assert torch.equal(ours, dequant_mxfp8_to_bf16(q, s).float())
     # The release's scale rule is our "rceil" mode: encode_mxfp8_release writes the bytes vLLM's quantizer writes.
-    mine_q, mine_s = mxfp8.encode_mxfp8_release(_weight(shape, 3))
+    mine_q, mine_s = mxfp8_release.encode_mxfp8_release(_weight(shape, 3))
     assert torch.equal(mine_s, s) and torch.equal(mine_q.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(mxfp8.dequantize_mxfp8(*e4m3_e8m0.to_quark_mxfp8(q, s, enc.block).values()), ours)
 

@@ -18,16 +18,16 @@ engram = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
 
 
 def _toy_config() -> dict:
-    from quant.families import load_family
+    from quant.toy.build import toy_family
 
-    spec = load_family("deepseek_v4").toys["deepseek-v4.1"]
-    text = dict(spec["config"], vocab_size=258)
+    spec = toy_family("deepseek-v4.1")  # the toy's spec (quant/manifests/toys/deepseek_v4.yaml)
+    text = dict(spec.config, vocab_size=258)
     # vLLM 0.32's DeepseekV41Config sets every text key as an attribute, and the transformers it runs with
     # validates mlp_layer_types against ('sparse', 'dense'): transformers 5.24's DeepseekV4 spelling (hash_moe, moe),
     # which the toy's decoder is built with, is refused there (noted in the report of issue #43; not the tables).
     text.pop("mlp_layer_types")
-    return {"text_config": text, "vision_config": spec["release_config"]["vision_config"],
-            "quantization_config": spec["native"]["quantization_config"]}
+    return {"text_config": text, "vision_config": spec.release_config["vision_config"],
+            "quantization_config": (spec.native or {})["quantization_config"]}
 
 
 def test_engram_tables_are_what_vllm_allocates():
