@@ -291,3 +291,36 @@ def test_an_interrupted_estimate_resumes_below_the_last_finished_layer(tmp_path,
     other = CalibrationSettings(str(GPTQ_TOY / "calib.jsonl"), samples=8, seq_len=64, seed=1)
     measure(src, ["vllm"], other, log=lambda m: None, state_dir=state)
     assert set(scored) == {0, 1}  # another key: nothing reused
+
+
+@pytest.mark.slow
+def test_a_hub_source_is_downloaded_first_and_searched_as_the_local_copy(tmp_path):
+    """`quant search ORG/NAME` against the project's Hub server (huggingface_hub's own client): the repository is
+    downloaded into the HF cache within --max-disk, every file checked, and the recipe is the local copy's; a
+    --max-disk below the repository's size is one line, exit 2, before anything is downloaded."""
+    from hub_server import HubServer
+
+    server = HubServer().start()
+    try:
+        server.add_repo("org/gptq-toy", GPTQ_TOY / "model", revisions=("main",), content_sha=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        env.update({"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "home"),
+                    "PYTHONPATH": str(REPO)})
+        args = ["--engine", "vllm", "--max-size", "900KB", "--calib-data", GPTQ_TOY / "calib.jsonl",
+                "--calib-samples", 8, "--calib-seq-len", 64]
+
+        def run(src, out, *more, environ=None):
+            return subprocess.run([sys.executable, "-m", "quant", "search", str(src), *map(str, args), "--out",
+                                   str(out), *map(str, more)], capture_output=True, text=True, cwd=REPO,
+                                  env=environ or env, timeout=600)
+
+        small = run("org/gptq-toy", tmp_path / "none.yaml", "--max-disk", "100KB")
+        assert small.returncode == 2 and len(small.stderr.strip().splitlines()) == 1, small.stderr
+        assert "--max-disk" in small.stderr and not (tmp_path / "none.yaml").exists()
+        hub = run("org/gptq-toy", tmp_path / "hub.yaml", "--max-disk", "10MB")
+        assert hub.returncode == 0, hub.stderr
+        local = run(GPTQ_TOY / "model", tmp_path / "local.yaml")
+        assert local.returncode == 0, local.stderr
+        assert (tmp_path / "hub.yaml").read_text() == (tmp_path / "local.yaml").read_text()
+    finally:
+        server.stop()

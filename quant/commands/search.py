@@ -16,7 +16,8 @@ from quant.gptq.calibration import DEFAULT_DATA, CalibrationSettings
 
 
 def command(
-    src: Path = typer.Argument(..., metavar="SRC", help="A BF16 source checkpoint directory."),
+    src: Path = typer.Argument(..., metavar="SRC", help="A BF16 source: a checkpoint directory, or ORG/NAME[@REV] on "
+                               "the Hub (downloaded into its cache first, every file checked, as --method gptq does)."),
     out: Path = typer.Option(None, "--out", help="The recipe file to write (refused if it exists, without "
                              "--overwrite; not with --dry-run)."),
     max_size: str = typer.Option(None, "--max-size", help="Budget: the export's shard bytes (e.g. 950KB, 80GB)."),
@@ -50,6 +51,8 @@ def command(
                                  "in points."),
     max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="With --min-recovery: quant eval --max-gen-toks."),
     batch_size: int = typer.Option(16, "--batch-size", help="With --min-recovery: quant eval --batch-size."),
+    max_disk: str = typer.Option(None, "--max-disk", help="A Hub source: refuse to download more than this (e.g. "
+                                 "1.6TB) into the Hugging Face cache."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print, from SRC's config.json alone (no weights read, "
                                  "nothing written), what the Fisher estimate would cost: memory, layer passes, "
                                  "FLOPs and bytes read, per kind of decoder layer and in total."),
@@ -80,6 +83,13 @@ def command(
         if path is not None and path.exists() and not overwrite:
             raise QuantError(f"{path} exists; pass --overwrite to replace it")
     limit_bytes = parse_size(max_size, "--max-size") if max_size is not None else None
+    if validating and work is None:
+        work = out.with_name(out.name + ".work")
+    if work is not None:  # refused before anything is downloaded or measured
+        from quant.commands.search_validate import claim_work
+
+        claim_work(work)
+    src = _local_source(src, parse_size(max_disk, "--max-disk") if max_disk else None)
     calib = CalibrationSettings(calib_data or DEFAULT_DATA, calib_samples, calib_seq_len)
     log = (lambda _m: None) if as_json else typer.echo
     if validating:
@@ -87,7 +97,6 @@ def command(
 
         questions = Validation.limit if limit is None else limit or None  # quant eval's default; 0: all
         v = Validation(baseline, tasks, min_recovery, min_acceptance, questions, margin, max_gen_toks, batch_size)
-        work = work if work is not None else out.with_name(out.name + ".work")
         result = search_validated(src, engine or None, calib, v, work, max_size=limit_bytes, bits=bits,
                                   log=lambda m: typer.echo(m, err=as_json),  # with --json: on stderr
                                   sensitivity=sensitivity)
@@ -100,10 +109,6 @@ def command(
                    f"{chosen['verdict']} against {baseline} ({len(result['evaluated'])} of {result['front_size']} "
                    f"picks evaluated; export {chosen['export']})")
         return
-    if work is not None:
-        from quant.commands.search_validate import claim_work
-
-        claim_work(work)
     result = search(src, engine or None, calib, max_size=limit_bytes, bits=bits, log=log, sensitivity=sensitivity,
                     state_dir=work / "estimate" if work is not None else None)
     out.write_text(result["recipe_yaml"])
@@ -130,3 +135,17 @@ def _dry_run(src: Path, engines: list[str] | None, samples: int, seq_len: int, a
         return
     for line in render(cost):
         typer.echo(line)
+
+
+def _local_source(src: Path, max_disk: int | None) -> Path:
+    """A directory as it is; ORG/NAME[@REV] downloaded into the Hugging Face cache first, every file checked against
+    the Hub's sha256 (the search reads every layer twice: it does not stream)."""
+    if src.is_dir():
+        return src
+    from quant.hub import hub_reference
+    from quant.pipeline.snapshot import cached_source
+
+    ref = hub_reference(str(src))
+    if ref is None:
+        raise QuantError(f"{src}: not a checkpoint directory, nor a Hub repository ORG/NAME[@REVISION]")
+    return cached_source(ref, max_disk, lambda m: typer.echo(m, err=True))[0]
