@@ -36,8 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+from peer_venvs import build_peer_venv  # scripts/: this script's own folder
+
 REPO = Path(__file__).resolve().parent.parent
-TORCH_PIN = "torch==2.13.0"  # every venv built here: an unpinned torch pulls GBs of CUDA wheels
 PEERS = {
     # name: (venv, packages, label)
     "llmc": (REPO / ".venv-llmc", ["llmcompressor==0.14.0.1"], "llm-compressor 0.14.0.1 GPTQ (MXFP4A16, defaults)"),
@@ -51,37 +52,11 @@ KEEP = ["lm_head", "re:.*indexer\\.wk$", "re:.*indexer\\.weights_proj$", "re:.*m
 # ---------------------------------------------------------------------------------------------------- peer venvs
 
 def peer_venv(name: str) -> Path | None:
-    """The python of the peer's venv, built on first use (torch pinned to the local CPU build; transformers set to
-    this venv's release, which the toy's glm_moe_dsa config needs: llm-compressor 0.14 pins transformers <= 5.17,
-    whose config validation refuses the toy's `indexed_attention` layer types). None, with one line, if it
-    cannot be built."""
-    import transformers
-
+    """The python of the peer's venv, built on first use (scripts/peer_venvs.py; transformers set to this venv's
+    release, which the toy's glm_moe_dsa config needs: llm-compressor 0.14 pins transformers <= 5.17, whose config
+    validation refuses the toy's `indexed_attention` layer types). None, with one line, if it cannot be built."""
     venv, packages, label = PEERS[name]
-    python = venv / "bin" / "python"
-    stamp = venv / f".installed-{'-'.join(packages)}-transformers-{transformers.__version__}"
-    if stamp.is_file():
-        return python
-    print(f"building {venv.name} ({' '.join(packages)}; a few minutes) ...", flush=True)
-    log = venv / "install.log"
-    try:
-        if not python.is_file():
-            proc = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise OSError((proc.stderr or proc.stdout).strip().splitlines()[-1])
-        (venv / "constraints.txt").write_text(TORCH_PIN + "\n")
-        pip = [str(python), "-m", "pip", "install", "-q", "-c", str(venv / "constraints.txt")]
-        with log.open("w") as f:
-            subprocess.run(pip + [TORCH_PIN, *packages], check=True, stdout=f, stderr=subprocess.STDOUT)
-            subprocess.run(pip + [f"transformers=={transformers.__version__}"], check=True, stdout=f,
-                           stderr=subprocess.STDOUT)
-    except (subprocess.CalledProcessError, OSError) as e:
-        tail = [line for line in log.read_text().splitlines() if "ERROR" in line][-1:] or [str(e)] \
-            if log.is_file() else [str(e)]
-        print(f"{label}: skipped, its venv {venv.name} could not be built ({tail[0][:200]}; see {log})")
-        return None
-    stamp.touch()
-    return python
+    return build_peer_venv(venv, packages, label)
 
 
 def run_peer(name: str, python: Path, src: Path, windows: Path, out: Path) -> dict | None:

@@ -39,9 +39,10 @@ import sys
 import time
 from pathlib import Path
 
+from peer_venvs import build_peer_venv  # scripts/: this script's own folder
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "data" / "gptq_toy"
-TORCH_PIN = "torch==2.13.0"  # every venv built here: an unpinned torch pulls GBs of CUDA wheels
 PEERS = {
     # name: (venv name, packages, label)
     "modelopt": (".venv-modelopt", ["nvidia-modelopt[hf]==0.47.0"], "ModelOpt 0.47.0 auto_quantize (gradient)"),
@@ -56,32 +57,9 @@ TREATMENTS = ("scheme", "mxfp8", "fp8", "bf16")  # this tool's user-recipe words
 # ---------------------------------------------------------------------------------------------------- peer venvs
 
 def peer_venv(name: str, root: Path) -> Path | None:
-    """The python of the peer's venv, built on first use as scripts/bench_gptq_peers.py builds its own (torch
-    pinned to the local CPU build first, the peer with that pin as a constraint, then this venv's transformers,
-    which the toy's glm_moe_dsa config needs)."""
-    import transformers
-
+    """The python of the peer's venv under `root`, built on first use (scripts/peer_venvs.py)."""
     venv_name, packages, label = PEERS[name]
-    venv = root / venv_name
-    python = venv / "bin" / "python"
-    stamp = venv / f".installed-{'-'.join(packages)}-transformers-{transformers.__version__}"
-    if stamp.is_file():
-        return python
-    print(f"building {venv} ({' '.join(packages)}; a few minutes) ...", flush=True)
-    log = venv / "install.log"
-    try:
-        if not python.is_file():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        (venv / "constraints.txt").write_text(TORCH_PIN + "\n")
-        pip = [str(python), "-m", "pip", "install", "-q", "-c", str(venv / "constraints.txt")]
-        with log.open("a") as f:
-            for step in ([TORCH_PIN], packages, [f"transformers=={transformers.__version__}"]):
-                subprocess.run(pip + step, check=True, stdout=f, stderr=subprocess.STDOUT)
-    except (subprocess.CalledProcessError, OSError) as e:
-        print(f"{label}: skipped, its venv could not be built ({e}; see {log})")
-        return None
-    stamp.touch()
-    return python
+    return build_peer_venv(root / venv_name, packages, label)
 
 
 # ------------------------------------------------------------------------------------------ peer workers (venvs)
