@@ -88,7 +88,7 @@ class Prediction:
         return "\n".join(self.lines)
 
 
-def _config_dir(src: str) -> tuple[Path, dict]:
+def config_dir(src: str) -> tuple[Path, dict]:
     path = Path(src)
     if path.is_dir():
         config_path = path / "config.json"
@@ -153,7 +153,7 @@ def _capacity(device: str, device_memory: int | None) -> int | None:
     return None
 
 
-def _expression(expr, values: dict, what: str) -> int:
+def family_expression(expr, values: dict, what: str) -> int:
     result = evaluate(expr, {**values, "min": min, "max": max})
     if result is None:
         raise QuantError(f"family data {what} = {expr!r}: cannot be evaluated for this config.json "
@@ -281,7 +281,7 @@ def plan_mtp(root: Path, config: dict, family, mtp, solved, settings, dtype, dty
     with torch.device("meta"):
         layer = AutoModelForCausalLM.from_config(cfg, dtype=dtype).get_decoder().layers[0]
     hidden = int(cfg.hidden_size)
-    source_elt = _source_element_bytes(config)
+    source_elt = source_element_bytes(config)
     plans = []
     for k, index in enumerate(mtp.indices):
         block = mtp.block(k, prefix)
@@ -296,7 +296,7 @@ def plan_mtp(root: Path, config: dict, family, mtp, solved, settings, dtype, dty
     return plans
 
 
-def _source_element_bytes(config: dict) -> int:
+def source_element_bytes(config: dict) -> int:
     """Bytes per element of a source weight as `SourceReader.load` returns it: block-FP8 dequantized to fp32,
     otherwise the checkpoint's dtype (config.json's `dtype` / `torch_dtype`)."""
 
@@ -455,7 +455,7 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     if method == "gptq" and scheme not in MXFP4_SCHEMES:
         raise QuantError(f"--method gptq solves MXFP4 weights; scheme {scheme} has none (use w_mxfp4_a_mxfp4 "
                          f"or w_mxfp4)")
-    root, config = _config_dir(src)
+    root, config = config_dir(src)
     family = family_for_config(config, root / "config.json")
     recipe_obj = load_recipe(recipe, family)
     cfg = text_config(config)
@@ -491,9 +491,9 @@ def memory_model(src: str, *, method: str = "gptq", scheme: str = DEFAULT_SCHEME
     model.mtp_plans = plan_mtp(root, config, family, mtp, solved, settings, dtype, dtype_bytes, cal.samples,
                                cal.seq_len)
     model.acts = tokens * hidden * dtype_bytes
-    model.carry = sum(tokens * _expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
+    model.carry = sum(tokens * family_expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
                       for name in family.layer_returns[1:] if name in carry_exprs)
-    model.workspace = batch * cal.seq_len * _expression(workspace_expr, values, "workspace_bytes_per_token") \
+    model.workspace = batch * cal.seq_len * family_expression(workspace_expr, values, "workspace_bytes_per_token") \
         if workspace_expr else 0
     model.resident, model.token_bytes = resident, tokens * 8
     return model

@@ -30,9 +30,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
 from quant.errors import QuantError
 from quant.families import family_for_config, mtp_layout, text_config
-from quant.gptq.dry_run import _config_dir, _expression, _source_element_bytes
+from quant.gptq.dry_run import config_dir, family_expression, source_element_bytes
 from quant.model_exec.layers import LayerNames, config_model
 from quant.planning.recipes import TREATMENTS
 from quant.planning.schemes import DEFAULT_SCHEME, get_scheme
@@ -199,7 +200,7 @@ def search_cost(src: str | Path, *, samples: int = 32, seq_len: int = 128, engin
 
     if samples < 1 or seq_len < 2:
         raise QuantError(f"--calib-samples {samples} --calib-seq-len {seq_len}: at least 1 window of 2 tokens")
-    root, config = _config_dir(str(src))
+    root, config = config_dir(str(src))
     family = family_for_config(config, root / "config.json")
     cfg = text_config(config)
     mtp = mtp_layout(config, family)
@@ -214,15 +215,16 @@ def search_cost(src: str | Path, *, samples: int = 32, seq_len: int = 128, engin
               "seq_len": seq_len, "dtype_bytes": 4}
     carry_exprs = family.layer_memory.get("carry_bytes_per_token") or {}
     workspace_expr = family.layer_memory.get("workspace_bytes_per_token")
-    workspace = _expression(workspace_expr, values, "workspace_bytes_per_token") if workspace_expr else 0
-    elt = _source_element_bytes(config)
+    workspace = family_expression(workspace_expr, values, "workspace_bytes_per_token") if workspace_expr else 0
+    elt = source_element_bytes(config)
     outside = sum(p.numel() for n, p in text.named_parameters() if not n.startswith("layers."))
     tied = bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     cost = SearchCost(config_path=str(root / "config.json"), family=family.name, windows=samples, seq_len=seq_len,
                       batch=batch, hidden=hidden, vocab=vocab, engines=[p.label for p in profiles])
     cost.act_bytes = samples * seq_len * hidden * 4
-    cost.carry_bytes = sum(samples * seq_len * _expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
-                           for name in family.layer_returns[1:] if name in carry_exprs)
+    cost.carry_bytes = sum(
+        samples * seq_len * family_expression(carry_exprs[name], values, f"carry_bytes_per_token.{name}")
+        for name in family.layer_returns[1:] if name in carry_exprs)
     cost.resident = outside * 4
     cost.head_bytes = 0 if tied else vocab * hidden * 4
     cost.head_working = 3 * batch * seq_len * vocab * 4
