@@ -425,6 +425,7 @@ def test_token_and_commit_message_as_hf_upload_takes_them(world, tmp_path):
                               "GLM toy, MXFP4 experts: config.json (the export is complete)"], summaries
 
 
+@pytest.mark.slow
 def test_revision_and_pull_request_as_hf_upload_takes_them(world, tmp_path):
     """Issue #50 item 6: `--revision BRANCH` lands the export on that branch (created from main, as `hf upload
     --revision` does) and leaves main as it was; `--create-pr` opens a pull request against main holding the export,

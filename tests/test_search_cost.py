@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from quant.search.cost import search_cost
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +32,7 @@ def test_dry_run_glm52_config_only_scales_with_samples():
     assert moe.active < moe.params / 10
 
 
+@pytest.mark.slow
 def test_dry_run_command_writes_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "quant", "search", str(GLM52), "--dry-run", "--engine", "vllm"],

@@ -60,6 +60,7 @@ def test_the_mtp_format_is_the_smallest_whose_acceptance_reaches_the_floor():
     assert searched.pinned == {mtp.name: "scheme"}  # the search itself is unchanged
 
 
+@pytest.mark.slow
 def test_a_work_dir_holding_a_users_file_is_refused(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
