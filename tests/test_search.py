@@ -109,6 +109,14 @@ def test_bad_budgets_and_sources_are_one_line_and_exit_2_before_any_work(tmp_pat
                                                      "--sensitivity", "hessian"],
         "quant search reads a BF16 source (this one is microscaled)": [microscaled, "--out", tmp_path / "e.yaml",
                                                                        "--bits", "6"],
+        # refused before --work is made: the state directory is the first thing the command writes
+        "--sensitivity foo: one of kl, fisher": [src, "--out", tmp_path / "f.yaml", "--bits", "6", "--work",
+                                                 tmp_path / "w1", "--sensitivity", "foo"],
+        "missing.jsonl: calibration file not found": [src, "--out", tmp_path / "g.yaml", "--bits", "6", "--work",
+                                                      tmp_path / "w2", "--calib-data", "missing.jsonl"],
+        "--min-recovery 1.5: a fraction": [src, "--out", tmp_path / "h.yaml", "--min-recovery", "1.5", "--baseline",
+                                           src, "--tasks", "toy_arith"],
+        "its directory": [src, "--out", tmp_path / "nodir" / "i.yaml", "--bits", "6"],
     }
     for expected, args in cases.items():
         run = _search_cli(*args)
@@ -116,7 +124,8 @@ def test_bad_budgets_and_sources_are_one_line_and_exit_2_before_any_work(tmp_pat
         assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], (args, run.stderr)
         assert "Traceback" not in run.stderr
     assert taken.read_text() == "mine\n"
-    assert not any((tmp_path / f"{x}.yaml").exists() for x in "abcde")
+    assert not any((tmp_path / f"{x}.yaml").exists() for x in "abcdefgh")
+    assert not any((tmp_path / name).exists() for name in ("w1", "w2", "h.yaml.work", "nodir"))
 
 
 @pytest.mark.slow

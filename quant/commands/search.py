@@ -64,39 +64,29 @@ def command(
     from quant.search.run import search
     from quant.units import parse_size
 
-    if out is None:
-        raise QuantError("give --out RECIPE.yaml (the recipe to write), or --dry-run")
     validating = min_recovery is not None
-    if not validating and (max_size is None) == (bits is None):
-        raise QuantError("give one budget: --max-size SIZE or --bits B (or --min-recovery R to validate)")
-    if validating and max_size is not None and bits is not None:
-        raise QuantError("give at most one budget with --min-recovery: --max-size SIZE or --bits B")
-    given = [f for f, x in (("--baseline", baseline), ("--tasks", tasks),
-                            ("--min-acceptance", min_acceptance), ("--limit", limit)) if x is not None]
-    if not validating and given:
-        raise QuantError(f"{given[0]} validates the pick: give --min-recovery R with it")
-    if validating and (baseline is None or tasks is None):
-        raise QuantError("--min-recovery needs --baseline BASE and --tasks T (what quant eval compares)")
-    if bits is not None and not 1 <= bits <= 16:
-        raise QuantError(f"--bits {bits}: must be between 1 and 16")
-    for path in (out, plot):
-        if path is not None and path.exists() and not overwrite:
-            raise QuantError(f"{path} exists; pass --overwrite to replace it")
+    _refuse_bad_arguments(out, plot, overwrite, max_size, bits, sensitivity, validating,
+                          {"--baseline": baseline, "--tasks": tasks, "--min-acceptance": min_acceptance,
+                           "--limit": limit})
     limit_bytes = parse_size(max_size, "--max-size") if max_size is not None else None
-    if validating and work is None:
-        work = out.with_name(out.name + ".work")
-    if work is not None:  # refused before anything is downloaded or measured
-        from quant.commands.search_validate import claim_work
-
-        claim_work(work)
-    src = _local_source(src, parse_size(max_disk, "--max-disk") if max_disk else None)
+    disk = parse_size(max_disk, "--max-disk") if max_disk else None
     calib = CalibrationSettings(calib_data or DEFAULT_DATA, calib_samples, calib_seq_len)
-    log = (lambda _m: None) if as_json else typer.echo
     if validating:
-        from quant.commands.search_validate import Validation, search_validated
+        from quant.commands.search_validate import Validation, check
 
         questions = Validation.limit if limit is None else limit or None  # quant eval's default; 0: all
         v = Validation(baseline, tasks, min_recovery, min_acceptance, questions, margin, max_gen_toks, batch_size)
+        check(v)
+        work = work if work is not None else out.with_name(out.name + ".work")
+    if work is not None:  # every argument checked: the first thing written, before any download or measurement
+        from quant.commands.search_validate import claim_work
+
+        claim_work(work)
+    src = _local_source(src, disk)
+    log = (lambda _m: None) if as_json else typer.echo
+    if validating:
+        from quant.commands.search_validate import search_validated
+
         result = search_validated(src, engine or None, calib, v, work, max_size=limit_bytes, bits=bits,
                                   log=lambda m: typer.echo(m, err=as_json),  # with --json: on stderr
                                   sensitivity=sensitivity)
@@ -149,3 +139,30 @@ def _local_source(src: Path, max_disk: int | None) -> Path:
     if ref is None:
         raise QuantError(f"{src}: not a checkpoint directory, nor a Hub repository ORG/NAME[@REVISION]")
     return cached_source(ref, max_disk, lambda m: typer.echo(m, err=True))[0]
+
+
+def _refuse_bad_arguments(out: Path | None, plot: Path | None, overwrite: bool, max_size: str | None,
+                          bits: float | None, sensitivity: str, validating: bool, validation_flags: dict) -> None:
+    """Every refusal that needs no source: one line, exit 2, before anything is downloaded, read or written."""
+    from quant.search.run import SENSITIVITIES
+
+    if out is None:
+        raise QuantError("give --out RECIPE.yaml (the recipe to write), or --dry-run")
+    if not validating and (max_size is None) == (bits is None):
+        raise QuantError("give one budget: --max-size SIZE or --bits B (or --min-recovery R to validate)")
+    if validating and max_size is not None and bits is not None:
+        raise QuantError("give at most one budget with --min-recovery: --max-size SIZE or --bits B")
+    given = [flag for flag, value in validation_flags.items() if value is not None]
+    if not validating and given:
+        raise QuantError(f"{given[0]} validates the pick: give --min-recovery R with it")
+    if validating and (validation_flags["--baseline"] is None or validation_flags["--tasks"] is None):
+        raise QuantError("--min-recovery needs --baseline BASE and --tasks T (what quant eval compares)")
+    if bits is not None and not 1 <= bits <= 16:
+        raise QuantError(f"--bits {bits}: must be between 1 and 16")
+    if sensitivity not in SENSITIVITIES:
+        raise QuantError(f"--sensitivity {sensitivity}: one of {', '.join(SENSITIVITIES)}")
+    for path in (out, plot):
+        if path is not None and path.exists() and not overwrite:
+            raise QuantError(f"{path} exists; pass --overwrite to replace it")
+        if path is not None and not path.parent.is_dir():
+            raise QuantError(f"{path}: its directory {path.parent} does not exist")

@@ -24,6 +24,7 @@ from pathlib import Path
 from quant.errors import QuantError
 
 DEFAULT_DATA = "Salesforce/wikitext:wikitext-2-raw-v1:train"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")  # a --calib-data naming a local file
 MAX_CORPUS_CHARS = 64 << 20  # enough text for thousands of 2048-token windows; more is not read
 
 
@@ -47,6 +48,9 @@ class CalibrationSettings:
                 raise QuantError(f"{flag} {value}: must be a whole number of at least {least}")
         if not isinstance(self.data, str) or not self.data.strip():
             raise QuantError(f"--calib-data {self.data!r}: must name a local file or a hub dataset")
+        path = Path(self.data)
+        if path.suffix.lower() in LOCAL_SUFFIXES and not path.is_file():  # before any work, not when it is read
+            raise QuantError(f"{path}: calibration file not found")
 
 
 def _record_text(record, where: str) -> str:
@@ -124,7 +128,7 @@ def _hub_texts(spec: str) -> list[str]:
 
 def load_texts(data: str) -> list[str]:
     path = Path(data)
-    if path.exists() or path.suffix.lower() in (".txt", ".jsonl", ".json", ".parquet"):
+    if path.exists() or path.suffix.lower() in LOCAL_SUFFIXES:
         if not path.is_file():
             raise QuantError(f"{path}: calibration file not found")
         return _local_texts(path)
