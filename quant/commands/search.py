@@ -71,6 +71,7 @@ def command(
     limit_bytes = parse_size(max_size, "--max-size") if max_size is not None else None
     disk = parse_size(max_disk, "--max-disk") if max_disk else None
     calib = CalibrationSettings(calib_data or DEFAULT_DATA, calib_samples, calib_seq_len)
+    calib.require_local_file()
     if validating:
         from quant.commands.search_validate import Validation, check
 

@@ -48,8 +48,12 @@ class CalibrationSettings:
                 raise QuantError(f"{flag} {value}: must be a whole number of at least {least}")
         if not isinstance(self.data, str) or not self.data.strip():
             raise QuantError(f"--calib-data {self.data!r}: must name a local file or a hub dataset")
+
+    def require_local_file(self) -> None:
+        """A `data` naming a local file that is not there: QuantError now, for a command that has work to do
+        before it reads the text (a library caller may name a file relative to a directory it changes to)."""
         path = Path(self.data)
-        if path.suffix.lower() in LOCAL_SUFFIXES and not path.is_file():  # before any work, not when it is read
+        if path.suffix.lower() in LOCAL_SUFFIXES and not path.is_file():
             raise QuantError(f"{path}: calibration file not found")
 
 
