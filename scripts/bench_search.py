@@ -181,12 +181,13 @@ def random_mixes(name: str, src: Path, work: Path, texts: list[str], searched, l
 def score_picks(name: str, src: Path, work: Path, texts: list[str], measured: dict, label: str, budget: int,
                 row) -> list[dict]:
     """The search's pick at `budget` under each sensitivity, exported and scored: one row each."""
+    from quant.checkpoint import open_checkpoint
     from quant.search import loadable, recipe_file
     from evals.arms.nll import mean_nll
 
     rows = []
     for sensitivity, (by, _) in measured.items():
-        chosen = loadable.loadable_pick(src, by, ENGINES, budget, None, "even", lambda m: None)
+        chosen = loadable.loadable_pick(open_checkpoint(src), by, ENGINES, budget, None, "even", lambda m: None)
         if chosen is None:
             print(f"[{name}] budget {label} ({budget}): the search finds no mix that fits")
             continue

@@ -180,6 +180,7 @@ def test_every_toy_at_three_budgets_loads_in_the_releases_asked(tmp_path, one_to
     vLLM 0.31)."""
     from quant.errors import QuantError
     from quant.pipeline.run import quantize_checkpoint
+    from quant.checkpoint import open_checkpoint
     from quant.search.loadable import loadable_pick
     from quant.search.recipe_file import recipe_yaml
     from quant.search.run import measure
@@ -197,7 +198,8 @@ def test_every_toy_at_three_budgets_loads_in_the_releases_asked(tmp_path, one_to
             budgets = {"smallest": {"max_size": searched.size(front[0].choices)},
                        "middle": {"bits": searched.effective_bits(middle)},
                        "largest": {"max_size": searched.size(front[-1].choices)}}
-            picks = {label: loadable_pick(src, searched, engines, b.get("max_size"), b.get("bits"), "even",
+            opened = open_checkpoint(src)
+            picks = {label: loadable_pick(opened, searched, engines, b.get("max_size"), b.get("bits"), "even",
                                           lambda m: None) for label, b in budgets.items()}
         except QuantError as e:
             refused[name] = str(e)

@@ -17,6 +17,7 @@ from typing import Callable
 from evals.compare import EvalRequest, evaluate
 from evals.statistics.paired_interval import first_passing as least_passing
 from evals.statistics.verdict import Verdict
+from quant.checkpoint import open_checkpoint
 from quant.errors import QuantError
 from quant.gptq.calibration import CalibrationSettings
 from quant.pipeline.run import quantize_checkpoint
@@ -77,7 +78,8 @@ def search_validated(src: Path, engines: list[str] | None, calib: CalibrationSet
     front = [p.choices for p in pareto_front([c.options for c in searched.choices])]
     front = [p for p in front if (max_size is None or searched.size(p) <= max_size)
              and (bits is None or searched.effective_bits(p) <= bits)]
-    front = [p for p in front if not preview_errors(src, searched, p, engines, "even")]  # as loadable_pick keeps
+    ckpt = open_checkpoint(src)  # read once for every pick's preview
+    front = [p for p in front if not preview_errors(ckpt, searched, p, engines, "even")]  # as loadable_pick keeps
     if not front:
         raise QuantError(f"no mix of the engines' formats fits {'--bits' if bits else '--max-size'}")
     log(f"validate: bisecting {len(front)} picks of the front by size against {v.baseline} on {v.tasks}")

@@ -95,10 +95,8 @@ def secondary_patterns(plan: Plan, config: dict) -> dict[str, str]:
         fused = unexpanded_fused_name(module, config)
         if fused is not None:
             patterns["*" + LAYER_PREFIX.sub("", fused)] = scheme
-        for name in exclude_aliases(module, config):  # the engines look a FusedMoE's config up by its runtime
-            routed = ROUTED_EXPERT.match(name)           # prefix (MiniMax's block_sparse_moe is built as mlp),
-            if routed:                                   # never by an expert's leaf
-                patterns["*" + LAYER_PREFIX.sub("", routed.group("moe"))] = scheme
+        for moe in fused_moe_names(exclude_aliases(module, config)):  # MiniMax's block_sparse_moe, built as mlp
+            patterns["*" + LAYER_PREFIX.sub("", moe)] = scheme
     for module, scheme in plan.quantized.items():
         if scheme == plan.scheme.name:
             hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p) or ("*" not in p and p in module)),
@@ -112,6 +110,12 @@ def secondary_patterns(plan: Plan, config: dict) -> dict[str, str]:
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.[^.]+$")
 
 
+def fused_moe_names(names: list[str]) -> list[str]:
+    """The FusedMoE prefix of each routed expert's name in `names`: what the engines look a FusedMoE's config up
+    by, never an expert's leaf."""
+    return [m.group("moe") for name in names if (m := ROUTED_EXPERT.match(name))]
+
+
 def per_module_keys(module: str, config: dict) -> list[str]:
     """The layer_quant_config keys of one module: its names under every engine (exact names: both engines fnmatch
     the keys, vLLM also takes a key that is a substring of the name), its fused name where an engine looks that up,
@@ -121,11 +125,7 @@ def per_module_keys(module: str, config: dict) -> list[str]:
     fused = unexpanded_fused_name(module, config)
     if fused is not None:
         names += exclude_aliases(fused, config)
-    for name in list(names):
-        m = ROUTED_EXPERT.match(name)
-        if m:
-            names.append(m.group("moe"))
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(names + fused_moe_names(names)))
 
 
 def render_exclude(plan: Plan, config: dict) -> list[str]:

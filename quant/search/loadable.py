@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from quant.checkpoint import open_checkpoint
+from quant.checkpoint import Checkpoint
 from quant.errors import QuantError
 from quant.families import family_for_config
 from quant.pipeline.preview import preview_checkpoint
@@ -19,11 +19,11 @@ from quant.search.searched import Searched, pick
 from quant.verify import verify_checkpoint
 
 
-def preview_errors(src: Path, searched: Searched, picks: tuple[int, ...], engines: list[str] | None,
+def preview_errors(ckpt: Checkpoint, searched: Searched, picks: tuple[int, ...], engines: list[str] | None,
                    scale_mode: str) -> list:
-    """verify-manifest's errors for the export `quant quantize SRC OUT --recipe` would write for `picks`, read
-    from that export's headers and config.json as planned (quant.pipeline.preview), nothing written."""
-    ckpt = open_checkpoint(src)
+    """verify-manifest's errors for the export `quant quantize SRC OUT --recipe` would write from the open source
+    `ckpt` for `picks`, read from that export's headers and config.json as planned (quant.pipeline.preview),
+    nothing written."""
     family = family_for_config(ckpt.config)
     with tempfile.TemporaryDirectory(prefix="quant-search-") as tmp:
         path = Path(tmp) / "recipe.yaml"
@@ -32,8 +32,8 @@ def preview_errors(src: Path, searched: Searched, picks: tuple[int, ...], engine
     return verify_checkpoint(preview_checkpoint(plan, ckpt), engines=engines).errors
 
 
-def loadable_pick(src: Path, searched: Searched, engines: list[str] | None, max_size: int | None, bits: float | None,
-                  scale_mode: str, log: Callable[[str], None]) -> tuple[int, ...] | None:
+def loadable_pick(ckpt: Checkpoint, searched: Searched, engines: list[str] | None, max_size: int | None,
+                  bits: float | None, scale_mode: str, log: Callable[[str], None]) -> tuple[int, ...] | None:
     """The pick, previewed by the preflight: a (unit, treatment) the preflight blames is taken off the menu and
     the budget solved again, until the preview passes. The menus already hold only what the engine rules load
     (menu.py); this catches what only the whole export shows. A failure no unit's choice causes is one line."""
@@ -43,7 +43,7 @@ def loadable_pick(src: Path, searched: Searched, engines: list[str] | None, max_
         picks = pick(searched, max_size, bits, banned)
         if picks is None:
             return None
-        errors = preview_errors(src, searched, picks, engines, scale_mode)
+        errors = preview_errors(ckpt, searched, picks, engines, scale_mode)
         if not errors:
             return picks
         blamed = set()

@@ -11,6 +11,7 @@ from typing import Callable
 from quant.checkpoint import FLOAT_DTYPES
 from quant.engines import Profile
 from quant.pipeline.quark_config import layer_config
+from quant.pipeline.run import fused_moe_names
 from quant.planning.schemes import Scheme
 from quant.planning.written import written_tensors
 from quant.search.units import Unit
@@ -51,7 +52,6 @@ def _loads(profile: Profile, config: dict, module: str, scheme: Scheme, moe: boo
 # the coarse `...mlp.experts` prefix (vLLM 0.31 asserts on a coarse entry), so a release that only looks the
 # FusedMoE up by its coarse prefix (SGLang) builds those experts quantized and fails on the BF16 tensors.
 KEPT_MOE_LOADS_WHEN = ("coarse_or_any_leaf", "per_leaf")
-ROUTED = re.compile(r"\.experts\.\d+\.")  # a routed expert's linear, in a main or an MTP layer
 
 
 def unit_menu(unit: Unit, treatments: tuple[str, ...], scheme_of: SchemeOf, in_features: dict[str, int],
@@ -63,7 +63,7 @@ def unit_menu(unit: Unit, treatments: tuple[str, ...], scheme_of: SchemeOf, in_f
         for module in unit.modules:
             scheme = scheme_of(module, treatment)
             if scheme is None:  # kept BF16 (by this treatment, or by the family under it)
-                if ROUTED.search(module) and not all(
+                if fused_moe_names([module]) and not all(  # a routed expert's linear, main or MTP layer
                         p.rules.moe.excluded_when in KEPT_MOE_LOADS_WHEN for p in profiles):
                     ok = False
                     break

@@ -105,8 +105,8 @@ def _kl_losses(src: Path, ckpt, units: list[Unit], menus: dict[str, list[str]], 
     model = load_model(src)
     measured = [linears[m] for u in units if not u.mtp for m in u.modules]
     check_views(model, measured, lambda lin: read_weight(ckpt, lin))
-    base = mean_nll(model, windows)
     reference_lp = reference_logprobs(model, windows)
+    base = mean_nll(windows, reference_lp)
     log(f"search: {len(units)} units, BF16 calibration NLL {base:.4f} over {windows.shape[0]} windows")
     losses: dict[str, dict[str, float]] = {}
     for unit in units:
@@ -151,12 +151,13 @@ def search(src: Path, engines: list[str] | None, calib: CalibrationSettings, max
     """Measure, pick within the budget, and describe: the recipe text, the pick's totals, the Pareto front with
     the uniform recipes beside it."""
     searched = measure(src, engines, calib, scale_mode, log, sensitivity, state_dir)
-    chosen = loadable_pick(src, searched, engines, max_size, bits, scale_mode, log)
+    ckpt = open_checkpoint(src)  # headers and config, read once for every preview and the reference recipes
+    chosen = loadable_pick(ckpt, searched, engines, max_size, bits, scale_mode, log)
     if chosen is None:
         smallest = searched.size(pareto_front([c.options for c in searched.choices])[0].choices)
         budget = f"--max-size {max_size}" if bits is None else f"--bits {bits}"
         raise QuantError(f"no mix of the engines' formats fits {budget}; the smallest is {smallest} bytes")
-    family = family_for_config(open_checkpoint(src).config)
+    family = family_for_config(ckpt.config)
 
     def row(picks: tuple[int, ...], what: str) -> dict:
         return {"size_bytes": searched.size(picks), "effective_bits": searched.effective_bits(picks),
